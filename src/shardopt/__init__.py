@@ -1,0 +1,31 @@
+"""shardopt: optax gradient transformations for distributed training in JAX.
+
+TensorFlow 1's CrossShardOptimizer, TowerOptimizer and AGNOptimizer, rebuilt
+on ``jax.lax`` collectives for ``jax.pmap`` and ``jax.shard_map``.
+"""
+
+from shardopt._axes import AxisNotBoundError
+from shardopt.collectives import broadcast
+from shardopt.collectives import reduce
+from shardopt.collectives import replica_divergence
+from shardopt.cross_shard import cross_shard
+from shardopt.cross_shard import cross_shard_mean
+from shardopt.cross_shard import cross_shard_sum
+from shardopt.cross_shard import scale_loss
+# [periodic exports]
+# [tower exports]
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AxisNotBoundError",
+    "broadcast",
+    "cross_shard",
+    "cross_shard_mean",
+    "cross_shard_sum",
+    "reduce",
+    "replica_divergence",
+    "scale_loss",
+    # [periodic names]
+    # [tower names]
+]

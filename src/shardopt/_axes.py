@@ -1,0 +1,189 @@
+"""Axis facts in one place: binding, sizes, varying/invariant detection, groups.
+
+Every other module asks this one. When a JAX upgrade moves where the varying
+axes of a value are recorded, only :func:`varying_axes` and :func:`vma_checked`
+change (``tests/test_axes.py`` fails loudly if they stop working).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+AxisName = Union[Hashable, tuple]
+Groups = Optional[Sequence[Sequence[int]]]
+
+REDUCTIONS = ("mean", "sum")
+
+
+class AxisNotBoundError(NameError):
+  """Raised when a transform needs a named axis that the current trace lacks."""
+
+
+def axis_names(axis_name: AxisName) -> tuple:
+  """Returns ``axis_name`` as a tuple of names (a single name becomes a 1-tuple)."""
+  if isinstance(axis_name, (tuple, list)):
+    return tuple(axis_name)
+  return (axis_name,)
+
+
+def check_reduction(reduction: Any) -> str:
+  """Validates ``reduction``; raises ``ValueError("Unsupported reduction: ...")``."""
+  if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+    raise ValueError(
+        f"Unsupported reduction: {reduction!r}. Use one of {REDUCTIONS}: 'mean'"
+        " averages over replicas (TF's ReductionV2.MEAN), 'sum' adds them up.")
+  return reduction
+
+
+def axis_size(axis_name: AxisName, transform: str) -> int:
+  """Size of the (possibly tuple) named axis, or a clear error if unbound."""
+  try:
+    return int(jax.lax.axis_size(axis_name))
+  except NameError as e:
+    raise AxisNotBoundError(
+        f"{transform}: axis name {axis_name!r} is not bound here. Call it inside"
+        f" jax.pmap(..., axis_name={axis_name!r}) or inside jax.shard_map over a"
+        f" mesh with an axis named {axis_name!r}; under plain jax.jit over sharded"
+        " arrays pass axis_name=None (the compiler already reduces)."
+    ) from e
+
+
+def axis_index(axis_name: AxisName) -> jax.Array:
+  """This replica's index along the (possibly tuple) named axis."""
+  return jax.lax.axis_index(axis_name)
+
+
+def vma_checked() -> bool:
+  """True inside a ``jax.shard_map`` whose trace checks varying axes (check_vma).
+
+  Under ``pmap`` and ``shard_map(check_vma=False)`` the value is False: there
+  every value is per-replica and no type says which values are replicated.
+  """
+  return bool(jax.config.values.get("check_vma", False))
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes over which ``x`` is typed as varying (may be empty)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:  # JAX 0.10+
+    return frozenset(mat.varying)
+  vma = getattr(aval, "vma", None)  # JAX 0.6 - 0.9
+  return frozenset(vma) if vma is not None else frozenset()
+
+
+def split_axes(x: Any, axis_name: AxisName) -> tuple[tuple, tuple]:
+  """Splits the requested axes into (varying, invariant) for leaf ``x``.
+
+  Outside a checking trace (``pmap``, ``shard_map(check_vma=False)``) every
+  value is treated as a per-replica value: all axes are "varying".
+  Inside a checking shard_map, an axis the leaf is invariant over is one that
+  autodiff has already summed over (the gradient of replicated params).
+  """
+  names = axis_names(axis_name)
+  if not vma_checked():
+    return names, ()
+  vary = varying_axes(x)
+  return (tuple(a for a in names if a in vary),
+          tuple(a for a in names if a not in vary))
+
+
+def as_axis(names: tuple) -> AxisName:
+  """Inverse of :func:`axis_names` for collectives: 1-tuples become a name."""
+  return names[0] if len(names) == 1 else names
+
+
+def validate_groups(axis_index_groups: Groups, size: int, transform: str,
+                    axis_name: AxisName) -> Optional[tuple]:
+  """Checks ``axis_index_groups`` against an axis of ``size`` replicas.
+
+  Groups must be a list of lists of ints that uses every index of
+  ``range(size)`` exactly once (duplicates are rejected, unlike TensorFlow's
+  set comparison), with all groups the same size.
+
+  Returns:
+    The groups as a tuple of tuples of ints, or None when no groups were given.
+  """
+  if axis_index_groups is None:
+    return None
+  where = f"{transform}: axis_index_groups for axis {axis_name!r} of size {size}"
+  if isinstance(axis_index_groups, (str, bytes)) or not isinstance(
+      axis_index_groups, Sequence) or len(axis_index_groups) == 0:
+    raise ValueError(
+        f"{where} must be a non-empty list of lists of replica indices, got"
+        f" {axis_index_groups!r}; e.g. [[0, 1], [2, 3]] for 4 replicas in pairs.")
+  groups = []
+  for group in axis_index_groups:
+    if isinstance(group, (str, bytes)) or not isinstance(
+        group, (Sequence, np.ndarray)) or len(group) == 0:
+      raise ValueError(f"{where}: group {group!r} is not a non-empty list of"
+                       " replica indices.")
+    members = []
+    for i in group:
+      if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+        raise ValueError(f"{where}: group {list(group)!r} holds {i!r}, which is"
+                         " not an integer replica index.")
+      if not 0 <= int(i) < size:
+        raise ValueError(f"{where}: group {list(group)!r} holds index {int(i)},"
+                         f" outside range(0, {size}).")
+      members.append(int(i))
+    groups.append(tuple(members))
+  seen = {}
+  for group in groups:
+    for i in group:
+      if i in seen:
+        raise ValueError(
+            f"{where}: index {i} appears more than once (in group"
+            f" {list(seen[i])!r} and group {list(group)!r}); every replica must"
+            " belong to exactly one group.")
+      seen[i] = group
+  missing = sorted(set(range(size)) - set(seen))
+  if missing:
+    raise ValueError(
+        f"{where}: indices {missing} are in no group; the groups must cover"
+        f" every index of range(0, {size}) exactly once.")
+  sizes = {len(g) for g in groups}
+  if len(sizes) != 1:
+    odd = next(g for g in groups if len(g) != len(groups[0]))
+    raise ValueError(
+        f"{where}: groups have different sizes {sorted(sizes)} (group"
+        f" {list(groups[0])!r} vs group {list(odd)!r}); all groups must be the"
+        " same size.")
+  return tuple(groups)
+
+
+def group_size(groups: Optional[tuple], size: int) -> int:
+  """Number of replicas a value is reduced over."""
+  return len(groups[0]) if groups else size
+
+
+def check_float_leaf(path, leaf, transform: str) -> None:
+  """Raises ``TypeError`` naming the leaf's path if it is not floating point."""
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"{transform}: leaf at {jax.tree_util.keystr(path) or '<root>'} has"
+        f" dtype {dtype if dtype is not None else type(leaf).__name__}; only"
+        " floating-point leaves can be reduced across replicas. Drop it from"
+        " the gradient tree, or wrap the transform in optax.masked(...) so it"
+        " only sees float leaves.")
+
+
+def check_comm_dtype(comm_dtype: Any, transform: str):
+  """Validates ``comm_dtype`` (None or a floating dtype) and returns it."""
+  if comm_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(comm_dtype)
+  except TypeError as e:
+    raise TypeError(f"{transform}: comm_dtype={comm_dtype!r} is not a dtype; use"
+                    " e.g. jnp.bfloat16 or jnp.float16.") from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{transform}: comm_dtype={dtype} is not a floating dtype;"
+                    " use e.g. jnp.bfloat16 or jnp.float16.")
+  return dtype
