@@ -31,12 +31,18 @@ def axis_names(axis_name: AxisName) -> tuple:
   return (axis_name,)
 
 
-def check_reduction(reduction: Any) -> str:
-  """Validates ``reduction``; raises ``ValueError("Unsupported reduction: ...")``."""
+def check_reduction(reduction: Any, transform: Optional[str] = None,
+                    axis_name: AxisName = None) -> str:
+  """Validates ``reduction``; raises ``ValueError("Unsupported reduction: ...")``.
+
+  ``transform`` (and its ``axis_name``), when given, are named in the message.
+  """
   if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+    where = f" in {transform} (axis {axis_name!r})" if transform else ""
     raise ValueError(
-        f"Unsupported reduction: {reduction!r}. Use one of {REDUCTIONS}: 'mean'"
-        " averages over replicas (TF's ReductionV2.MEAN), 'sum' adds them up.")
+        f"Unsupported reduction: {reduction!r}{where}. Use one of {REDUCTIONS}:"
+        " 'mean' averages over replicas (TF's ReductionV2.MEAN), 'sum' adds"
+        " them up.")
   return reduction
 
 
@@ -113,7 +119,7 @@ def validate_groups(axis_index_groups: Groups, size: int, transform: str,
     return None
   where = f"{transform}: axis_index_groups for axis {axis_name!r} of size {size}"
   if isinstance(axis_index_groups, (str, bytes)) or not isinstance(
-      axis_index_groups, Sequence) or len(axis_index_groups) == 0:
+      axis_index_groups, (Sequence, np.ndarray)) or len(axis_index_groups) == 0:
     raise ValueError(
         f"{where} must be a non-empty list of lists of replica indices, got"
         f" {axis_index_groups!r}; e.g. [[0, 1], [2, 3]] for 4 replicas in pairs.")
@@ -162,28 +168,33 @@ def group_size(groups: Optional[tuple], size: int) -> int:
   return len(groups[0]) if groups else size
 
 
-def check_float_leaf(path, leaf, transform: str) -> None:
+def check_float_leaf(path, leaf, transform: str,
+                     axis_name: AxisName = None) -> None:
   """Raises ``TypeError`` naming the leaf's path if it is not floating point."""
   dtype = getattr(leaf, "dtype", None)
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    across = f" of axis {axis_name!r}" if axis_name is not None else ""
     raise TypeError(
         f"{transform}: leaf at {jax.tree_util.keystr(path) or '<root>'} has"
         f" dtype {dtype if dtype is not None else type(leaf).__name__}; only"
-        " floating-point leaves can be reduced across replicas. Drop it from"
-        " the gradient tree, or wrap the transform in optax.masked(...) so it"
-        " only sees float leaves.")
+        f" floating-point leaves can be reduced across the replicas{across}."
+        " Drop it from the gradient tree, or wrap the transform in"
+        " optax.masked(...) so it only sees float leaves.")
 
 
-def check_comm_dtype(comm_dtype: Any, transform: str):
+def check_comm_dtype(comm_dtype: Any, transform: str,
+                     axis_name: AxisName = None):
   """Validates ``comm_dtype`` (None or a floating dtype) and returns it."""
   if comm_dtype is None:
     return None
+  on = f" (the wire dtype of reductions over axis {axis_name!r})" if (
+      axis_name is not None) else ""
   try:
     dtype = jnp.dtype(comm_dtype)
   except TypeError as e:
-    raise TypeError(f"{transform}: comm_dtype={comm_dtype!r} is not a dtype; use"
-                    " e.g. jnp.bfloat16 or jnp.float16.") from e
+    raise TypeError(f"{transform}: comm_dtype={comm_dtype!r}{on} is not a dtype;"
+                    " use e.g. jnp.bfloat16 or jnp.float16.") from e
   if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"{transform}: comm_dtype={dtype} is not a floating dtype;"
-                    " use e.g. jnp.bfloat16 or jnp.float16.")
+    raise TypeError(f"{transform}: comm_dtype={dtype}{on} is not a floating"
+                    " dtype; use e.g. jnp.bfloat16 or jnp.float16.")
   return dtype

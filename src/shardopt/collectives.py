@@ -53,21 +53,36 @@ def _grouped_psum_scatter_gather(x: jax.Array, axis, groups: tuple) -> jax.Array
   return full[:x.size].reshape(x.shape)
 
 
-def _psum_leaf(x, varying: tuple, groups: Optional[tuple], wire_dtype,
-               prescale: float):
-  """Sums ``x`` over the ``varying`` axes (within groups) with a wire dtype."""
+def _psum_leaf(y, varying: tuple, groups: Optional[tuple]):
+  """Sums ``y`` over the ``varying`` axes (within groups, if any)."""
+  axis = _axes.as_axis(varying)
+  if groups is None:
+    return jax.lax.psum(y, axis)
+  if _axes.vma_checked():
+    return _grouped_psum_scatter_gather(y, axis, groups)
+  return jax.lax.psum(y, axis, axis_index_groups=groups)
+
+
+def _reduce_on_wire(x, summing_collective, members: int, comm_dtype,
+                    reduction: str):
+  """Runs ``summing_collective`` on ``x`` with ``comm_dtype`` on the wire.
+
+  The one place that casts for the wire: ``x`` is cast to ``comm_dtype`` (or
+  kept in its own dtype) just before the collective and back just after. With
+  a ``float16`` wire ``x`` is first divided by ``members`` so the sum cannot
+  overflow; ``"sum"`` multiplies back afterwards, ``"mean"`` is then done.
+  ``summing_collective`` sums over ``members`` replicas and may change the
+  shape (``psum_scatter`` keeps one chunk).
+  """
+  wire = comm_dtype if comm_dtype is not None else x.dtype
+  prescale = float(members) if wire == jnp.float16 else 1.0
   y = x
   if prescale != 1.0:
     y = y / jnp.asarray(prescale, y.dtype)
-  y = y.astype(wire_dtype)
-  axis = _axes.as_axis(varying)
-  if groups is None:
-    y = jax.lax.psum(y, axis)
-  elif _axes.vma_checked():
-    y = _grouped_psum_scatter_gather(y, axis, groups)
-  else:
-    y = jax.lax.psum(y, axis, axis_index_groups=groups)
-  return y.astype(x.dtype)
+  total = summing_collective(y.astype(wire)).astype(x.dtype)
+  if reduction == "mean":
+    return total if prescale != 1.0 else total / jnp.asarray(members, x.dtype)
+  return total * jnp.asarray(prescale, x.dtype) if prescale != 1.0 else total
 
 
 def reduce(tree: Any, axis_name: Any, *, reduction: str = "mean",
@@ -126,8 +141,8 @@ def reduce(tree: Any, axis_name: Any, *, reduction: str = "mean",
     >>> np.asarray(f(jnp.arange(8.0)))
     array([12., 16., 12., 16., 12., 16., 12., 16.], dtype=float32)
   """
-  _axes.check_reduction(reduction)
-  comm_dtype = _axes.check_comm_dtype(comm_dtype, _transform)
+  _axes.check_reduction(reduction, _transform, axis_name)
+  comm_dtype = _axes.check_comm_dtype(comm_dtype, _transform, axis_name)
   if axis_name is None:
     if axis_index_groups is not None:
       raise ValueError(
@@ -139,24 +154,21 @@ def reduce(tree: Any, axis_name: Any, *, reduction: str = "mean",
   members = _axes.group_size(groups, size)
 
   def reduce_leaf(path, x):
-    _axes.check_float_leaf(path, x, _transform)
+    _axes.check_float_leaf(path, x, _transform, axis_name)
     varying, invariant = _axes.split_axes(x, axis_name)
     if invariant and groups is not None:
       raise ValueError(
           f"{_transform}: the leaf at {jax.tree_util.keystr(path) or '<root>'} is"
-          f" invariant over axis {invariant!r} (under shard_map, the gradient of"
-          " replicated params is already summed over the whole axis by"
-          f" autodiff), so it cannot be reduced within axis_index_groups={list(map(list, groups))!r}."
+          f" invariant over axis {_axes.as_axis(invariant)!r} (under shard_map,"
+          " the gradient of replicated params is already summed over the whole"
+          " axis by autodiff), so it cannot be reduced within"
+          f" axis_index_groups={list(map(list, groups))!r}."
           f" Fix: cast the params with jax.lax.pcast(params, {axis_name!r},"
           " to='varying') before jax.grad, so each replica keeps its own"
           " gradient.")
     if varying:
-      wire = comm_dtype if comm_dtype is not None else x.dtype
-      prescale = float(members) if wire == jnp.float16 else 1.0
-      total = _psum_leaf(x, varying, groups, wire, prescale)
-      if reduction == "mean":
-        return total if prescale != 1.0 else total / jnp.asarray(members, x.dtype)
-      return total * jnp.asarray(prescale, x.dtype) if prescale != 1.0 else total
+      return _reduce_on_wire(x, lambda y: _psum_leaf(y, varying, groups),
+                             members, comm_dtype, reduction)
     # Invariant over every requested axis: already summed by autodiff.
     if reduction == "mean":
       return x / jnp.asarray(members, x.dtype)

@@ -28,8 +28,8 @@ from shardopt.collectives import reduce
 def _reducing_transform(name: str, axis_name: Any, reduction: str,
                         axis_index_groups, comm_dtype
                         ) -> optax.GradientTransformation:
-  _axes.check_reduction(reduction)
-  _axes.check_comm_dtype(comm_dtype, name)
+  _axes.check_reduction(reduction, name, axis_name)
+  _axes.check_comm_dtype(comm_dtype, name, axis_name)
 
   def init_fn(params):
     del params
@@ -149,8 +149,8 @@ def cross_shard(inner: optax.GradientTransformation, axis_name: Any, *,
     TensorFlow, ``tf.compat.v1.tpu.CrossShardOptimizer``.
   """
   name = "shardopt.cross_shard"
-  _axes.check_reduction(reduction)
-  _axes.check_comm_dtype(comm_dtype, name)
+  _axes.check_reduction(reduction, name, axis_name)
+  _axes.check_comm_dtype(comm_dtype, name, axis_name)
 
   def update_fn(updates, state, params=None, **extra_args):
     updates = reduce(updates, axis_name, reduction=reduction,
@@ -186,8 +186,12 @@ def scale_loss(loss: jax.Array, axis_name: Any, *, reduction: str = "mean",
     array([0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], dtype=float32)
   """
   name = "shardopt.scale_loss"
-  _axes.check_reduction(reduction)
+  _axes.check_reduction(reduction, name, axis_name)
   if axis_name is None:
+    if axis_index_groups is not None:
+      raise ValueError(
+          f"{name}: axis_index_groups={axis_index_groups!r} needs a named"
+          " axis, but axis_name=None. Pass the pmap/mesh axis name.")
     return loss
   size = _axes.axis_size(axis_name, name)
   groups = _axes.validate_groups(axis_index_groups, size, name, axis_name)
