@@ -12,8 +12,12 @@ from shardopt.cross_shard import cross_shard
 from shardopt.cross_shard import cross_shard_mean
 from shardopt.cross_shard import cross_shard_sum
 from shardopt.cross_shard import scale_loss
-# [periodic exports]
-# [tower exports]
+from shardopt.periodic import AGNState
+from shardopt.periodic import agn
+from shardopt.periodic import diloco
+from shardopt.periodic import local_sgd
+from shardopt.tower import clip_by_global_norm
+from shardopt.tower import tower
 
 __version__ = "0.1.0"
 
@@ -26,6 +30,10 @@ __all__ = [
     "reduce",
     "replica_divergence",
     "scale_loss",
-    # [periodic names]
-    # [tower names]
+    "AGNState",
+    "agn",
+    "diloco",
+    "local_sgd",
+    "clip_by_global_norm",
+    "tower",
 ]
