@@ -2,8 +2,13 @@
 
 import os
 
+# The collective timeouts are raised from XLA CPU's defaults: on a loaded 2-core
+# machine, 8 device threads can take longer than the default to all reach a
+# rendezvous, and XLA then aborts the process instead of waiting.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    " --xla_cpu_collective_timeout_seconds=900"
+    " --xla_cpu_collective_call_terminate_timeout_seconds=900"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
