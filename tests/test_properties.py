@@ -385,9 +385,8 @@ NON_FLOAT_TARGETS = {
     "shardopt.cross_shard_sum": lambda: shardopt.cross_shard_sum(AXIS),
     "shardopt.cross_shard": lambda: shardopt.cross_shard(optax.sgd(0.1), AXIS),
     "shardopt.tower": lambda: shardopt.tower(optax.sgd(0.1), AXIS),
-    # Not shardopt.agn: it accumulates gradients in float32 and its sync
-    # reduces that float accumulator, so an integer gradient leaf is trained
-    # on without an error (see docs/reliability.md).
+    # shardopt.agn needs params of the gradients' structure: it is covered by
+    # test_agn_rejects_an_integer_gradient_leaf below.
 }
 
 
@@ -466,11 +465,6 @@ def _mutate(mutation, kind, leaves):
   return _build(kind, [{"nested": leaves[0]}] + leaves[1:])  # leaf_to_subtree
 
 
-# The periodic engine maps over the state's tree with the grads as a second
-# tree; jax.tree.map accepts a second tree whose leaf became a subtree, so
-# the error comes later and reads "'dict' object has no attribute ...".
-# Tested (xfail) at the end of this module.
-KNOWN_GAPS = {("leaf_to_subtree", "agn(sgd)"), ("leaf_to_subtree", "local_sgd")}
 
 
 @pytest.mark.parametrize("name", sorted(STATEFUL))
@@ -482,7 +476,6 @@ def test_grads_not_matching_the_state_structure_raise_and_change_nothing(
   @given(tree=_trees(dtypes=[jnp.float32]), mutation=st.sampled_from(MUTATIONS),
          seed=st.integers(0, 2**31 - 1))
   def check(tree, mutation, seed):
-    assume((mutation, name) not in KNOWN_GAPS)
     kind, specs = tree
     rng = np.random.default_rng(seed)
     specs = [(shape if shape != (0,) else (2,), dtype) for shape, dtype in specs]
@@ -526,12 +519,9 @@ def test_communication_period_not_a_positive_integer_is_rejected(make, arg):
   _report(f"{arg} <= 0 or not an integer -> ValueError", len(tried))
 
 
-# --- Known gaps in shardopt.agn / local_sgd (xfail until periodic.py checks). --
-
-GAP = "known gap in src/shardopt/periodic.py; remove this mark once fixed"
+# --- Once gaps in shardopt.agn / local_sgd, now checked by periodic.py. -------
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=GAP)
 @pytest.mark.parametrize("name", ["agn(sgd)", "local_sgd"])
 def test_periodic_rejects_grads_with_a_leaf_turned_into_a_subtree(mesh, name):
   leaves = [_float_params()["w"], _float_params()["b"]]
@@ -542,7 +532,6 @@ def test_periodic_rejects_grads_with_a_leaf_turned_into_a_subtree(mesh, name):
   assert "structure" in message or "mismatch" in message, message
 
 
-@pytest.mark.xfail(strict=True, reason=GAP)
 def test_agn_rejects_an_integer_gradient_leaf(mesh):
   params = {"w": _float_params()["w"], "i": _float_params()["w"]}
   grads = {"w": params["w"],
@@ -553,7 +542,6 @@ def test_agn_rejects_an_integer_gradient_leaf(mesh):
                         "shardopt.agn", "['i']")
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=GAP)
 def test_agn_accepts_bfloat16_gradients_for_float32_params():
   tx = shardopt.agn(optax.sgd(0.1), AXIS, communication_period=2)
 

@@ -153,8 +153,24 @@ def _where_float(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   return jax.tree.map(leaf, on_true, on_false)
 
 
-def _check_local_gradients(grads: Any, axis_name: Any, transform: str) -> None:
-  """Gradients typed invariant were summed by autodiff: not local gradients."""
+def _check_local_gradients(grads: Any, params: Any, axis_name: Any,
+                           transform: str) -> None:
+  """Checks grads: params' tree structure, floating point, not invariant.
+
+  Gradients typed invariant were summed by autodiff: not local gradients.
+  Everything here runs at trace time, before any state is touched.
+  """
+  grads_def = jax.tree.structure(grads)
+  params_def = jax.tree.structure(params)
+  if grads_def != params_def:
+    raise ValueError(
+        f"{transform}: the gradient tree does not match the params tree over"
+        f" axis {axis_name!r}: grads have structure {grads_def}, params have"
+        f" {params_def}. Pass the gradient of the same params the state was"
+        " built from (tx.init(params)).")
+  jax.tree_util.tree_map_with_path(
+      lambda path, g: _axes.check_float_leaf(path, g, transform, axis_name),
+      grads)
   if not _axes.vma_checked():
     return
 
@@ -242,7 +258,14 @@ def _periodic(name: str, optimizer: optax.GradientTransformation,
     size = _axes.axis_size(axis_name, name)
     groups = _axes.validate_groups(axis_index_groups, size, name, axis_name)
     _check_counter(state.count, axis_name, name)
-    _check_local_gradients(grads, axis_name, name)
+    _check_local_gradients(grads, params, axis_name, name)
+    center_def = jax.tree.structure(state.center)
+    if center_def != jax.tree.structure(params):
+      raise ValueError(
+          f"{name}: the state does not match the params tree over axis"
+          f" {axis_name!r}: state.center has structure {center_def}, params"
+          f" have {jax.tree.structure(params)}. Build the state with"
+          " tx.init(params) from these params.")
     if groups is not None and _axes.vma_checked():
       for c in jax.tree.leaves(state.center):
         _, invariant = _axes.split_axes(c, axis_name)
@@ -258,6 +281,11 @@ def _periodic(name: str, optimizer: optax.GradientTransformation,
     # Every step: one local step, accumulate, count.
     local_updates, local_state = local.update(
         grads, state.local_state, params, **extra_args)
+    # Updates are in the params' dtype on every step (a sync step's updates
+    # are center - params), so both branches of the cond agree even when the
+    # gradients are narrower (bfloat16 grads for float32 params).
+    local_updates = jax.tree.map(lambda u, p: u.astype(p.dtype), local_updates,
+                                 params)
     if accumulate:
       accumulator = jax.tree.map(lambda a, g: a + g.astype(a.dtype),
                                  state.accumulator, grads)
