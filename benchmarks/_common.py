@@ -1,0 +1,130 @@
+"""Shared pieces: the MLP, training steps under pmap and shard_map, placement.
+
+Every benchmark builds the same kind of step, written the way a user would:
+
+* ``pmap``: params carry a leading device axis; the step computes this
+  replica's gradient and hands it to the transform.
+* ``shard_map`` (checking, the default): params are replicated ``P()`` and
+  cast to varying before ``jax.grad`` (the README's pattern), so the gradient
+  is this replica's own and the transform does the reduction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardopt
+
+AXIS = "batch"
+
+
+def has(*names: str) -> bool:
+  """Whether every public name is importable from shardopt yet."""
+  return all(hasattr(shardopt, name) for name in names)
+
+
+def mlp_init(key: jax.Array, sizes: Sequence[int]) -> dict:
+  """Params of an MLP with layer ``sizes`` (input, hidden..., output)."""
+  params = {}
+  keys = jax.random.split(key, len(sizes) - 1)
+  for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+    params[f"layer{i}"] = {
+        "w": jax.random.normal(keys[i], (fan_in, fan_out), jnp.float32)
+             / math.sqrt(fan_in),
+        "b": jnp.zeros((fan_out,), jnp.float32),
+    }
+  return params
+
+
+def mlp_apply(params: dict, x: jax.Array) -> jax.Array:
+  """Logits of the MLP (ReLU between layers)."""
+  layers = [params[f"layer{i}"] for i in range(len(params))]
+  for layer in layers[:-1]:
+    x = jax.nn.relu(x @ layer["w"] + layer["b"])
+  return x @ layers[-1]["w"] + layers[-1]["b"]
+
+
+def mlp_loss(params: dict, x: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean softmax cross-entropy of this replica's batch."""
+  logits = mlp_apply(params, x)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def count_params(tree: Any) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def tree_bytes(tree: Any) -> int:
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def replicate(tree: Any, n: int) -> Any:
+  """A leading axis of ``n`` copies (the pmap layout)."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree)
+
+
+def pmap_step(tx: optax.GradientTransformation, *, hand_written: bool = False,
+              devices=None) -> Callable:
+  """``pmap``-ed ``(params, opt_state, x, y) -> (params, opt_state)``.
+
+  ``hand_written`` replaces the shardopt transform by what a user would write
+  without it: ``jax.lax.pmean(grads, axis)`` before ``tx`` (a plain optax
+  optimizer).
+  """
+  def step(params, opt_state, x, y):
+    grads = jax.grad(mlp_loss)(params, x, y)
+    if hand_written:
+      grads = jax.lax.pmean(grads, AXIS)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return jax.pmap(step, axis_name=AXIS, devices=devices)
+
+
+def shard_map_step(tx: optax.GradientTransformation, mesh, *,
+                   hand_written: bool = False, per_replica_out: bool = False
+                   ) -> Callable:
+  """Jitted checking ``shard_map`` step over replicated params.
+
+  ``hand_written``: ``jax.lax.pmean`` of the (varying) gradient, then ``tx``.
+  ``per_replica_out``: return params and state with a leading replica axis
+  (``P(axis)``), for transforms whose results differ between replicas
+  (``axis_index_groups``: each group has its own values).
+  """
+  def step(params, opt_state, x, y):
+    local = jax.lax.pcast(params, AXIS, to="varying")
+    grads = jax.grad(mlp_loss)(local, x, y)
+    if hand_written:
+      grads = jax.lax.pmean(grads, AXIS)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    out = optax.apply_updates(params, updates), opt_state
+    if per_replica_out:
+      out = jax.tree.map(lambda a: a[None], out)
+    return out
+
+  out_spec = P(AXIS) if per_replica_out else P()
+  return jax.jit(jax.shard_map(
+      step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
+      out_specs=(out_spec, out_spec)))
+
+
+def place(tree: Any, mesh, spec=P()) -> Any:
+  return jax.device_put(tree, NamedSharding(mesh, spec))
+
+
+def batch(key: jax.Array, n: int, per_replica: int, features: int,
+          classes: int) -> tuple[jax.Array, jax.Array]:
+  """A random batch with a leading replica axis: ``(n, per_replica, ...)``."""
+  kx, ky = jax.random.split(key)
+  x = jax.random.normal(kx, (n, per_replica, features), jnp.float32)
+  y = jax.random.randint(ky, (n, per_replica), 0, classes)
+  return x, y

@@ -1,0 +1,225 @@
+"""Communication: the collectives in one compiled step of every transform.
+
+For each transform, one training step of the same MLP is compiled and its HLO
+read by :mod:`benchmarks.hlo`: how many collectives of which kind, how many
+bytes they move, and whether they run every step (``top``) or only inside the
+sync branch of a ``lax.cond`` (``conditional``). The per-step figure
+amortises conditional bytes over the period: ``top + conditional / period``.
+
+Each is compared with the minimum for its method, in all-reduce-equivalent
+bytes (see :mod:`benchmarks.hlo`): parameter bytes for ``cross_shard``; the
+same total split into reduce-scatter + all-gather for ``tower``; parameter
+bytes / T per step for ``agn`` (and / period for ``local_sgd``, / H for
+``diloco``); half for a bfloat16 ``comm_dtype``. The wire dtype comes from the
+lowered StableHLO, because XLA's CPU backend widens bfloat16 all-reduces to
+float32 in the compiled HLO (design.md, section 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import shardopt
+from benchmarks import _common
+from benchmarks import hlo
+
+NAME = "communication"
+
+
+def _cases(n: int) -> list[dict]:
+  """label, mapping, transform factory, period, minimum (x P), quick subset."""
+  axis = _common.AXIS
+  adam = lambda: optax.adam(1e-3)
+  half = [list(range(0, n // 2)), list(range(n // 2, n))]
+  cases = [
+      dict(label="hand-written pmean + adam", mapping="pmap", tx=adam,
+           hand=True, period=1, minimum=1.0, quick=True),
+      dict(label="cross_shard(adam)", mapping="pmap",
+           tx=lambda: shardopt.cross_shard(adam(), axis), period=1, minimum=1.0,
+           quick=True),
+      dict(label="chain(cross_shard_mean, adam)", mapping="pmap",
+           tx=lambda: optax.chain(shardopt.cross_shard_mean(axis), adam()),
+           period=1, minimum=1.0),
+      dict(label="cross_shard(adam)", mapping="shard_map",
+           tx=lambda: shardopt.cross_shard(adam(), axis), period=1, minimum=1.0),
+      dict(label="cross_shard(adam), P() params, no pcast",
+           mapping="shard_map_invariant",
+           tx=lambda: shardopt.cross_shard(adam(), axis), period=1, minimum=1.0),
+      dict(label="cross_shard(adam, comm_dtype=bf16)", mapping="pmap",
+           tx=lambda: shardopt.cross_shard(adam(), axis, comm_dtype=jnp.bfloat16),
+           period=1, minimum=0.5, quick=True),
+      dict(label=f"cross_shard(adam, groups of {n // 2})", mapping="pmap",
+           tx=lambda: shardopt.cross_shard(adam(), axis, axis_index_groups=half),
+           period=1, minimum=1.0),
+      dict(label=f"cross_shard(adam, groups of {n // 2})", mapping="shard_map",
+           tx=lambda: shardopt.cross_shard(adam(), axis, axis_index_groups=half),
+           period=1, minimum=1.0, per_replica_out=True, quick=True),
+  ]
+  if _common.has("tower"):
+    cases.append(dict(label="tower(adam)", mapping="pmap",
+                      tx=lambda: shardopt.tower(adam(), axis), period=1,
+                      minimum=1.0, quick=True))
+    cases.append(dict(label="tower(adam, comm_dtype=bf16)", mapping="pmap",
+                      tx=lambda: shardopt.tower(adam(), axis,
+                                                comm_dtype=jnp.bfloat16),
+                      period=1, minimum=0.5))
+  if _common.has("agn"):
+    for period in (4, 16):
+      cases.append(dict(
+          label=f"agn(adam, T={period})", mapping="pmap",
+          tx=lambda p=period: shardopt.agn(adam(), axis, communication_period=p),
+          period=period, minimum=1.0 / period, quick=period == 16))
+  if _common.has("local_sgd"):
+    cases.append(dict(
+        label="local_sgd(adam, period=16)", mapping="pmap",
+        tx=lambda: shardopt.local_sgd(adam(), axis, period=16), period=16,
+        minimum=1.0 / 16))
+  if _common.has("diloco"):
+    cases.append(dict(
+        label="diloco(adam, H=500)", mapping="pmap",
+        tx=lambda: shardopt.diloco(adam(), axis, sync_period=500), period=500,
+        minimum=1.0 / 500, quick=True))
+  return cases
+
+
+def _invariant_step(tx, mesh) -> Callable:
+  """shard_map step WITHOUT the pcast: autodiff psums the gradient itself."""
+  def step(params, opt_state, x, y):
+    grads = jax.grad(_common.mlp_loss)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return jax.jit(jax.shard_map(
+      step, mesh=mesh, in_specs=(_common.P(),) * 2 + (_common.P(_common.AXIS),) * 2,
+      out_specs=(_common.P(), _common.P())))
+
+
+def measure(quick: bool) -> dict:
+  """Compiles every case and returns ``{key: measurements}`` (no timing)."""
+  sizes = (32, 64, 10) if quick else (256, 512, 10)
+  per_replica = 4
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), (_common.AXIS,))
+  params = _common.mlp_init(jax.random.key(0), sizes)
+  param_bytes = _common.tree_bytes(params)
+  x, y = _common.batch(jax.random.key(1), n, per_replica, sizes[0], sizes[-1])
+  p_params = _common.replicate(params, n)
+  s_params = _common.place(params, mesh)
+  s_x = _common.place(x.reshape(n * per_replica, -1), mesh, _common.P(_common.AXIS))
+  s_y = _common.place(y.reshape(-1), mesh, _common.P(_common.AXIS))
+
+  results = {}
+  for case in _cases(n):
+    if quick and not case.get("quick"):
+      continue  # the smoke run compiles one case per code path
+    tx = case["tx"]()
+    hand = case.get("hand", False)
+    if case["mapping"] == "pmap":
+      step = _common.pmap_step(tx, hand_written=hand)
+      args = (p_params, jax.pmap(tx.init, axis_name=_common.AXIS)(p_params), x, y)
+    elif case["mapping"] == "shard_map":
+      step = _common.shard_map_step(
+          tx, mesh, hand_written=hand,
+          per_replica_out=case.get("per_replica_out", False))
+      args = (s_params, _common.place(tx.init(params), mesh), s_x, s_y)
+    else:
+      step = _invariant_step(tx, mesh)
+      args = (s_params, _common.place(tx.init(params), mesh), s_x, s_y)
+    lowered = step.lower(*args)
+    compiled_ops = hlo.compiled_collectives(lowered.compile().as_text(),
+                                            num_devices=n)
+    lowered_ops = hlo.lowered_collectives(lowered.as_text(), num_devices=n)
+    compiled = hlo.summarize(compiled_ops)
+    wire = hlo.summarize(lowered_ops)
+    equivalent = compiled["allreduce_equivalent_bytes"]
+    period = case["period"]
+    per_step = 0.0
+    for context, value in equivalent.items():
+      per_step += value / period if "conditional" in context else value
+    compiled_total = sum(equivalent.values())
+    wire_total = sum(wire["allreduce_equivalent_bytes"].values())
+    wire_factor = wire_total / compiled_total if compiled_total else 1.0
+    wire_per_step = per_step * wire_factor
+    minimum = case["minimum"] * param_bytes
+    key = f"{case['mapping'].replace('_invariant', '')} · {case['label']}"
+    results[key] = {
+        "mapping": case["mapping"], "label": case["label"], "period": period,
+        "param_bytes": param_bytes,
+        "compiled": compiled, "lowered": wire,
+        "compiled_bytes_per_step": per_step,
+        "wire_bytes_per_step": wire_per_step,
+        "minimum_bytes_per_step": minimum,
+        "wire_over_minimum": wire_per_step / minimum,
+        "wire_over_param_bytes": wire_per_step / param_bytes,
+    }
+  return {"sizes": list(sizes), "param_bytes": param_bytes, "cases": results}
+
+
+def _counts(summary: dict) -> str:
+  parts = []
+  for context in sorted(summary["count"]):
+    kinds = ", ".join(f"{count} {kind}" for kind, count in
+                      sorted(summary["count"][context].items()))
+    parts.append(f"{context}: {kinds}")
+  return "; ".join(parts) or "none"
+
+
+def run(quick: bool) -> dict:
+  """Measures every case and formats the section's table."""
+  measured = measure(quick)
+  rows = []
+  for key, m in measured["cases"].items():
+    ok = m["wire_over_minimum"] <= 1.01
+    rows.append([
+        key, _counts(m["compiled"]),
+        ", ".join(m["lowered"]["dtypes"]) or "-",
+        f"{m['compiled_bytes_per_step'] / 1e3:,.1f}",
+        f"{m['wire_bytes_per_step'] / 1e3:,.1f}",
+        f"{m['minimum_bytes_per_step'] / 1e3:,.1f}",
+        f"{m['wire_over_minimum']:.3f}" + ("" if ok else " (above)"),
+    ])
+  missing = [name for name in ("tower", "agn", "local_sgd", "diloco")
+             if not _common.has(name)]
+  notes = [
+      f"MLP {measured['sizes']}: parameter bytes P = {measured['param_bytes']:,}"
+      f" (float32), {jax.device_count()} replicas; one training step compiled"
+      " per row, XLA CPU backend.",
+      "Counts come from the compiled HLO: `top` runs every step, `conditional`"
+      " only in the sync branch of a `lax.cond`. kB per step are"
+      " all-reduce-equivalent (reduce-scatter and all-gather count half their"
+      " full buffer each), conditional bytes divided by the period.",
+      "Wire kB/step uses the dtype of the lowered StableHLO; the compiled CPU"
+      " HLO shows bf16 all-reduces widened to f32, so compiled and wire"
+      " differ only for bf16 rows.",
+  ]
+  if any(m["mapping"] == "shard_map_invariant" for m in measured["cases"].values()):
+    notes.append("The shard_map `P() params, no pcast` row has its all-reduce"
+                 " inside autodiff (`psum_invariant` in the transpose);"
+                 " cross_shard then only divides by n.")
+  if missing:
+    notes.append("Not yet measured (not yet in shardopt when this ran): "
+                 + ", ".join(missing) + ".")
+  return {
+      "title": "3. Communication per step, from the compiled HLO",
+      "table": {"columns": ["step", "collectives (compiled HLO)", "wire dtype",
+                            "compiled kB/step", "wire kB/step", "minimum kB/step",
+                            "wire / minimum"],
+                "rows": rows},
+      "notes": notes,
+      "data": measured,
+  }
+
+
+def plot(result: dict, directory: str) -> list[str]:
+  """Writes ``communication.png``: wire bytes per step / parameter bytes."""
+  from benchmarks import _plots
+  cases = result["data"]["cases"]
+  return [_plots.bars(
+      f"{directory}/communication.png", list(cases),
+      [c["wire_over_param_bytes"] for c in cases.values()],
+      title="Wire bytes per step (all-reduce-equivalent) / parameter bytes",
+      xlabel="fraction of parameter bytes (log)", reference=1.0,
+      reference_label="parameter bytes", log=True)]

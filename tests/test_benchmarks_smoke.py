@@ -1,0 +1,83 @@
+"""The benchmark suite runs end to end (``--quick``), and its yardsticks are right.
+
+Benchmarks are scripts, not tests: CI only checks that ``python -m
+benchmarks.run --quick`` finishes, writes its JSON, Markdown and plots with
+every section, and that the two pieces of arithmetic the report rests on (the
+HLO byte count and the ring all-reduce formula) agree with hand computation.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SECTIONS = ("overhead", "groups", "communication", "memory", "convergence",
+            "projection")
+
+
+def test_hlo_reader_counts_bytes_and_finds_collectives_inside_cond():
+  from benchmarks import hlo
+
+  def step(count, x):
+    x = jax.lax.psum(x, "i")  # every step: 8 x 256 float32 = 8192 bytes
+    return jax.lax.cond(count % 4 == 0,
+                        lambda v: jax.lax.psum(v[0, :64], "i"),  # 256 bytes
+                        lambda v: v[0, :64], x)
+
+  f = jax.pmap(step, axis_name="i")
+  text = f.lower(jnp.arange(8), jnp.ones((8, 8, 256))).compile().as_text()
+  found = sorted((op.kind, op.context, op.buffer_bytes)
+                 for op in hlo.compiled_collectives(text))
+  assert found == [("all-reduce", "conditional", 64 * 4),
+                   ("all-reduce", "top", 8 * 256 * 4)]
+
+
+def test_hlo_reader_counts_reduce_scatter_and_bf16_wire_bytes(mesh):
+  from benchmarks import hlo
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  def f(x):  # per device: 1000 elements, bf16 on the wire = 2000 bytes
+    y = jax.lax.psum_scatter(x.astype(jnp.bfloat16), "batch", tiled=True)
+    return jax.lax.all_gather(y, "batch", tiled=True).astype(jnp.float32)
+
+  g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("batch"),
+                            out_specs=P("batch")))
+  x = jax.device_put(jnp.ones(8000), NamedSharding(mesh, P("batch")))
+  lowered = hlo.summarize(hlo.lowered_collectives(g.lower(x).as_text()))
+  assert lowered["buffer_bytes"]["lowered"] == {"reduce-scatter": 2000,
+                                                "all-gather": 2000}
+  # Half of each full buffer: a reduce-scatter + all-gather = one all-reduce.
+  assert lowered["allreduce_equivalent_bytes"]["lowered"] == 2000
+  assert lowered["dtypes"] == ["bf16"]
+
+
+def test_projection_uses_ring_allreduce_formula():
+  from benchmarks import projection
+  # 2 (n - 1) / n * bytes / bandwidth: 2 * 7 / 8 * 4e9 / 12.5e9 = 0.56 s.
+  assert projection.ring_allreduce_seconds(4e9, 12.5e9, 8) == pytest.approx(0.56)
+
+
+def test_quick_run_writes_every_section(tmp_path):
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=175)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  results = json.loads((tmp_path / "latest.json").read_text())
+  markdown = (tmp_path / "latest.md").read_text()
+  assert results["quick"] is True
+  assert results["machine"]["device_count"] == 8
+  for name in SECTIONS:
+    section = results["sections"][name]
+    assert "error" not in section, section.get("error")
+    assert section["table"]["rows"], name
+    assert section["title"] in markdown
+    for plot in section.get("plots", []):
+      assert (tmp_path / plot).stat().st_size > 0
+  assert len(list(tmp_path.glob("*.png"))) == len(SECTIONS)
