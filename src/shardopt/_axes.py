@@ -83,6 +83,20 @@ def varying_axes(x: Any) -> frozenset:
   return frozenset(vma) if vma is not None else frozenset()
 
 
+def cast_varying(x: Any, axes) -> Any:
+  """Types ``x`` as varying over every axis in ``axes`` (a checking shard_map).
+
+  Axes ``x`` already varies over are left alone, so this is the identity for
+  a value that is varying everywhere already. Used where two values must
+  agree on their types: the branches of a ``lax.cond``, or an all-gather that
+  needs a varying operand.
+  """
+  missing = tuple(a for a in sorted(axes, key=str) if a not in varying_axes(x))
+  if not missing:
+    return x
+  return jax.lax.pcast(x, as_axis(missing), to="varying")
+
+
 def split_axes(x: Any, axis_name: AxisName) -> tuple[tuple, tuple]:
   """Splits the requested axes into (varying, invariant) for leaf ``x``.
 

@@ -114,14 +114,6 @@ def _all_finite(tree: Any) -> jax.Array:
   return functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
 
 
-def _cast_varying(x: Any, axes: frozenset) -> Any:
-  """Types ``x`` as varying over ``axes`` (inside a checking shard_map)."""
-  missing = tuple(a for a in sorted(axes, key=str) if a not in _axes.varying_axes(x))
-  if not missing:
-    return x
-  return jax.lax.pcast(x, _axes.as_axis(missing), to="varying")
-
-
 def _cast_tree_like(tree: Any, *likes: Any) -> Any:
   """Casts every leaf of ``tree`` to be varying wherever a ``likes`` leaf is."""
   if not _axes.vma_checked():
@@ -129,7 +121,7 @@ def _cast_tree_like(tree: Any, *likes: Any) -> Any:
 
   def leaf(x, *others):
     axes = frozenset().union(*(_axes.varying_axes(o) for o in others))
-    return _cast_varying(x, axes)
+    return _axes.cast_varying(x, axes)
 
   return jax.tree.map(leaf, tree, *likes)
 
@@ -318,7 +310,7 @@ def _periodic(name: str, optimizer: optax.GradientTransformation,
                      _transform=name)
       flag = finite.astype(jnp.float32)
       if _axes.vma_checked():
-        flag = _cast_varying(flag, frozenset(_axes.axis_names(axis_name)))
+        flag = _axes.cast_varying(flag, _axes.axis_names(axis_name))
       finite_in_group = reduce(flag, axis_name, reduction="sum",
                                axis_index_groups=groups, _transform=name)
       finite_in_axis = finite_in_group if groups is None else reduce(

@@ -95,10 +95,9 @@ def _unshard(chunk: jax.Array, like: jax.Array, axis_name: Any) -> jax.Array:
   if like.size == 0:
     return jnp.zeros(like.shape, chunk.dtype)
   if _axes.vma_checked():
-    missing = tuple(a for a in _axes.axis_names(axis_name)
-                    if a not in _axes.varying_axes(chunk))
-    if missing:  # e.g. an inner transform that returns constant zeros
-      chunk = jax.lax.pcast(chunk, _axes.as_axis(missing), to="varying")
+    # An inner transform may return constant (invariant) zeros; the
+    # all-gather needs every owner's chunk typed varying.
+    chunk = _axes.cast_varying(chunk, _axes.axis_names(axis_name))
     full = jax.lax.all_gather(chunk, axis_name, tiled=True, to="invarying")
   else:
     full = jax.lax.all_gather(chunk, axis_name, tiled=True)
