@@ -160,13 +160,12 @@ def _check_local_gradients(grads: Any, params: Any, axis_name: Any,
         f" axis {axis_name!r}: grads have structure {grads_def}, params have"
         f" {params_def}. Pass the gradient of the same params the state was"
         " built from (tx.init(params)).")
-  jax.tree_util.tree_map_with_path(
-      lambda path, g: _axes.check_float_leaf(path, g, transform, axis_name),
-      grads)
-  if not _axes.vma_checked():
-    return
+  checked = _axes.vma_checked()
 
   def leaf(path, g):
+    _axes.check_float_leaf(path, g, transform, axis_name)
+    if not checked:
+      return
     _, invariant = _axes.split_axes(g, axis_name)
     if invariant:
       raise ValueError(
@@ -213,7 +212,8 @@ def _periodic(name: str, optimizer: optax.GradientTransformation,
     optimizer: the local optimizer, applied on every replica at every step.
     global_optimizer: the optimizer that moves the center at a sync.
     axis_name: the replica axis (or tuple of axes).
-    period: local steps between two synchronisations (validated).
+    period: local steps between two synchronisations (validated by the
+      caller, which knows the argument's public name).
     contribution: ``"gradients"`` (AGN: accumulated gradients / period) or
       ``"params"`` (the pseudo-gradient ``center - local params``).
     reduction: how contributions combine across replicas.
@@ -223,6 +223,10 @@ def _periodic(name: str, optimizer: optax.GradientTransformation,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`AGNState`.
   """
+  # The public wrappers check axis_name and their period argument first (it
+  # has a different name in each); the rest is checked here, once.
+  _axes.check_reduction(reduction, name, axis_name)
+  _axes.check_comm_dtype(comm_dtype, name, axis_name)
   local = optax.with_extra_args_support(optimizer)
   accumulate = contribution == _GRADIENTS
 
@@ -520,8 +524,6 @@ def agn(optimizer: optax.GradientTransformation, axis_name: Any, *,
   name = "shardopt.agn"
   _check_axis_name(axis_name, name)
   period = _check_period(communication_period, "communication_period", name)
-  _axes.check_reduction(reduction, name, axis_name)
-  _axes.check_comm_dtype(comm_dtype, name, axis_name)
   if global_optimizer is None:
     global_optimizer = optimizer
   return _periodic(name, optimizer, global_optimizer, axis_name, period=period,
@@ -580,7 +582,6 @@ def local_sgd(optimizer: optax.GradientTransformation, axis_name: Any, *,
   name = "shardopt.local_sgd"
   _check_axis_name(axis_name, name)
   period = _check_period(period, "period", name)
-  _axes.check_comm_dtype(comm_dtype, name, axis_name)
   return _periodic(name, optimizer, optax.sgd(1.0), axis_name, period=period,
                    contribution=_PARAMS, reduction="mean",
                    axis_index_groups=axis_index_groups, comm_dtype=comm_dtype)
@@ -638,7 +639,6 @@ def diloco(optimizer: optax.GradientTransformation, axis_name: Any, *,
   _check_axis_name(axis_name, name)
   period = _check_period(sync_period, "sync_period", name)
   _check_outer_args(name, outer_learning_rate, outer_momentum, nesterov)
-  _axes.check_comm_dtype(comm_dtype, name, axis_name)
   outer = optax.sgd(outer_learning_rate, momentum=outer_momentum or None,
                     nesterov=bool(nesterov))
   return _periodic(name, optimizer, outer, axis_name, period=period,
