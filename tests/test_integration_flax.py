@@ -66,13 +66,8 @@ def _assert_replicas_bit_identical(tree):
 # TrainState under pmap
 
 
-def test_train_state_cross_shard_under_pmap_equals_numpy_sgd_on_mean_gradient():
-  lr, momentum, steps = 0.1, 0.9, 3
-  model = nn.Dense(3)
-  xs = _data(0, N * ROWS_PER_REPLICA, 4).reshape(N, ROWS_PER_REPLICA, 4)
-  ys = _data(1, N * ROWS_PER_REPLICA, 3).reshape(N, ROWS_PER_REPLICA, 3)
-  tx = shardopt.cross_shard(optax.sgd(lr, momentum=momentum), AXIS)
-  params0 = model.init(jax.random.key(0), jnp.zeros((1, 4)))
+def _pmapped_train_state(model, params0, tx):
+  """A TrainState per device (built under pmap) and a pmapped MSE train step."""
 
   def create(_):
     return train_state.TrainState.create(apply_fn=model.apply,
@@ -83,9 +78,18 @@ def test_train_state_cross_shard_under_pmap_equals_numpy_sgd_on_mean_gradient():
         lambda p: jnp.mean((state.apply_fn(p, x) - y) ** 2))(state.params)
     return state.apply_gradients(grads=grads)
 
-  create = jax.pmap(create, axis_name=AXIS)
-  step = jax.pmap(train_step, axis_name=AXIS)
-  state = create(np.arange(N))
+  state = jax.pmap(create, axis_name=AXIS)(np.arange(N))
+  return state, jax.pmap(train_step, axis_name=AXIS)
+
+
+def test_train_state_cross_shard_under_pmap_equals_numpy_sgd_on_mean_gradient():
+  lr, momentum, steps = 0.1, 0.9, 3
+  model = nn.Dense(3)
+  xs = _data(0, N * ROWS_PER_REPLICA, 4).reshape(N, ROWS_PER_REPLICA, 4)
+  ys = _data(1, N * ROWS_PER_REPLICA, 3).reshape(N, ROWS_PER_REPLICA, 3)
+  tx = shardopt.cross_shard(optax.sgd(lr, momentum=momentum), AXIS)
+  params0 = model.init(jax.random.key(0), jnp.zeros((1, 4)))
+  state, step = _pmapped_train_state(model, params0, tx)
   for _ in range(steps):
     state = step(state, xs, ys)
 
@@ -251,18 +255,7 @@ def test_agn_checkpoint_mid_period_restores_and_continues_bit_identically(
   ys = _data(5, N * ROWS_PER_REPLICA, 3).reshape(N, ROWS_PER_REPLICA, 3)
   tx = shardopt.agn(optax.adam(0.05), AXIS, communication_period=period)
   params0 = model.init(jax.random.key(1), jnp.zeros((1, 4)))
-
-  def create(_):
-    return train_state.TrainState.create(apply_fn=model.apply,
-                                         params=params0, tx=tx)
-
-  def train_step(state, x, y):
-    grads = jax.grad(
-        lambda p: jnp.mean((state.apply_fn(p, x) - y) ** 2))(state.params)
-    return state.apply_gradients(grads=grads)
-
-  step = jax.pmap(train_step, axis_name=AXIS)
-  state = jax.pmap(create, axis_name=AXIS)(np.arange(N))
+  state, step = _pmapped_train_state(model, params0, tx)
   for _ in range(6):  # one sync (step 4), then 2 steps into the next period
     state = step(state, xs, ys)
   assert int(state.opt_state.count[0]) % period == 2
