@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean notebooks
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 tests
+
+# Write each notebooks/NN_*.ipynb from its jupytext source and execute it.
+notebooks: $(VENV)/.installed
+	$(PY) notebooks/_execute.py
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.run

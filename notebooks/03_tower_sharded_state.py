@@ -29,13 +29,25 @@
 
 # %%
 # Setup: install shardopt on Colab (only there), then pick the devices.
+import glob
 import os
 import subprocess
 import sys
 
 if "google.colab" in sys.modules:
-  # Point this at a wheel, a git URL or a released version of shardopt.
-  SHARDOPT_PIP_SPEC = os.environ.get("SHARDOPT_PIP_SPEC", "shardopt")
+  # shardopt has no PyPI release. This cell installs the wheel you upload to
+  # Colab's files (build it with `make wheel`: dist/shardopt-*.whl). To install
+  # from the git repository instead, set SHARDOPT_PIP_SPEC (here or in the
+  # environment) to its URL, "git+https://github.com/OWNER/shardopt.git".
+  SHARDOPT_PIP_SPEC = os.environ.get("SHARDOPT_PIP_SPEC", "")
+  if not SHARDOPT_PIP_SPEC:
+    wheels = glob.glob("shardopt-*.whl") + glob.glob("/content/shardopt-*.whl")
+    if not wheels:
+      raise FileNotFoundError(
+          "Upload dist/shardopt-*.whl (from `make wheel`) to Colab's files, or"
+          " set SHARDOPT_PIP_SPEC to the repository URL (git+https://...).")
+    SHARDOPT_PIP_SPEC = max(wheels, key=os.path.getmtime)
+  print(f"Installing shardopt from {SHARDOPT_PIP_SPEC}")
   subprocess.run([sys.executable, "-m", "pip", "install", "-q",
                   SHARDOPT_PIP_SPEC], check=True)
 

@@ -126,8 +126,32 @@ def test_first_cell_installs_only_on_colab_and_picks_devices(
   assert calls == []
   assert len(namespace["DEVICES"]) == 8
 
+
+@pytest.mark.parametrize("source", SOURCES, ids=_ids(SOURCES))
+def test_colab_installs_the_uploaded_wheel_or_the_spec_it_is_given(
+    source, monkeypatch, tmp_path, capsys):
+  setup = _setup_cell(source)
+  calls = []
+  monkeypatch.setattr("subprocess.run",
+                      lambda cmd, **kwargs: calls.append(cmd))
   monkeypatch.setitem(sys.modules, "google.colab",
                       types.ModuleType("google.colab"))
-  exec(compile(setup, f"{source.name}[setup]", "exec"), {})  # on Colab
-  assert len(calls) == 1
-  assert calls[0][:4] == [sys.executable, "-m", "pip", "install"]
+  monkeypatch.delenv("SHARDOPT_PIP_SPEC", raising=False)
+  monkeypatch.chdir(tmp_path)
+  code = compile(setup, f"{source.name}[setup]", "exec")
+
+  with pytest.raises(FileNotFoundError, match="SHARDOPT_PIP_SPEC"):
+    exec(code, {})  # neither a wheel nor a spec: says what to do
+  assert calls == []
+
+  wheel = "shardopt-0.1.0-py3-none-any.whl"
+  (tmp_path / wheel).write_bytes(b"")
+  exec(code, {})
+  assert calls[-1] == [sys.executable, "-m", "pip", "install", "-q", wheel]
+  assert f"Installing shardopt from {wheel}" in capsys.readouterr().out
+
+  repo = "git+https://example.invalid/shardopt.git"
+  monkeypatch.setenv("SHARDOPT_PIP_SPEC", repo)
+  exec(code, {})
+  assert calls[-1] == [sys.executable, "-m", "pip", "install", "-q", repo]
+  assert len(calls) == 2
