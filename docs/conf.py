@@ -27,21 +27,25 @@ import shardopt  # noqa: E402  (after the sys.path entry above)
 
 project = "shardopt"
 author = "the shardopt authors"
-copyright = "2026, the shardopt authors"  # noqa: A001  (Sphinx's name)
+copyright = "2026, the shardopt authors"
 version = shardopt.__version__
 release = shardopt.__version__
 
 extensions = [
-    "myst_nb",  # markdown pages (myst-parser) and notebooks
-    "sphinx.ext.autodoc",
-    "sphinx.ext.autosummary",
-    "sphinx.ext.intersphinx",
-    "sphinx.ext.napoleon",
-    "sphinx.ext.viewcode",
+  "myst_nb",  # markdown pages (myst-parser) and notebooks
+  "sphinx.ext.autodoc",
+  "sphinx.ext.autosummary",
+  "sphinx.ext.intersphinx",
+  "sphinx.ext.napoleon",
+  "sphinx.ext.viewcode",
 ]
 
-exclude_patterns = ["_build", "_inventories", "CONTRIBUTING-docs.md",
-                    "**.ipynb_checkpoints"]
+exclude_patterns = [
+  "_build",
+  "_inventories",
+  "CONTRIBUTING-docs.md",
+  "**.ipynb_checkpoints",
+]
 nitpicky = True
 suppress_warnings = []
 
@@ -63,13 +67,13 @@ myst_enable_extensions = ["colon_fence", "dollarmath"]
 myst_heading_anchors = 3
 
 intersphinx_mapping = {
-    name: (url, str(DOCS / "_inventories" / f"{name}.inv"))
-    for name, url in {
-        "python": "https://docs.python.org/3/",
-        "numpy": "https://numpy.org/doc/stable/",
-        "jax": "https://docs.jax.dev/en/latest/",
-        "optax": "https://optax.readthedocs.io/en/latest/",
-    }.items()
+  name: (url, str(DOCS / "_inventories" / f"{name}.inv"))
+  for name, url in {
+    "python": "https://docs.python.org/3/",
+    "numpy": "https://numpy.org/doc/stable/",
+    "jax": "https://docs.jax.dev/en/latest/",
+    "optax": "https://optax.readthedocs.io/en/latest/",
+  }.items()
 }
 intersphinx_timeout = 1
 
@@ -78,9 +82,9 @@ html_title = f"shardopt {release}"
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
 html_theme_options = {
-    "show_toc_level": 2,
-    "home_page_in_toc": True,
-    "use_download_button": True,
+  "show_toc_level": 2,
+  "home_page_in_toc": True,
+  "use_download_button": True,
 }
 
 
@@ -93,8 +97,9 @@ def _copy_notebooks(app) -> None:
     shutil.copy2(notebook, target / notebook.name)
 
 
-def _hide_private_parameters(app, what, name, obj, options, signature,
-                             return_annotation):
+def _hide_private_parameters(
+  app, what, name, obj, options, signature, return_annotation
+):
   """Drops parameters whose name starts with ``_`` from signatures.
 
   ``reduce(..., _transform=...)`` is internal plumbing (which transform's name
@@ -106,8 +111,12 @@ def _hide_private_parameters(app, what, name, obj, options, signature,
 
 
 # Where type hints name a class by the private module that defines it.
-_PRIVATE_PATHS = {"optax._src.base.": "optax.", "jax.jaxlib._jax.": "jax.",
-                  "jaxlib._jax.": "jax.", "jaxlib.xla_extension.": "jax."}
+_PRIVATE_PATHS = {
+  "optax._src.base.": "optax.",
+  "jax.jaxlib._jax.": "jax.",
+  "jaxlib._jax.": "jax.",
+  "jaxlib.xla_extension.": "jax.",
+}
 
 
 def _public_path(app, env, node, contnode):
@@ -116,7 +125,8 @@ def _public_path(app, env, node, contnode):
   for private, public in _PRIVATE_PATHS.items():
     if target.startswith(private):
       from sphinx.ext import intersphinx  # pylint: disable=g-import-not-at-top
-      node["reftarget"] = public + target[len(private):]
+
+      node["reftarget"] = public + target[len(private) :]
       return intersphinx.missing_reference(app, env, node, contnode)
   return None
 
@@ -137,9 +147,15 @@ def _public_name(app, env, node, contnode):
     return None
   domain = env.get_domain("py")
   node["reftarget"] = f"shardopt.{target}"
-  return domain.resolve_xref(env, node["refdoc"], app.builder,
-                             node["reftype"], f"shardopt.{target}", node,
-                             contnode)
+  return domain.resolve_xref(
+    env,
+    node["refdoc"],
+    app.builder,
+    node["reftype"],
+    f"shardopt.{target}",
+    node,
+    contnode,
+  )
 
 
 def setup(app):

@@ -49,12 +49,15 @@ if "google.colab" in sys.modules:
     wheels = glob.glob("shardopt-*.whl") + glob.glob("/content/shardopt-*.whl")
     if not wheels:
       raise FileNotFoundError(
-          "Upload dist/shardopt-*.whl (from `make wheel`) to Colab's files, or"
-          " set SHARDOPT_PIP_SPEC to the repository URL (git+https://...).")
+        "Upload dist/shardopt-*.whl (from `make wheel`) to Colab's files, or"
+        " set SHARDOPT_PIP_SPEC to the repository URL (git+https://...)."
+      )
     SHARDOPT_PIP_SPEC = max(wheels, key=os.path.getmtime)
   print(f"Installing shardopt from {SHARDOPT_PIP_SPEC}")
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                  SHARDOPT_PIP_SPEC], check=True)
+  subprocess.run(
+    [sys.executable, "-m", "pip", "install", "-q", SHARDOPT_PIP_SPEC],
+    check=True,
+  )
 
 # With no TPU/GPU (or a single one), train on 8 virtual CPU devices. XLA reads
 # this flag when JAX starts its backends, so it must be set before the first
@@ -63,12 +66,13 @@ NUM_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" {_FLAG}={NUM_DEVICES}").strip()
+    os.environ.get("XLA_FLAGS", "") + f" {_FLAG}={NUM_DEVICES}"
+  ).strip()
 
 import jax
 
 if jax.default_backend() in ("tpu", "gpu") and jax.device_count() > 1:
-  DEVICES = jax.devices()[:NUM_DEVICES]     # a TPU slice or a multi-GPU box
+  DEVICES = jax.devices()[:NUM_DEVICES]  # a TPU slice or a multi-GPU box
 else:
   DEVICES = jax.devices("cpu")[:NUM_DEVICES]
 print(f"JAX {jax.__version__}: {len(DEVICES)} x {DEVICES[0].device_kind}")
@@ -96,7 +100,8 @@ pmap = functools.partial(jax.pmap, axis_name="batch", devices=DEVICES)
 # %%
 rng = np.random.default_rng(0)
 true_w = rng.normal(size=(8, 1)).astype(np.float32)
-x = rng.normal(size=(n, 64, 8)).astype(np.float32)   # [replica, example, feature]
+# x: [replica, example, feature]
+x = rng.normal(size=(n, 64, 8)).astype(np.float32)
 y = x @ true_w + 0.01 * rng.normal(size=(n, 64, 1)).astype(np.float32)
 
 
@@ -108,19 +113,22 @@ tx = optax.chain(shardopt.cross_shard_mean("batch"), optax.adam(0.05))
 
 
 def train_step(w, opt_state, x, y):
-  loss, grads = jax.value_and_grad(loss_fn)(w, x, y)   # this replica's gradient
+  loss, grads = jax.value_and_grad(loss_fn)(w, x, y)  # this replica's gradient
   updates, opt_state = tx.update(grads, opt_state, w)  # averaged, then Adam
   return optax.apply_updates(w, updates), opt_state, loss
 
 
 train_step = pmap(train_step)
-w = pmap(lambda _: jnp.zeros((8, 1)))(np.arange(n))   # the same on every replica
+w = pmap(lambda _: jnp.zeros((8, 1)))(np.arange(n))  # the same on every replica
 opt_state = pmap(tx.init)(w)
 for step in range(150):
   w, opt_state, loss = train_step(w, opt_state, x, y)
-  loss = float(loss.mean())   # (waiting for each step also keeps CPU runs snappy)
+  # (waiting for each step also keeps CPU runs snappy)
+  loss = float(loss.mean())
 
-divergence = float(pmap(lambda w: shardopt.replica_divergence(w, "batch"))(w)[0])
+divergence = float(
+  pmap(lambda w: shardopt.replica_divergence(w, "batch"))(w)[0]
+)
 print(f"loss {loss:.5f}   max |w - true_w| = {np.abs(w[0] - true_w).max():.4f}")
 print(f"replica divergence: {divergence}")
 assert divergence == 0.0 and loss < 1e-3
@@ -149,9 +157,11 @@ def first_update(loss_transform, reduce_tx):
   return np.asarray(pmap(step)(w0, x, y)[0])
 
 
-tf_literal = first_update(lambda l: shardopt.scale_loss(l, "batch"),
-                          shardopt.cross_shard_sum("batch"))
-jax_style = first_update(lambda l: l, shardopt.cross_shard_mean("batch"))
+tf_literal = first_update(
+  lambda loss: shardopt.scale_loss(loss, "batch"),
+  shardopt.cross_shard_sum("batch"),
+)
+jax_style = first_update(lambda loss: loss, shardopt.cross_shard_mean("batch"))
 print("max |difference|:", np.abs(tf_literal - jax_style).max())
 np.testing.assert_allclose(tf_literal, jax_style, rtol=1e-6)
 
@@ -176,20 +186,26 @@ def sgd_step(reduce_tx):
     updates, _ = tx.update(g, tx.init(w), w)
     return optax.apply_updates(w, updates)
 
-  return np.asarray(pmap(step)(np.zeros(n, np.float32),
-                               np.arange(1.0, n + 1, dtype=np.float32)))
+  return np.asarray(
+    pmap(step)(np.zeros(n, np.float32), np.arange(1.0, n + 1, dtype=np.float32))
+  )
 
 
 print("groups:", groups)
 print("mean, all replicas :", sgd_step(shardopt.cross_shard_mean("batch")))
-print("mean, within groups:", sgd_step(shardopt.cross_shard_mean(
-    "batch", axis_index_groups=groups)))
-print("sum,  within groups:", sgd_step(shardopt.cross_shard_sum(
-    "batch", axis_index_groups=groups)))
+print(
+  "mean, within groups:",
+  sgd_step(shardopt.cross_shard_mean("batch", axis_index_groups=groups)),
+)
+print(
+  "sum,  within groups:",
+  sgd_step(shardopt.cross_shard_sum("batch", axis_index_groups=groups)),
+)
 g = np.arange(1.0, n + 1)
 np.testing.assert_allclose(
-    sgd_step(shardopt.cross_shard_mean("batch", axis_index_groups=groups)),
-    np.repeat([-g[:half].mean(), -g[half:].mean()], half))
+  sgd_step(shardopt.cross_shard_mean("batch", axis_index_groups=groups)),
+  np.repeat([-g[:half].mean(), -g[half:].mean()], half),
+)
 
 # %% [markdown]
 # ## 4. Clip each replica's gradient before combining
@@ -206,10 +222,12 @@ grads = np.zeros((n, 2), np.float32)
 grads[0] = [100.0, 0.0]
 grads[1:] = [0.0, 1.0]
 
-clip_then_mean = optax.chain(optax.clip_by_global_norm(1.0),
-                             shardopt.cross_shard_mean("batch"))
-mean_then_clip = optax.chain(shardopt.cross_shard_mean("batch"),
-                             optax.clip_by_global_norm(1.0))
+clip_then_mean = optax.chain(
+  optax.clip_by_global_norm(1.0), shardopt.cross_shard_mean("batch")
+)
+mean_then_clip = optax.chain(
+  shardopt.cross_shard_mean("batch"), optax.clip_by_global_norm(1.0)
+)
 
 
 def combined(tx):
@@ -219,8 +237,9 @@ def combined(tx):
 print("clip per replica, then mean:", combined(clip_then_mean))
 print("mean, then clip            :", combined(mean_then_clip))
 # Per-replica clipping: the outlier counts as one replica out of n.
-np.testing.assert_allclose(combined(clip_then_mean), [1 / n, (n - 1) / n],
-                           rtol=1e-6)
+np.testing.assert_allclose(
+  combined(clip_then_mean), [1 / n, (n - 1) / n], rtol=1e-6
+)
 
 # %% [markdown]
 # ## 5. The same step under `jax.shard_map`
@@ -232,20 +251,28 @@ np.testing.assert_allclose(combined(clip_then_mean), [1 / n, (n - 1) / n],
 # summing again. No change to the optimizer.
 
 # %%
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 mesh = jax.sharding.Mesh(np.array(DEVICES), ("batch",))
 tx = shardopt.cross_shard(optax.adam(0.05), "batch")
 
 
 @jax.jit
-@functools.partial(jax.shard_map, mesh=mesh,
-                   in_specs=(P(), P(), P("batch"), P("batch")),
-                   out_specs=(P(), P(), P()))
+@functools.partial(
+  jax.shard_map,
+  mesh=mesh,
+  in_specs=(P(), P(), P("batch"), P("batch")),
+  out_specs=(P(), P(), P()),
+)
 def sharded_step(w, opt_state, x, y):
   loss, grads = jax.value_and_grad(loss_fn)(w, x, y)
   updates, opt_state = tx.update(grads, opt_state, w)
-  return optax.apply_updates(w, updates), opt_state, jax.lax.pmean(loss, "batch")
+  return (
+    optax.apply_updates(w, updates),
+    opt_state,
+    jax.lax.pmean(loss, "batch"),
+  )
 
 
 rows = NamedSharding(mesh, P("batch"))
@@ -256,7 +283,9 @@ opt_state = jax.device_put(tx.init(w), NamedSharding(mesh, P()))
 for step in range(150):
   w, opt_state, loss = sharded_step(w, opt_state, x_rows, y_rows)
   loss = float(loss)
-print(f"loss {loss:.5f}   max |w - true_w| = {np.abs(np.asarray(w) - true_w).max():.4f}")
+print(
+  f"loss {loss:.5f}   max |w - true_w| = {np.abs(np.asarray(w) - true_w).max():.4f}"
+)
 assert loss < 1e-3
 
 # %% [markdown]

@@ -48,12 +48,15 @@ if "google.colab" in sys.modules:
     wheels = glob.glob("shardopt-*.whl") + glob.glob("/content/shardopt-*.whl")
     if not wheels:
       raise FileNotFoundError(
-          "Upload dist/shardopt-*.whl (from `make wheel`) to Colab's files, or"
-          " set SHARDOPT_PIP_SPEC to the repository URL (git+https://...).")
+        "Upload dist/shardopt-*.whl (from `make wheel`) to Colab's files, or"
+        " set SHARDOPT_PIP_SPEC to the repository URL (git+https://...)."
+      )
     SHARDOPT_PIP_SPEC = max(wheels, key=os.path.getmtime)
   print(f"Installing shardopt from {SHARDOPT_PIP_SPEC}")
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                  SHARDOPT_PIP_SPEC], check=True)
+  subprocess.run(
+    [sys.executable, "-m", "pip", "install", "-q", SHARDOPT_PIP_SPEC],
+    check=True,
+  )
 
 # With no TPU/GPU (or a single one), train on 8 virtual CPU devices. XLA reads
 # this flag when JAX starts its backends, so it must be set before the first
@@ -62,12 +65,13 @@ NUM_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" {_FLAG}={NUM_DEVICES}").strip()
+    os.environ.get("XLA_FLAGS", "") + f" {_FLAG}={NUM_DEVICES}"
+  ).strip()
 
 import jax
 
 if jax.default_backend() in ("tpu", "gpu") and jax.device_count() > 1:
-  DEVICES = jax.devices()[:NUM_DEVICES]     # a TPU slice or a multi-GPU box
+  DEVICES = jax.devices()[:NUM_DEVICES]  # a TPU slice or a multi-GPU box
 else:
   DEVICES = jax.devices("cpu")[:NUM_DEVICES]
 print(f"JAX {jax.__version__}: {len(DEVICES)} x {DEVICES[0].device_kind}")
@@ -75,13 +79,15 @@ print(f"JAX {jax.__version__}: {len(DEVICES)} x {DEVICES[0].device_kind}")
 # %%
 import functools
 
-import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
 
 import shardopt
-from shardopt.demo import cross_entropy, init_mlp, load_digits_split, mlp_logits
+from shardopt.demo import cross_entropy
+from shardopt.demo import init_mlp
+from shardopt.demo import load_digits_split
+from shardopt.demo import mlp_logits
 
 n = len(DEVICES)
 pmap = functools.partial(jax.pmap, axis_name="batch", devices=DEVICES)
@@ -98,7 +104,9 @@ print(f"{len(x_train)} training and {len(x_test)} test images, {n} replicas")
 
 # %%
 STEPS, BATCH, LR = 120, 32, 3e-3
-batches = np.random.default_rng(0).integers(0, len(x_train), size=(STEPS, n, BATCH))
+batches = np.random.default_rng(0).integers(
+  0, len(x_train), size=(STEPS, n, BATCH)
+)
 params0 = init_mlp(jax.random.key(0), (64, 64, 10))
 
 
@@ -112,7 +120,9 @@ def train(tx):
   params = pmap(lambda _: params0)(np.arange(n))
   state = pmap(tx.init)(params)
   for i in range(STEPS):
-    params, state = step(params, state, x_train[batches[i]], y_train[batches[i]])
+    params, state = step(
+      params, state, x_train[batches[i]], y_train[batches[i]]
+    )
     jax.block_until_ready(params)
   center = optax.tree_utils.tree_get(state, "center")
   model = jax.tree.map(lambda a: a[0], center if center is not None else params)
@@ -124,29 +134,40 @@ def train(tx):
 
 # %%
 runs = {
-    "every step (cross_shard)": shardopt.cross_shard(optax.adam(LR), "batch"),
+  "every step (cross_shard)": shardopt.cross_shard(optax.adam(LR), "batch"),
 }
 for period in (5, 20):
   # The center takes one step per period: give it a T-times larger step.
   runs[f"agn T={period}"] = shardopt.agn(
-      optax.adam(LR), "batch", communication_period=period,
-      global_optimizer=optax.adam(LR * period))
+    optax.adam(LR),
+    "batch",
+    communication_period=period,
+    global_optimizer=optax.adam(LR * period),
+  )
   runs[f"local_sgd T={period}"] = shardopt.local_sgd(
-      optax.adam(LR), "batch", period=period)
+    optax.adam(LR), "batch", period=period
+  )
 runs["diloco T=20"] = shardopt.diloco(optax.adam(LR), "batch", sync_period=20)
 
 results = {}
 for name, tx in runs.items():
   results[name] = train(tx)
-  print(f"{name:<26} test accuracy {results[name][0]:.1%}"
-        f"   all-reduces {results[name][1]:>4}")
+  print(
+    f"{name:<26} test accuracy {results[name][0]:.1%}"
+    f"   all-reduces {results[name][1]:>4}"
+  )
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))
 for name, (accuracy, all_reduces) in results.items():
   ax.scatter(all_reduces, accuracy, s=40)
-  ax.annotate(name, (all_reduces, accuracy), textcoords="offset points",
-              xytext=(5, 4), fontsize=8)
+  ax.annotate(
+    name,
+    (all_reduces, accuracy),
+    textcoords="offset points",
+    xytext=(5, 4),
+    fontsize=8,
+  )
 ax.set_xscale("log")
 ax.set_xlabel(f"all-reduces in {STEPS} steps (communication)")
 ax.set_ylabel("test accuracy")
@@ -154,7 +175,10 @@ ax.set_title("Communication vs accuracy, MLP on sklearn digits")
 ax.grid(alpha=0.3)
 plt.show()
 
-assert results["agn T=5"][1] == STEPS // 5 and results["diloco T=20"][1] == STEPS // 20
+assert (
+  results["agn T=5"][1] == STEPS // 5
+  and results["diloco T=20"][1] == STEPS // 20
+)
 assert all(accuracy > 0.5 for accuracy, _ in results.values())
 
 # %% [markdown]
@@ -165,8 +189,16 @@ assert all(accuracy > 0.5 for accuracy, _ in results.values())
 # at all. We can see it in the traced program of one AGN step:
 
 # %%
-COLLECTIVES = {"psum", "pmax", "pmin", "all_gather", "psum_scatter",
-               "reduce_scatter", "all_to_all", "ppermute"}
+COLLECTIVES = {
+  "psum",
+  "pmax",
+  "pmin",
+  "all_gather",
+  "psum_scatter",
+  "reduce_scatter",
+  "all_to_all",
+  "ppermute",
+}
 
 
 def collectives_in(jaxpr):
@@ -191,8 +223,11 @@ def agn_step(params, state, x, y):
 
 
 closed = jax.make_jaxpr(agn_step, axis_env=[("batch", n)])(
-    params0, tx.init(params0), x_train[:BATCH], y_train[:BATCH])
-outside = [e.primitive.name for e in closed.jaxpr.eqns if e.primitive.name in COLLECTIVES]
+  params0, tx.init(params0), x_train[:BATCH], y_train[:BATCH]
+)
+outside = [
+  e.primitive.name for e in closed.jaxpr.eqns if e.primitive.name in COLLECTIVES
+]
 cond = next(e for e in closed.jaxpr.eqns if e.primitive.name == "cond")
 quiet, sync = (collectives_in(b.jaxpr) for b in cond.params["branches"])
 print("collectives outside the cond:", outside)

@@ -44,12 +44,15 @@ if "google.colab" in sys.modules:
     wheels = glob.glob("shardopt-*.whl") + glob.glob("/content/shardopt-*.whl")
     if not wheels:
       raise FileNotFoundError(
-          "Upload dist/shardopt-*.whl (from `make wheel`) to Colab's files, or"
-          " set SHARDOPT_PIP_SPEC to the repository URL (git+https://...).")
+        "Upload dist/shardopt-*.whl (from `make wheel`) to Colab's files, or"
+        " set SHARDOPT_PIP_SPEC to the repository URL (git+https://...)."
+      )
     SHARDOPT_PIP_SPEC = max(wheels, key=os.path.getmtime)
   print(f"Installing shardopt from {SHARDOPT_PIP_SPEC}")
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                  SHARDOPT_PIP_SPEC], check=True)
+  subprocess.run(
+    [sys.executable, "-m", "pip", "install", "-q", SHARDOPT_PIP_SPEC],
+    check=True,
+  )
 
 # With no TPU/GPU (or a single one), train on 8 virtual CPU devices. XLA reads
 # this flag when JAX starts its backends, so it must be set before the first
@@ -58,12 +61,13 @@ NUM_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" {_FLAG}={NUM_DEVICES}").strip()
+    os.environ.get("XLA_FLAGS", "") + f" {_FLAG}={NUM_DEVICES}"
+  ).strip()
 
 import jax
 
 if jax.default_backend() in ("tpu", "gpu") and jax.device_count() > 1:
-  DEVICES = jax.devices()[:NUM_DEVICES]     # a TPU slice or a multi-GPU box
+  DEVICES = jax.devices()[:NUM_DEVICES]  # a TPU slice or a multi-GPU box
 else:
   DEVICES = jax.devices("cpu")[:NUM_DEVICES]
 print(f"JAX {jax.__version__}: {len(DEVICES)} x {DEVICES[0].device_kind}")
@@ -74,10 +78,13 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import shardopt
-from shardopt.demo import cross_entropy, init_mlp, load_digits_split
+from shardopt.demo import cross_entropy
+from shardopt.demo import init_mlp
+from shardopt.demo import load_digits_split
 
 n = len(DEVICES)
 mesh = jax.sharding.Mesh(np.array(DEVICES), ("batch",))
@@ -99,22 +106,35 @@ params = jax.device_put(init_mlp(jax.random.key(0), (64, 128, 10)), replicated)
 
 
 def tower_state_specs(inner, params):
-  stand_ins = jax.tree.map(lambda p: jax.ShapeDtypeStruct((1,), p.dtype), params)
-  return jax.tree.map(lambda s: P("batch") if s.ndim else P(),
-                      jax.eval_shape(inner.init, stand_ins))
+  stand_ins = jax.tree.map(
+    lambda p: jax.ShapeDtypeStruct((1,), p.dtype), params
+  )
+  return jax.tree.map(
+    lambda s: P("batch") if s.ndim else P(),
+    jax.eval_shape(inner.init, stand_ins),
+  )
 
 
 def make_step(tx, state_specs):
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh,
-                     in_specs=(P(), state_specs, P("batch"), P("batch")),
-                     out_specs=(P(), state_specs, P()))
+  @functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P(), state_specs, P("batch"), P("batch")),
+    out_specs=(P(), state_specs, P()),
+  )
   def step(params, state, x, y):
     loss, grads = jax.value_and_grad(cross_entropy)(params, x, y)
     updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "batch")
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
-                               out_specs=state_specs))
+    return (
+      optax.apply_updates(params, updates),
+      state,
+      jax.lax.pmean(loss, "batch"),
+    )
+
+  init = jax.jit(
+    jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs)
+  )
   return init, step
 
 
@@ -128,28 +148,49 @@ cross_init, cross_step = make_step(cross_tx, P())
 def per_device_bytes(tree):
   """Bytes of ``tree`` that live on the first device."""
   first = DEVICES[0]
-  return sum(s.data.nbytes for leaf in jax.tree.leaves(tree)
-             for s in leaf.addressable_shards if s.device == first)
+  return sum(
+    s.data.nbytes
+    for leaf in jax.tree.leaves(tree)
+    for s in leaf.addressable_shards
+    if s.device == first
+  )
 
 
 batches = np.random.default_rng(0).integers(0, len(x_train), size=(40, n * 32))
 runs = {}
-for name, init, step in (("tower", tower_init, tower_step),
-                         ("cross_shard", cross_init, cross_step)):
+for name, init, step in (
+  ("tower", tower_init, tower_step),
+  ("cross_shard", cross_init, cross_step),
+):
   p, state = params, init(params)
   for idx in batches:
-    p, state, loss = step(p, state, jax.device_put(x_train[idx], rows),
-                          jax.device_put(y_train[idx], rows))
+    p, state, loss = step(
+      p,
+      state,
+      jax.device_put(x_train[idx], rows),
+      jax.device_put(y_train[idx], rows),
+    )
     loss = float(loss)
   runs[name] = (p, state, loss)
-  print(f"{name:<12} loss {loss:.4f}   optimizer state on one device:"
-        f" {per_device_bytes(state):>7,} bytes")
+  print(
+    f"{name:<12} loss {loss:.4f}   optimizer state on one device:"
+    f" {per_device_bytes(state):>7,} bytes"
+  )
 
-diff = max(float(jnp.abs(a - b).max()) for a, b in zip(
-    jax.tree.leaves(runs["tower"][0]), jax.tree.leaves(runs["cross_shard"][0])))
-print(f"max |params(tower) - params(cross_shard)| after {len(batches)} steps: {diff:.2e}")
-assert diff < 1e-4   # equal up to the order of float additions
-assert per_device_bytes(runs["tower"][1]) * n <= per_device_bytes(runs["cross_shard"][1]) + 64 * n
+diff = max(
+  float(jnp.abs(a - b).max())
+  for a, b in zip(
+    jax.tree.leaves(runs["tower"][0]), jax.tree.leaves(runs["cross_shard"][0])
+  )
+)
+print(
+  f"max |params(tower) - params(cross_shard)| after {len(batches)} steps: {diff:.2e}"
+)
+assert diff < 1e-4  # equal up to the order of float additions
+assert (
+  per_device_bytes(runs["tower"][1]) * n
+  <= per_device_bytes(runs["cross_shard"][1]) + 64 * n
+)
 
 # %% [markdown]
 # ## TensorFlow's loss scaling, and its test oracle
@@ -166,29 +207,42 @@ two = jax.sharding.Mesh(np.array(DEVICES[:2]), ("batch",))
 
 
 def tower_oracle(reduction, scale_loss_first):
-  tx = shardopt.tower(optax.sgd(1.0), "batch",
-                      reduction="sum" if scale_loss_first else reduction)
+  tx = shardopt.tower(
+    optax.sgd(1.0), "batch", reduction="sum" if scale_loss_first else reduction
+  )
 
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=two, in_specs=(P(), P("batch")),
-                     out_specs=P())
+  @functools.partial(
+    jax.shard_map, mesh=two, in_specs=(P(), P("batch")), out_specs=P()
+  )
   def step(c, features):
     def loss(c):
       per_tower = jnp.sum(jnp.abs(features * c - features))
-      return (shardopt.scale_loss(per_tower, "batch", reduction=reduction)
-              if scale_loss_first else per_tower)
+      return (
+        shardopt.scale_loss(per_tower, "batch", reduction=reduction)
+        if scale_loss_first
+        else per_tower
+      )
+
     grads = jax.grad(loss)(jax.lax.pcast(c, "batch", to="varying"))
     updates, _ = tx.update(grads, tx.init(c), c)
     return optax.apply_updates(c, updates)
 
-  features = jax.device_put(jnp.array([[1.0], [2.0]]), NamedSharding(two, P("batch")))
+  features = jax.device_put(
+    jnp.array([[1.0], [2.0]]), NamedSharding(two, P("batch"))
+  )
   return float(step(jnp.float32(10.0), features))
 
 
 for reduction, want in (("sum", 7.0), ("mean", 8.5)):
-  literal, jax_style = tower_oracle(reduction, True), tower_oracle(reduction, False)
-  print(f"{reduction}: TF literal (scale_loss + tower sum) c = {literal},"
-        f"  JAX style (tower {reduction}) c = {jax_style}")
+  literal, jax_style = (
+    tower_oracle(reduction, True),
+    tower_oracle(reduction, False),
+  )
+  print(
+    f"{reduction}: TF literal (scale_loss + tower sum) c = {literal},"
+    f"  JAX style (tower {reduction}) c = {jax_style}"
+  )
   assert literal == jax_style == want
 
 # %% [markdown]
@@ -201,7 +255,7 @@ for reduction, want in (("sum", 7.0), ("mean", 8.5)):
 # full gradient.
 
 # %%
-grads = {"w": jnp.arange(1.0, 17.0)}   # the same on every replica; norm ~ 38.7
+grads = {"w": jnp.arange(1.0, 17.0)}  # the same on every replica; norm ~ 38.7
 
 
 def tower_update(inner):
@@ -210,13 +264,15 @@ def tower_update(inner):
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(), out_specs=P())
   def update(g):
-    g = jax.lax.pcast(g, "batch", to="varying")   # each replica's own gradient
+    g = jax.lax.pcast(g, "batch", to="varying")  # each replica's own gradient
     return tx.update(g, tx.init(g), g)[0]
 
   return np.asarray(update(grads)["w"])
 
 
-full = np.asarray(optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())[0]["w"])
+full = np.asarray(
+  optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())[0]["w"]
+)
 aware = tower_update(shardopt.clip_by_global_norm(1.0, "batch"))
 naive = tower_update(optax.clip_by_global_norm(1.0))
 print("norm of the update, sharding-aware clip:", np.linalg.norm(aware))

@@ -22,10 +22,13 @@ from nbclient import NotebookClient
 
 HERE = pathlib.Path(__file__).resolve().parent
 METADATA = {
-    "kernelspec": {"display_name": "Python 3", "language": "python",
-                   "name": "python3"},
-    "language_info": {"name": "python"},
-    "colab": {"provenance": []},
+  "kernelspec": {
+    "display_name": "Python 3",
+    "language": "python",
+    "name": "python3",
+  },
+  "language_info": {"name": "python"},
+  "colab": {"provenance": []},
 }
 
 
@@ -35,8 +38,12 @@ def write(source: pathlib.Path, execute: bool = True) -> pathlib.Path:
   for i, cell in enumerate(nb.cells):
     cell["id"] = f"cell-{i:02d}"
   if execute:
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(HERE)}}).execute()
+    NotebookClient(
+      nb,
+      timeout=600,
+      kernel_name="python3",
+      resources={"metadata": {"path": str(HERE)}},
+    ).execute()
     nb.metadata = dict(METADATA)  # drop what the kernel added (versions)
   nbformat.validate(nb)
   target = source.with_suffix(".ipynb")
@@ -47,8 +54,11 @@ def write(source: pathlib.Path, execute: bool = True) -> pathlib.Path:
 def main(argv: list[str]) -> None:
   execute = "--no-execute" not in argv
   names = [a for a in argv if not a.startswith("--")]
-  sources = ([pathlib.Path(n).resolve() for n in names] if names else
-             sorted(p for p in HERE.glob("*.py") if not p.name.startswith("_")))
+  sources = (
+    [pathlib.Path(n).resolve() for n in names]
+    if names
+    else sorted(p for p in HERE.glob("*.py") if not p.name.startswith("_"))
+  )
   for source in sources:
     print(f"wrote {write(source, execute).relative_to(HERE.parent)}")
 
