@@ -11,6 +11,7 @@ version came along, and runs the docstring example of ``shardopt.reduce``.
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -42,10 +43,18 @@ def _run(cmd, env=None, **kwargs):
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
+  # Built from a copy of what the sdist needs, so the checkout gets no build/
+  # or egg-info, and two xdist workers never build in the same folder.
+  source = tmp_path_factory.mktemp("source")
+  for name in ("pyproject.toml", "README.md"):
+    shutil.copy2(ROOT / name, source / name)
+  shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns(
+      "__pycache__", "*.egg-info"))
   out = tmp_path_factory.mktemp("dist")
   # --no-isolation: build with this environment's setuptools (the dev extra
   # pins setuptools>=77), no download.
-  _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", out, ROOT])
+  _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", out,
+        source])
   return out
 
 
