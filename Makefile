@@ -33,9 +33,13 @@ docs: $(VENV)/.docs-installed
 	rm -rf docs/_build
 	$(PY) -m sphinx -b html -W -n --keep-going docs docs/_build/html
 
+# Both checks always run (and report); the target fails if either found a
+# violation. Fix with `ruff check --fix .` and `ruff format .`.
 lint: $(VENV)/.installed
-	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
+	status=0; \
+	$(PY) -m ruff check . || status=1; \
+	$(PY) -m ruff format --check . || status=1; \
+	exit $$status
 
 # sdist + wheel in dist/, checked with twine.
 wheel: $(VENV)/.installed
