@@ -2,13 +2,18 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean notebooks docs lint wheel
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(VENV)/.installed
+
+# The docs extra (Sphinx, myst-nb, the theme) on top of the dev install.
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[dev,docs]"
+	touch $(VENV)/.docs-installed
 
 install: $(VENV)/.installed
 
@@ -18,8 +23,32 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 tests
 
+# Write each notebooks/NN_*.ipynb from its jupytext source and execute it.
+notebooks: $(VENV)/.installed
+	$(PY) notebooks/_execute.py
+
+# The docs site in docs/_build/html. -W: any warning fails; -n: nitpicky, every
+# cross-reference must resolve (offline, see docs/conf.py).
+docs: $(VENV)/.docs-installed
+	rm -rf docs/_build
+	$(PY) -m sphinx -b html -W -n --keep-going docs docs/_build/html
+
+# Both checks always run (and report); the target fails if either found a
+# violation. Fix with `ruff check --fix .` and `ruff format .`.
+lint: $(VENV)/.installed
+	status=0; \
+	$(PY) -m ruff check . || status=1; \
+	$(PY) -m ruff format --check . || status=1; \
+	exit $$status
+
+# sdist + wheel in dist/, checked with twine.
+wheel: $(VENV)/.installed
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m twine check --strict dist/*
+
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache docs/_build docs/notebooks dist build

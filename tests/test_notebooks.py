@@ -1,5 +1,11 @@
-"""The notebooks are what the generator writes, run top to bottom, and only
+"""The notebooks match their jupytext sources, run top to bottom, and only
 install packages on Colab.
+
+Each notebook's source is ``notebooks/NN_name.py`` (jupytext ``py:percent``);
+the ``.ipynb`` next to it, with stored outputs, is what Colab and the docs site
+open. ``make notebooks`` writes every ``.ipynb`` from its source and executes
+it. The sources are found by glob, so a new ``notebooks/04_*.py`` is checked
+and executed here without editing this file.
 
 Each notebook is executed on the CPU with nbclient in a fresh kernel that
 runs *this* interpreter (a kernelspec written to a temporary directory, so a
@@ -11,23 +17,56 @@ import pathlib
 import sys
 import types
 
+import jupytext
 import nbformat
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS_DIR = ROOT / "notebooks"
-NOTEBOOKS = ("01_cross_shard_pmap.ipynb", "02_agn_local_steps.ipynb",
-             "03_tower_sharded_state.ipynb")
+SOURCES = sorted(p for p in NOTEBOOKS_DIR.glob("*.py")
+                 if not p.name.startswith("_"))
 CELL_TIMEOUT_S = 300
+FIX = "edit the .py source, then run `make notebooks`"
 
 
-def _generator():
-  sys.path.insert(0, str(NOTEBOOKS_DIR))
-  try:
-    import _make_notebooks  # pylint: disable=g-import-not-at-top
-  finally:
-    sys.path.remove(str(NOTEBOOKS_DIR))
-  return _make_notebooks
+def _cells(nb: nbformat.NotebookNode) -> list:
+  """What the sync check compares: each cell's type and source, no outputs."""
+  return [(c.cell_type, c.source) for c in nb.cells]
+
+
+def _ids(paths):
+  return [p.stem for p in paths]
+
+
+def test_there_are_notebook_sources():
+  assert SOURCES, f"no jupytext sources in {NOTEBOOKS_DIR}"
+
+
+def test_every_ipynb_has_a_jupytext_source():
+  orphans = [p.name for p in NOTEBOOKS_DIR.glob("*.ipynb")
+             if not p.with_suffix(".py").exists()]
+  assert not orphans, (
+      f"notebooks without a py:percent source: {orphans}; create one with"
+      " `jupytext --to py:percent notebooks/NAME.ipynb`")
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=_ids(SOURCES))
+def test_ipynb_cells_match_their_jupytext_source(source):
+  ipynb = source.with_suffix(".ipynb")
+  assert ipynb.exists(), f"notebooks/{ipynb.name} is missing: {FIX}"
+  want = _cells(jupytext.read(source))
+  have = _cells(nbformat.read(str(ipynb), as_version=4))
+  assert have == want, f"notebooks/{ipynb.name} is out of sync: {FIX}"
+
+
+def test_sync_check_sees_an_edited_cell(tmp_path):
+  source = SOURCES[0]
+  edited = tmp_path / source.name
+  edited.write_text(source.read_text().replace(
+      "import jax\n", "import jax  # edited\n", 1))
+  nb = nbformat.read(str(source.with_suffix(".ipynb")), as_version=4)
+  assert _cells(jupytext.read(edited)) != _cells(nb)
+  assert _cells(jupytext.read(source)) == _cells(nb)
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +78,12 @@ def kernel_spec_dir(tmp_path_factory):
   return kernels
 
 
-def _execute(path: pathlib.Path, kernels: pathlib.Path) -> nbformat.NotebookNode:
+def _execute(nb: nbformat.NotebookNode,
+             kernels: pathlib.Path) -> nbformat.NotebookNode:
   from jupyter_client.kernelspec import KernelSpecManager  # pylint: disable=g-import-not-at-top
   from jupyter_client.manager import KernelManager  # pylint: disable=g-import-not-at-top
   from nbclient import NotebookClient  # pylint: disable=g-import-not-at-top
 
-  nb = nbformat.read(str(path), as_version=4)
   spec_manager = KernelSpecManager(kernel_dirs=[str(kernels)])
   km = KernelManager(kernel_name="shardopt-test",
                      kernel_spec_manager=spec_manager)
@@ -55,45 +94,64 @@ def _execute(path: pathlib.Path, kernels: pathlib.Path) -> nbformat.NotebookNode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_top_to_bottom_on_8_cpu_devices(name, kernel_spec_dir):
-  nb = _execute(NOTEBOOKS_DIR / name, kernel_spec_dir)
+@pytest.mark.parametrize("source", SOURCES, ids=_ids(SOURCES))
+def test_notebook_runs_top_to_bottom_on_8_cpu_devices(source, kernel_spec_dir):
+  nb = _execute(jupytext.read(source), kernel_spec_dir)
   outputs = [o for cell in nb.cells if cell.cell_type == "code"
              for o in cell.get("outputs", [])]
   assert not [o for o in outputs if o.output_type == "error"]
   text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
   assert "8 x cpu" in text.lower() or "8 x TFRT_CPU" in text, text[:500]
-  if name.startswith("02"):  # the communication-vs-accuracy plot was drawn
+  if source.name.startswith("02"):  # the communication-vs-accuracy plot
     assert any("image/png" in o.get("data", {}) for o in outputs)
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_files_match_their_generator(name, tmp_path):
-  _generator().main(tmp_path)
-  want = nbformat.read(str(tmp_path / name), as_version=4)
-  have = nbformat.read(str(NOTEBOOKS_DIR / name), as_version=4)
-  assert [(c.cell_type, c.source) for c in have.cells] == [
-      (c.cell_type, c.source) for c in want.cells], (
-          f"notebooks/{name} is out of date: run"
-          " `.venv/bin/python notebooks/_make_notebooks.py`")
+def _setup_cell(source: pathlib.Path) -> str:
+  return next(c for c in jupytext.read(source).cells
+              if c.cell_type == "code").source
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_first_cell_installs_only_on_colab_and_picks_devices(name, monkeypatch):
-  nb = nbformat.read(str(NOTEBOOKS_DIR / name), as_version=4)
-  setup = next(c for c in nb.cells if c.cell_type == "code").source
+@pytest.mark.parametrize("source", SOURCES, ids=_ids(SOURCES))
+def test_first_cell_installs_only_on_colab_and_picks_devices(
+    source, monkeypatch):
+  setup = _setup_cell(source)
   assert "!" not in setup.split("\n")[0]  # valid Python, no shell magics
   calls = []
   monkeypatch.setattr("subprocess.run",
                       lambda cmd, **kwargs: calls.append(cmd))
+  monkeypatch.delenv("SHARDOPT_PIP_SPEC", raising=False)
 
   namespace = {}
-  exec(compile(setup, f"{name}[setup]", "exec"), namespace)  # not on Colab
+  exec(compile(setup, f"{source.name}[setup]", "exec"), namespace)  # no Colab
   assert calls == []
   assert len(namespace["DEVICES"]) == 8
 
+
+@pytest.mark.parametrize("source", SOURCES, ids=_ids(SOURCES))
+def test_colab_installs_the_uploaded_wheel_or_the_spec_it_is_given(
+    source, monkeypatch, tmp_path, capsys):
+  setup = _setup_cell(source)
+  calls = []
+  monkeypatch.setattr("subprocess.run",
+                      lambda cmd, **kwargs: calls.append(cmd))
   monkeypatch.setitem(sys.modules, "google.colab",
                       types.ModuleType("google.colab"))
-  exec(compile(setup, f"{name}[setup]", "exec"), {})  # on Colab
-  assert len(calls) == 1
-  assert calls[0][:4] == [sys.executable, "-m", "pip", "install"]
+  monkeypatch.delenv("SHARDOPT_PIP_SPEC", raising=False)
+  monkeypatch.chdir(tmp_path)
+  code = compile(setup, f"{source.name}[setup]", "exec")
+
+  with pytest.raises(FileNotFoundError, match="SHARDOPT_PIP_SPEC"):
+    exec(code, {})  # neither a wheel nor a spec: says what to do
+  assert calls == []
+
+  wheel = "shardopt-0.1.0-py3-none-any.whl"
+  (tmp_path / wheel).write_bytes(b"")
+  exec(code, {})
+  assert calls[-1] == [sys.executable, "-m", "pip", "install", "-q", wheel]
+  assert f"Installing shardopt from {wheel}" in capsys.readouterr().out
+
+  repo = "git+https://example.invalid/shardopt.git"
+  monkeypatch.setenv("SHARDOPT_PIP_SPEC", repo)
+  exec(code, {})
+  assert calls[-1] == [sys.executable, "-m", "pip", "install", "-q", repo]
+  assert len(calls) == 2

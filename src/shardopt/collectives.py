@@ -99,7 +99,7 @@ def reduce(tree: Any, axis_name: Any, *, reduction: str = "mean",
   checking ``shard_map``, varying leaf        ``pmean``     ``psum``
   checking ``shard_map``, invariant leaf      ``x / n``     ``x``
   any mapping, groups, varying leaf           group mean    group sum
-  any mapping, groups, invariant leaf         ``ValueError``  ``ValueError``
+  any mapping, groups, invariant leaf         ValueError    ValueError
   ``axis_name=None`` (plain ``jit``)          identity      identity
   ==========================================  ============  ===============
 
