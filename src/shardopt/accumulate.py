@@ -38,8 +38,10 @@ class AccumulateState(NamedTuple):
     gradient_step: int32 scalar, updates of ``inner`` so far (optax's
       ``MultiStepsState.gradient_step``).
     acc_grads: the running mean (``use_grad_mean=True``) or sum of this
-      replica's gradients since the last update, float32 for bfloat16/float16
-      params.
+      replica's gradients in the current period, float32 for bfloat16/float16
+      params. After an update it still holds what ``inner`` was fed
+      (``optax.MultiSteps`` zeroes it); ``mini_step == 0`` tells the next
+      mini-step to start from zero, which saves a pass over it.
     inner_state: ``inner``'s state.
   """
   mini_step: chex.Array
@@ -94,8 +96,9 @@ def accumulate(inner: optax.GradientTransformation, every_k_steps: int, *,
   2. mini-steps ``1 .. k - 1`` return zero updates and leave ``inner_state``
      as it is;
   3. the ``k``-th feeds the accumulated gradients (cast to the gradients'
-     dtype) to ``inner.update``, returns its updates, resets ``acc_grads`` and
-     ``mini_step`` to zero and counts ``gradient_step``.
+     dtype) to ``inner.update``, returns its updates, sets ``mini_step`` to
+     zero (the next mini-step restarts ``acc_grads`` from zero) and counts
+     ``gradient_step``.
 
   Unlike ``optax.MultiSteps``, which runs ``inner.update`` on every mini-step
   and masks the result, ``inner.update`` runs only in the emit branch of one
