@@ -5,6 +5,8 @@ on ``jax.lax`` collectives for ``jax.pmap`` and ``jax.shard_map``.
 """
 
 from shardopt._axes import AxisNotBoundError
+from shardopt.accumulate import AccumulateState
+from shardopt.accumulate import accumulate
 from shardopt.collectives import broadcast
 from shardopt.collectives import reduce
 from shardopt.collectives import replica_divergence
@@ -12,6 +14,8 @@ from shardopt.cross_shard import cross_shard
 from shardopt.cross_shard import cross_shard_mean
 from shardopt.cross_shard import cross_shard_sum
 from shardopt.cross_shard import scale_loss
+from shardopt.finite import all_finite
+from shardopt.finite import apply_if_finite
 from shardopt.periodic import AGNState
 from shardopt.periodic import agn
 from shardopt.periodic import diloco
@@ -36,4 +40,8 @@ __all__ = [
     "local_sgd",
     "clip_by_global_norm",
     "tower",
+    "AccumulateState",
+    "accumulate",
+    "all_finite",
+    "apply_if_finite",
 ]

@@ -212,3 +212,61 @@ def check_comm_dtype(comm_dtype: Any, transform: str,
     raise TypeError(f"{transform}: comm_dtype={dtype}{on} is not a floating"
                     " dtype; use e.g. jnp.bfloat16 or jnp.float16.")
   return dtype
+
+
+def cast_tree_like(tree: Any, *likes: Any) -> Any:
+  """Casts each leaf of ``tree`` to be varying wherever a ``likes`` leaf is.
+
+  ``likes`` are pytrees of the same structure as ``tree`` (arrays or
+  ``jax.eval_shape`` results); a ``None`` in ``likes`` is skipped. The identity
+  outside a checking shard_map.
+  """
+  if not vma_checked():
+    return tree
+  likes = tuple(like for like in likes if like is not None)
+
+  def leaf(x, *others):
+    axes = frozenset().union(*(varying_axes(o) for o in others))
+    return cast_varying(x, axes)
+
+  return jax.tree.map(leaf, tree, *likes)
+
+
+def cond_same_types(pred: Any, true_fn, false_fn, *, true_types: Any = None
+                    ) -> Any:
+  """``jax.lax.cond(pred, true_fn, false_fn)`` whose branches agree on types.
+
+  Under a checking shard_map the branches of a ``lax.cond`` must return the
+  same varying axes, but a branch that reduces returns invariant values and
+  one that passes state through may return varying ones. Each output leaf of
+  both branches is cast to the union of the two branches' varying axes. Pass
+  ``true_types`` (``jax.eval_shape(true_fn)``) when the caller has it already.
+  """
+  if not vma_checked():
+    return jax.lax.cond(pred, true_fn, false_fn)
+  if true_types is None:
+    true_types = jax.eval_shape(true_fn)
+  false_types = jax.eval_shape(false_fn)
+  return jax.lax.cond(
+      pred, lambda: cast_tree_like(true_fn(), true_types, false_types),
+      lambda: cast_tree_like(false_fn(), true_types, false_types))
+
+
+def scalar_counter(count: Any, transform: str, field: str) -> jax.Array:
+  """The value of a step counter, as a scalar, however the state arrived.
+
+  Step counters are the same on every replica by construction, so a counter
+  typed varying (the whole state under ``P(axis)`` in ``jax.shard_map``) is
+  as good as a replicated one; stacked under that spelling it arrives with
+  shape ``(1,)``. Anything with more than one element is an error that gives
+  the specs to use.
+  """
+  if jnp.size(count) != 1:
+    raise ValueError(
+        f"{transform}: {field} has shape {jnp.shape(count)}, expected a scalar"
+        " step counter (the same on every replica). Under jax.shard_map give"
+        " the state's scalar counters spec P(), or stack the whole state with"
+        " a leading replica axis (jax.pmap(tx.init) or jax.vmap(tx.init)) and"
+        " give every leaf spec P(axis); under jax.pmap build the state with"
+        " jax.pmap(tx.init).")
+  return jnp.reshape(count, ())

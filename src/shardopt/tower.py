@@ -231,8 +231,11 @@ def tower(inner: optax.GradientTransformation, axis_name: Any, *,
       params = owned_params(params, num_owners)
     owned_updates, state = inner.update(owned_updates, state, params,
                                         **extra_args)
-    updates = jax.tree.map(lambda chunk, g: _unshard(chunk, g, axis_name),
-                           owned_updates, updates)
+    # A state stacked under shard_map (every leaf under P(axis), counters
+    # included) gives inner's updates a leading 1: flatten before gathering.
+    updates = jax.tree.map(
+        lambda chunk, g: _unshard(jnp.reshape(chunk, (-1,)), g, axis_name),
+        owned_updates, updates)
     return updates, state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

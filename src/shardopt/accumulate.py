@@ -1,0 +1,206 @@
+"""Gradient accumulation that communicates once per period: ``accumulate``.
+
+``optax.MultiSteps(inner, k)`` runs ``inner.update`` on every mini-step and
+masks the result, so a ``cross_shard`` inside it all-reduces ``k`` times per
+update. :func:`accumulate` computes the same numbers but runs ``inner.update``
+only in the emit branch of one ``jax.lax.cond`` whose predicate is the
+replicated mini-step counter: ``k - 1`` of ``k`` mini-steps add the gradient
+to a local accumulator and communicate nothing. This is PyTorch DDP's
+``no_sync()`` and Horovod's ``backward_passes_per_step``.
+
+The examples below assume 8 devices, e.g. a CPU forced to show them with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before jax is
+imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from shardopt import _axes
+from shardopt.periodic import _accumulation_dtype
+
+_ACCUMULATE = "shardopt.accumulate"
+
+
+class AccumulateState(NamedTuple):
+  """State of :func:`accumulate`.
+
+  Attributes:
+    mini_step: int32 scalar, gradients accumulated since the last update
+      (``0 .. every_k_steps - 1``); the same on every replica.
+    gradient_step: int32 scalar, updates of ``inner`` so far (optax's
+      ``MultiStepsState.gradient_step``).
+    acc_grads: the running mean (``use_grad_mean=True``) or sum of this
+      replica's gradients in the current period, float32 for bfloat16/float16
+      params. After an update it still holds what ``inner`` was fed
+      (``optax.MultiSteps`` zeroes it); ``mini_step == 0`` tells the next
+      mini-step to start from zero, which saves a pass over it.
+    inner_state: ``inner``'s state.
+  """
+  mini_step: chex.Array
+  gradient_step: chex.Array
+  acc_grads: Any
+  inner_state: Any
+
+
+def _check_every_k_steps(every_k_steps: Any) -> int:
+  if isinstance(every_k_steps, (bool, np.bool_)) or not isinstance(
+      every_k_steps, (int, np.integer)) or int(every_k_steps) < 1:
+    raise ValueError(
+        f"{_ACCUMULATE}: every_k_steps={every_k_steps!r} must be a positive"
+        " integer, the number of mini-steps whose gradients make one update"
+        " (e.g. 4); 1 updates on every step.")
+  return int(every_k_steps)
+
+
+def _accumulated(grads: Any, acc_grads: Any, mini_step: jax.Array,
+                 use_grad_mean: bool) -> Any:
+  """The accumulator after this mini-step's gradients (optax's arithmetic).
+
+  The mean is Welford's running mean, ``acc + (g - acc) / (n + 1)`` with
+  ``n = mini_step`` gradients already in ``acc``, exactly as
+  ``optax.MultiSteps`` computes it, so both give the same bits. At
+  ``mini_step == 0`` the accumulator starts from zero whatever it holds (the
+  previous period's value is never read), so an update needs no separate
+  pass to reset it.
+  """
+  fresh = mini_step == 0
+
+  def add(g, acc):
+    acc = jnp.where(fresh, jnp.zeros_like(acc), acc)
+    if use_grad_mean:
+      return (acc + (g - acc) / (mini_step + 1)).astype(acc.dtype)
+    return (acc + g).astype(acc.dtype)
+
+  return jax.tree.map(add, grads, acc_grads)
+
+
+def accumulate(inner: optax.GradientTransformation, every_k_steps: int, *,
+               use_grad_mean: bool = True
+               ) -> optax.GradientTransformationExtraArgs:
+  """Accumulates gradients over ``every_k_steps`` mini-steps, updates once.
+
+  The same numbers as ``optax.MultiSteps(inner, every_k_steps,
+  use_grad_mean=use_grad_mean).gradient_transformation()``:
+
+  1. every mini-step adds the gradients to ``acc_grads`` (Welford's running
+     mean, or the sum with ``use_grad_mean=False``; float32 for bfloat16 and
+     float16 params) and counts ``mini_step``;
+  2. mini-steps ``1 .. k - 1`` return zero updates and leave ``inner_state``
+     as it is;
+  3. the ``k``-th feeds the accumulated gradients (cast to the gradients'
+     dtype) to ``inner.update``, returns its updates, sets ``mini_step`` to
+     zero (the next mini-step restarts ``acc_grads`` from zero) and counts
+     ``gradient_step``.
+
+  Unlike ``optax.MultiSteps``, which runs ``inner.update`` on every mini-step
+  and masks the result, ``inner.update`` runs only in the emit branch of one
+  ``jax.lax.cond`` whose predicate is the mini-step counter, the same on every
+  replica by construction. Every collective of ``inner`` (``cross_shard``,
+  ``tower``, ``clip_by_global_norm(max_norm, axis)``) therefore runs once per
+  ``k`` mini-steps: the compiled ``tx.update`` has no collective outside the
+  branch. The zero updates of a mini-step carry the emit branch's types, so
+  under a checking ``jax.shard_map`` updates that ``inner`` types invariant
+  stay invariant and replicated ``P()`` params stay ``P()``.
+
+  One limit no optimizer can lift: with replicated ``P()`` params inside a
+  checking ``shard_map``, ``jax.grad`` itself all-reduces the gradient in the
+  backward pass on *every* mini-step (autodiff's ``psum``, outside the
+  optimizer). To communicate once per ``k`` there, cast the params to varying
+  before ``jax.grad`` (``jax.lax.pcast(params, axis, to="varying")``), so each
+  replica keeps its local gradient until ``inner`` reduces it. Under ``pmap``
+  the gradient is local already.
+
+  The counters may arrive typed varying (the whole state under ``P(axis)``
+  under ``shard_map``) or stacked (``jax.pmap(tx.init)``): they are equal on
+  every replica by construction, so either works.
+
+  Args:
+    inner: the transform applied to the accumulated gradients, e.g.
+      ``shardopt.cross_shard(optax.adam(1e-3), "batch")``.
+    every_k_steps: mini-steps per update, a positive integer.
+    use_grad_mean: average the accumulated gradients (default) or sum them.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state
+    :class:`AccumulateState`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, shardopt
+    >>> tx = shardopt.accumulate(shardopt.cross_shard(optax.sgd(1.0), "batch"), 2)
+    >>> def two_steps(w, g):
+    ...   state = tx.init(w)
+    ...   first, state = tx.update(g, state, w)       # accumulates, no all-reduce
+    ...   second, state = tx.update(2 * g, state, w)  # one all-reduce, one update
+    ...   return first, second, state.gradient_step
+    >>> first, second, steps = jax.pmap(two_steps, axis_name="batch")(
+    ...     jnp.zeros(8), jnp.arange(8.0))
+    >>> np.asarray(first)
+    array([0., 0., 0., 0., 0., 0., 0., 0.], dtype=float32)
+    >>> np.asarray(second)  # -(mean over replicas of (g + 2 g) / 2) = -1.5 * 3.5
+    array([-5.25, -5.25, -5.25, -5.25, -5.25, -5.25, -5.25, -5.25], dtype=float32)
+    >>> int(steps[0])
+    1
+
+  References:
+    ``optax.MultiSteps``; PyTorch, ``DistributedDataParallel.no_sync``;
+    Sergeev and Del Balso, `Horovod: fast and easy distributed deep learning
+    in TensorFlow <https://arxiv.org/abs/1802.05799>`_, 2018
+    (``backward_passes_per_step``).
+  """
+  k = _check_every_k_steps(every_k_steps)
+  if not isinstance(use_grad_mean, (bool, np.bool_)):
+    raise TypeError(f"{_ACCUMULATE}: use_grad_mean={use_grad_mean!r} must be"
+                    " True (average the accumulated gradients) or False (sum).")
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return AccumulateState(
+        mini_step=jnp.zeros([], jnp.int32),
+        gradient_step=jnp.zeros([], jnp.int32),
+        acc_grads=jax.tree.map(
+            lambda p: jnp.zeros(jnp.shape(p), _accumulation_dtype(p.dtype)),
+            params),
+        inner_state=inner.init(params))
+
+  def update_fn(grads, state, params=None, **extra_args):
+    mini_step = _axes.scalar_counter(state.mini_step, _ACCUMULATE,
+                                     "state.mini_step")
+    emit = mini_step == k - 1
+
+    # Every mini-step: one pass that adds the gradients to the accumulator in
+    # place (the first mini-step of a period starts from zero).
+    acc_grads = _accumulated(grads, state.acc_grads, mini_step, use_grad_mean)
+
+    def emit_branch():
+      mean_or_sum = jax.tree.map(lambda a, g: a.astype(g.dtype), acc_grads,
+                                 grads)
+      return inner.update(mean_or_sum, state.inner_state, params, **extra_args)
+
+    emit_types = jax.eval_shape(emit_branch)
+
+    def mini_branch():
+      zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype),
+                           emit_types[0])
+      return zeros, state.inner_state
+
+    # Both branches return the same types: the zeros take the emit branch's
+    # varying axes (invariant where inner's updates are), each inner-state
+    # leaf the union of both branches'.
+    updates, inner_state = _axes.cond_same_types(
+        emit, emit_branch, mini_branch, true_types=emit_types)
+    return updates, AccumulateState(
+        mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
+        gradient_step=jnp.where(
+            emit, optax.safe_increment(state.gradient_step),
+            state.gradient_step).astype(jnp.int32),
+        acc_grads=acc_grads, inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,205 @@
+"""A finite check every replica agrees on: ``all_finite``, ``apply_if_finite``.
+
+``optax.apply_if_finite(inner)`` decides on each replica's own gradients. When
+``inner`` communicates (``cross_shard``, ``tower``, ``accumulate``), a NaN on
+one replica sends only that replica into the skip branch while the others
+wait in the all-reduce of the update branch: under ``pmap`` the step
+deadlocks. :func:`apply_if_finite` makes the decision with :func:`all_finite`
+over the axis, one scalar all-reduce, so every replica takes the same branch.
+
+The examples below assume 8 devices, e.g. a CPU forced to show them with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before jax is
+imported.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from shardopt import _axes
+from shardopt.collectives import reduce
+
+_ALL_FINITE = "shardopt.all_finite"
+_APPLY_IF_FINITE = "shardopt.apply_if_finite"
+
+
+def _locally_finite(tree: Any) -> jax.Array:
+  """A bool scalar: every element of every leaf of ``tree`` here is finite."""
+  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
+
+
+def all_finite(tree: Any, axis_name: Any = None, *,
+               axis_index_groups=None) -> jax.Array:
+  """True iff every element of ``tree`` is finite on every replica (of a group).
+
+  Each replica tests its own leaves, then one all-reduce of a 4-byte flag (the
+  number of replicas that saw a NaN or an inf, summed with
+  :func:`shardopt.reduce`) makes the answer the same on every replica of the
+  axis, or of each group with ``axis_index_groups``. Under a checking
+  ``jax.shard_map`` the result without groups is typed invariant, so it can
+  leave through ``out_specs=P()`` and decide a ``lax.cond`` that all-reduces;
+  leaves typed invariant are the same on every replica and are not
+  communicated. ``axis_name=None`` tests this replica only (no collective).
+
+  Args:
+    tree: a pytree of arrays (gradients, typically); ``None`` leaves are
+      skipped, integer leaves are always finite.
+    axis_name: the ``pmap``/mesh axis name (or tuple of names), or None.
+    axis_index_groups: optional equal-size groups of replica indices; each
+      group then agrees on its own answer.
+
+  Returns:
+    A bool scalar, the same on every replica of the axis (or group).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, shardopt
+    >>> grads = jnp.ones((8, 3)).at[5, 1].set(jnp.nan)  # a NaN on replica 5
+    >>> f = jax.pmap(lambda g: (shardopt.all_finite(g), shardopt.all_finite(g, "i")),
+    ...              axis_name="i")
+    >>> here, everywhere = f(grads)
+    >>> np.asarray(here)
+    array([ True,  True,  True,  True,  True, False,  True,  True])
+    >>> np.asarray(everywhere)
+    array([False, False, False, False, False, False, False, False])
+    >>> g = jax.pmap(lambda g: shardopt.all_finite(
+    ...     g, "i", axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]]), axis_name="i")
+    >>> np.asarray(g(grads))
+    array([ True,  True,  True,  True, False, False, False, False])
+  """
+  finite = _locally_finite(tree)
+  if axis_name is None:
+    if axis_index_groups is not None:
+      raise ValueError(
+          f"{_ALL_FINITE}: axis_index_groups={axis_index_groups!r} needs a"
+          " named axis, but axis_name=None. Pass the pmap/mesh axis name.")
+    return finite
+  bad = jnp.logical_not(finite).astype(jnp.float32)
+  if axis_index_groups is not None and _axes.vma_checked():
+    # A flag typed invariant is the same everywhere; groups need it varying
+    # to be summed within each group (shardopt.reduce rejects invariant
+    # leaves with groups).
+    bad = _axes.cast_varying(bad, _axes.axis_names(axis_name))
+  bad_replicas = reduce(bad, axis_name, reduction="sum",
+                        axis_index_groups=axis_index_groups,
+                        _transform=_ALL_FINITE)
+  return bad_replicas == 0
+
+
+def apply_if_finite(inner: optax.GradientTransformation, axis_name: Any,
+                    max_consecutive_errors: int
+                    ) -> optax.GradientTransformationExtraArgs:
+  """Skips the update on every replica when any replica's gradient is not finite.
+
+  ``optax.apply_if_finite`` with the decision made by :func:`all_finite`
+  over ``axis_name``, so every replica takes the same branch:
+
+  1. ``finite = all_finite(updates, axis_name)``: one 4-byte all-reduce, the
+     only collective outside the cond;
+  2. ``notfinite_count`` counts consecutive non-finite steps (reset to 0 by a
+     finite one), ``total_notfinite`` all of them, ``last_finite`` is
+     ``finite``;
+  3. one ``jax.lax.cond``: if ``finite`` or ``notfinite_count >
+     max_consecutive_errors``, ``inner.update`` runs (with every collective
+     it holds); otherwise the updates are zeros and ``inner_state`` is kept.
+
+  The state is ``optax.ApplyIfFiniteState``, so checkpoints and
+  ``optax.tree_utils.tree_get`` work as for optax's. With a ``inner`` that
+  does not communicate, the numbers are ``optax.apply_if_finite``'s on the
+  replica that sees a NaN, and on every other replica too.
+
+  Safe around transforms that communicate (``cross_shard``, ``tower``,
+  ``accumulate``), where ``optax.apply_if_finite`` deadlocks under ``pmap``.
+  Around ``accumulate`` a non-finite mini-step is skipped whole: its gradient
+  is not accumulated. The zero updates of a skipped step carry the types of
+  ``inner``'s updates, so under a checking ``jax.shard_map`` replicated
+  ``P()`` params stay ``P()``. The counters may arrive typed varying (the
+  whole state under ``P(axis)``) or stacked (``jax.pmap(tx.init)``).
+
+  Args:
+    inner: the transform to guard.
+    axis_name: the ``pmap``/mesh axis name (or tuple of names) over which the
+      replicas must agree; None decides on this replica's gradients alone
+      (``optax.apply_if_finite``).
+    max_consecutive_errors: how many consecutive non-finite steps are
+      skipped; the next one is applied (as in optax).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state
+    ``optax.ApplyIfFiniteState``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, shardopt
+    >>> tx = shardopt.apply_if_finite(
+    ...     shardopt.cross_shard(optax.sgd(1.0), "batch"), "batch", 3)
+    >>> def step(w, g):
+    ...   updates, state = tx.update(g, tx.init(w), w)
+    ...   return updates, state.total_notfinite
+    >>> grads = jnp.ones(8).at[2].set(jnp.inf)  # replica 2 overflowed
+    >>> updates, skipped = jax.pmap(step, axis_name="batch")(jnp.zeros(8), grads)
+    >>> np.asarray(updates)  # every replica skipped, none hung
+    array([0., 0., 0., 0., 0., 0., 0., 0.], dtype=float32)
+    >>> np.asarray(skipped)
+    array([1, 1, 1, 1, 1, 1, 1, 1], dtype=int32)
+
+  References:
+    ``optax.apply_if_finite``; Micikevicius et al., `Mixed Precision Training
+    <https://arxiv.org/abs/1710.03740>`_, 2018 (skipping steps whose scaled
+    gradients overflow).
+  """
+  if isinstance(max_consecutive_errors, (bool, np.bool_)) or not isinstance(
+      max_consecutive_errors, (int, np.integer)) or max_consecutive_errors < 0:
+    raise ValueError(
+        f"{_APPLY_IF_FINITE}: max_consecutive_errors={max_consecutive_errors!r}"
+        " must be a non-negative integer, the number of consecutive"
+        " non-finite steps to skip before an update is applied anyway (e.g."
+        " 5).")
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return optax.ApplyIfFiniteState(
+        notfinite_count=jnp.zeros([], jnp.int32),
+        last_finite=jnp.array(True, jnp.bool_),
+        total_notfinite=jnp.zeros([], jnp.int32),
+        inner_state=inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if axis_name is not None:
+      _axes.axis_size(axis_name, _APPLY_IF_FINITE)
+    finite = all_finite(updates, axis_name)
+    notfinite_count = jnp.where(
+        finite, jnp.zeros_like(state.notfinite_count),
+        optax.safe_increment(state.notfinite_count))
+    consecutive = _axes.scalar_counter(
+        notfinite_count, _APPLY_IF_FINITE, "state.notfinite_count")
+
+    def apply_branch():
+      return inner.update(updates, state.inner_state, params, **extra_args)
+
+    apply_types = jax.eval_shape(apply_branch)
+
+    def skip_branch():
+      zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype),
+                           apply_types[0])
+      return zeros, state.inner_state
+
+    new_updates, inner_state = _axes.cond_same_types(
+        jnp.logical_or(finite, consecutive > max_consecutive_errors),
+        apply_branch, skip_branch, true_types=apply_types)
+    return new_updates, optax.ApplyIfFiniteState(
+        notfinite_count=notfinite_count,
+        last_finite=_axes.cast_tree_like(
+            jnp.reshape(finite, jnp.shape(state.last_finite)),
+            state.last_finite),
+        total_notfinite=jnp.where(
+            finite, state.total_notfinite,
+            optax.safe_increment(state.total_notfinite)),
+        inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

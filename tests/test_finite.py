@@ -1,0 +1,256 @@
+"""shardopt.all_finite and shardopt.apply_if_finite: every replica agrees.
+
+References: numpy (which replicas hold a NaN; an optimizer that skips the
+same steps), ``optax.apply_if_finite`` where the inner transform does not
+communicate, and the compiled HLO (what runs outside the cond). The fault
+runs execute in a child process under a timeout, so a deadlock fails the test
+instead of hanging the suite. Run with ``pytest -s`` to see the figures.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardopt
+from shardopt import _axes
+from benchmarks import hlo
+
+from tests._workers import finite_faults as ff
+
+AXIS = "batch"
+R = 8
+GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7]]
+WORKER = Path(__file__).resolve().parent / "_workers" / "finite_faults.py"
+TIMEOUT_S = 240  # a run takes ~5 s; a deadlock never ends
+
+
+def _mesh():
+  return jax.make_mesh((R,), (AXIS,))
+
+
+def _grads_with_nan_on(replica):
+  g = np.ones((R, 3), np.float32)
+  g[replica, 1] = np.nan
+  return g
+
+
+# --- all_finite. ---------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [None, 2, 6])
+def test_all_finite_agrees_on_every_replica_under_pmap(bad):
+  g = _grads_with_nan_on(bad) if bad is not None else np.ones((R, 3), np.float32)
+  f = jax.pmap(lambda g: (shardopt.all_finite({"g": g}, AXIS),
+                          shardopt.all_finite({"g": g}, AXIS,
+                                              axis_index_groups=GROUPS)),
+               axis_name=AXIS)
+  everywhere, grouped = map(np.asarray, f(g))
+  np.testing.assert_array_equal(everywhere, np.full(R, bad is None))
+  want = [bad not in group for group in GROUPS for _ in group]
+  np.testing.assert_array_equal(grouped, want)
+
+
+def test_all_finite_with_groups_under_checking_shard_map_flags_only_that_group():
+  mesh = _mesh()
+  f = jax.jit(jax.shard_map(
+      lambda g: shardopt.all_finite(g, AXIS, axis_index_groups=GROUPS)[None],
+      mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+  g = jax.device_put(_grads_with_nan_on(5), NamedSharding(mesh, P(AXIS)))
+  np.testing.assert_array_equal(np.asarray(f(g)), [True] * 4 + [False] * 4)
+  # Invariant leaves (the same on every replica) with groups: every group says
+  # the same thing, and no error.
+  h = jax.jit(jax.shard_map(
+      lambda w: shardopt.all_finite(w, AXIS, axis_index_groups=GROUPS)[None],
+      mesh=mesh, in_specs=P(), out_specs=P(AXIS)))
+  np.testing.assert_array_equal(np.asarray(h(jnp.array([1.0, jnp.inf]))),
+                                [False] * R)
+
+
+def test_all_finite_is_invariant_under_checking_shard_map_with_one_4_byte_all_reduce():
+  mesh = _mesh()
+  seen = {}
+
+  def f(g):
+    flag = shardopt.all_finite(g, AXIS)
+    seen["varying"] = _axes.varying_axes(flag)
+    return flag  # leaves through out_specs=P(): typed invariant
+
+  f = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(AXIS), out_specs=P()))
+  g = jax.device_put(_grads_with_nan_on(3), NamedSharding(mesh, P(AXIS)))
+  assert not bool(f(g)) and seen["varying"] == frozenset()
+  ops = hlo.compiled_collectives(f.lower(g).compile().as_text(), num_devices=R)
+  print(f"\n[hlo] all_finite under shard_map: {[(o.kind, o.buffer_bytes) for o in ops]}")
+  assert [(o.kind, o.buffer_bytes) for o in ops] == [("all-reduce", 4)]
+
+
+def test_all_finite_without_an_axis_tests_this_replica_only():
+  assert bool(shardopt.all_finite({"a": jnp.ones(3), "b": None}))
+  assert not bool(shardopt.all_finite([jnp.ones(3), jnp.array([jnp.inf])]))
+  assert bool(shardopt.all_finite({}))
+  with pytest.raises(ValueError, match="shardopt.all_finite: axis_index_groups"):
+    shardopt.all_finite(jnp.ones(3), axis_index_groups=GROUPS)
+
+
+# --- apply_if_finite: optax's numbers and state. ------------------------------
+
+def test_same_numbers_and_state_as_optax_apply_if_finite_on_one_device():
+  rng = np.random.default_rng(0)
+  tx = shardopt.apply_if_finite(optax.adam(0.1), None, 2)
+  ref = optax.apply_if_finite(optax.adam(0.1), 2)
+  w = jnp.asarray(rng.normal(size=4), jnp.float32)
+  state, ref_state = tx.init(w), ref.init(w)
+  # Three non-finite steps in a row: the third exceeds max_consecutive_errors=2
+  # and is applied, as in optax.
+  bad = {2, 5, 6, 7, 10}
+  for t in range(12):
+    g = jnp.asarray(rng.normal(size=4), jnp.float32)
+    if t in bad:
+      g = g.at[t % 4].set((jnp.nan, jnp.inf)[t % 2])
+    updates, state = jax.jit(tx.update)(g, state, w)
+    want, ref_state = ref.update(g, ref_state, w)
+    chex.assert_trees_all_close(updates, want, rtol=1e-6, atol=1e-7)
+    assert type(state) is type(ref_state)
+    chex.assert_trees_all_close(state, ref_state, rtol=1e-6, atol=1e-7)
+  assert int(state.total_notfinite) == len(bad)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_max_consecutive_errors_must_be_a_non_negative_integer(bad):
+  with pytest.raises(ValueError, match="shardopt.apply_if_finite: max_consecutive"):
+    shardopt.apply_if_finite(optax.sgd(0.1), AXIS, bad)
+  shardopt.apply_if_finite(optax.sgd(0.1), AXIS, 0)  # 0: apply the next one
+
+
+# --- HLO: only the flag outside the cond. -------------------------------------
+
+INNERS = {
+    "cross_shard(adam)": lambda: shardopt.cross_shard(optax.adam(0.1), AXIS),
+    "tower(adam)": lambda: shardopt.tower(optax.adam(0.1), AXIS),
+    "accumulate(cross_shard(adam), 2)": lambda: shardopt.accumulate(
+        shardopt.cross_shard(optax.adam(0.1), AXIS), 2),
+}
+
+
+def _compiled_update(tx, spelling, size=1024):
+  from tests.test_accumulate import _compiled_update as compiled
+  return compiled(tx, spelling, size)
+
+
+@pytest.mark.parametrize("spelling, inner", [
+    ("pmap", "cross_shard(adam)"), ("pmap", "tower(adam)"),
+    ("pmap", "accumulate(cross_shard(adam), 2)"),
+    ("invariant", "tower(adam)"),
+    ("varying", "cross_shard(adam)"), ("varying", "tower(adam)"),
+])
+def test_only_the_4_byte_flag_is_communicated_outside_the_cond(spelling, inner):
+  tx = shardopt.apply_if_finite(INNERS[inner](), AXIS, 3)
+  ops = hlo.compiled_collectives(_compiled_update(tx, spelling), num_devices=R)
+  top = [(o.kind, o.buffer_bytes) for o in ops if o.context == "top"]
+  inside = [o.kind for o in ops if "conditional" in o.context]
+  print(f"\n[hlo] apply_if_finite({inner}).update, {spelling}: outside the cond"
+        f" {top}, inside {len(inside)} collective(s)")
+  # Invariant gradients are the same on every replica: the flag needs no
+  # all-reduce at all there.
+  assert top == ([] if spelling == "invariant" else [("all-reduce", 4)])
+  assert inside
+
+
+# --- Faults on one replica: no hang, every replica skips together. ------------
+
+def _run_worker(scenario, mapping, tmp_path):
+  out = tmp_path / f"{scenario}_{mapping}.npz"
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  root = Path(__file__).resolve().parents[1]
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (str(root / "src"), str(root), env.get("PYTHONPATH")) if p)
+  try:
+    proc = subprocess.run([sys.executable, str(WORKER), scenario, mapping, str(out)],
+                          env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"{scenario} under {mapping} did not finish in {TIMEOUT_S} s:"
+                " the replicas deadlocked")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  return dict(np.load(out))
+
+
+def _np_grads(w, x, y):
+  """Per-replica gradients of 0.5 * mean((x @ w - y)^2): (R, D)."""
+  return np.einsum("rbd,rb->rd", x, x @ w - y) / x.shape[1]
+
+
+def _np_adam_skipping(every_k_steps=1):
+  """Adam on the replica-mean gradient; a step with a non-finite gradient on
+  any replica is skipped (for accumulate: not accumulated either)."""
+  x, y, w0 = ff.data()
+  mask, values = ff.faults()
+  w = w0.astype(np.float64)
+  m, v, count, pending, history = np.zeros_like(w), np.zeros_like(w), 0, [], []
+  for t in range(ff.STEPS):
+    g = _np_grads(w, x[t], y[t])
+    g[mask[t]] = values[t]
+    if np.all(np.isfinite(g)):
+      pending.append(g.mean(axis=0))
+      if len(pending) == every_k_steps:
+        mean = np.mean(pending, axis=0)
+        pending = []
+        count += 1
+        m = ff.B1 * m + (1 - ff.B1) * mean
+        v = ff.B2 * v + (1 - ff.B2) * mean ** 2
+        w = w - ff.LR * (m / (1 - ff.B1 ** count)) / (
+            np.sqrt(v / (1 - ff.B2 ** count)) + ff.EPS)
+    history.append(w)
+  return np.stack(history)
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
+@pytest.mark.parametrize("scenario", ["cross_shard", "tower", "accumulate"])
+def test_nan_on_one_replica_every_replica_skips_together(scenario, mapping,
+                                                         tmp_path):
+  got = _run_worker(scenario, mapping, tmp_path)
+  num_faults = int(ff.faults()[0].any(axis=1).sum())
+  label = {"accumulate": f"accumulate(cross_shard(adam), {ff.K})"}.get(
+      scenario, f"{scenario}(adam)")
+  print(f"\n[faults] apply_if_finite({label}) under {mapping}:"
+        f" {ff.STEPS} steps, {num_faults} non-finite gradients on one replica,"
+        f" total_notfinite={got['total_notfinite'].ravel().tolist()},"
+        f" max replica_divergence={got['divergence'].max()}")
+  assert float(got["divergence"].max()) == 0.0
+  np.testing.assert_array_equal(got["total_notfinite"].ravel(), num_faults)
+  params = got["params"].reshape(ff.STEPS, R, -1)
+  for r in range(1, R):  # bit-identical on every replica, every step
+    np.testing.assert_array_equal(params[:, r], params[:, 0])
+  want = _np_adam_skipping(ff.K if scenario == "accumulate" else 1)
+  np.testing.assert_allclose(params[:, 0], want, rtol=2e-5, atol=2e-6)
+
+
+def test_dynamic_loss_scale_from_the_replicated_flag_stays_in_sync(tmp_path):
+  got = _run_worker("loss_scale", "pmap", tmp_path)
+  mask, values = ff.faults()
+  # numpy: jmp.DynamicLossScale's rule, factor 2.
+  scale, counter, want = 2.0 ** 10, 0, []
+  for t in range(ff.STEPS):
+    if mask[t].any():
+      scale, counter = max(1.0, scale / 2), 0
+    else:
+      counter += 1
+      if counter == ff.LOSS_SCALE_PERIOD:
+        scale, counter = scale * 2, 0
+    want.append(scale)
+  print(f"\n[faults] jmp.DynamicLossScale adjusted with apply_if_finite's"
+        f" last_finite: loss scale per step {got['loss_scale'][:, 0].tolist()}")
+  np.testing.assert_array_equal(got["loss_scale"],
+                                np.repeat(np.array(want)[:, None], R, axis=1))
+  params = got["params"]
+  for r in range(1, R):
+    np.testing.assert_array_equal(params[:, r], params[:, 0])
