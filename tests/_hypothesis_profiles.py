@@ -4,8 +4,9 @@
   asks for (5 to 30), so ``make test`` stays fast. Derandomized: CI draws the
   same examples on every run.
 * ``thorough``: every property draws at least ``THOROUGH_EXAMPLES`` (500)
-  examples, from a fresh random seed on each run (hypothesis prints the seed
-  of a failing run; rerun it with ``--hypothesis-seed=N``). ``make fuzz`` runs
+  examples, from a fresh random seed on each run (``--hypothesis-seed=N``
+  fixes it). A failure prints an ``@reproduce_failure(...)`` line: put it on
+  the failing ``@given`` function to replay that example. ``make fuzz`` runs
   the property tests under it and writes a per-property table.
 
 Select a profile with the environment variable ``HYPOTHESIS_PROFILE=thorough``
