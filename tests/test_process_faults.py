@@ -169,6 +169,11 @@ def _run_to_the_end(tmp: Path, tag: str, ckpt_dir: Path, out: Path) -> str:
     assert codes == [0] * NUM_PROCESSES, (
         f"{tag}: exit codes {codes} (None: timed out after"
         f" {LAUNCH_TIMEOUT_S}s)\n{launch.report()}")
+    # Each process holds 4 contiguous replicas, so a group of 4 (the inner
+    # level of hierarchical_local_sgd) lies within one process.
+    for i in range(NUM_PROCESSES):
+      assert f"process {i}: mesh positions {list(range(4 * i, 4 * i + 4))}" in (
+          launch.text(i)), launch.report()
     return launch.text(0)
 
 

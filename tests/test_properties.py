@@ -12,7 +12,10 @@
   raises it, so no collective ran), and the caller's params, state and
   gradients, passed as *donated* buffers, are neither consumed nor changed.
 
-Run with ``pytest -s`` to see how many inputs each property tried.
+Run with ``pytest -s`` to see how many inputs each property tried. How many
+they draw depends on the hypothesis profile (``tests/_hypothesis_profiles.py``):
+the sizes below under ``ci`` (the default), at least 500 under ``thorough``
+(``make fuzz``).
 """
 
 import jax
