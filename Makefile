@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench install clean notebooks docs lint wheel
+.PHONY: demo test fuzz bench install clean notebooks docs lint wheel
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,15 @@ wheel: $(VENV)/.installed
 	rm -rf dist
 	$(PY) -m build --outdir dist .
 	$(PY) -m twine check --strict dist/*
+
+# Property tests under the "thorough" hypothesis profile (>= 500 examples per
+# property, a fresh seed each run); writes a per-property table (examples,
+# failures, time) to $(FUZZ_REPORT). New property files: tests/test_properties*.py.
+FUZZ_TESTS ?= $(wildcard tests/test_properties*.py)
+FUZZ_REPORT ?= docs/fuzz_results.md
+fuzz: $(VENV)/.installed
+	HYPOTHESIS_PROFILE=thorough FUZZ_REPORT=$(FUZZ_REPORT) \
+	  $(PY) -m pytest -n 2 -q -p no:cacheprovider $(FUZZ_TESTS)
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.run

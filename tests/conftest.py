@@ -15,7 +15,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
 
+# Registers the hypothesis profiles "ci" (default) and "thorough" and loads
+# the one named by $HYPOTHESIS_PROFILE.
+import _hypothesis_profiles  # noqa: E402,F401
+
 jax.config.update("jax_enable_x64", False)
+
+
+def pytest_configure(config):
+  """With $FUZZ_REPORT=PATH, writes a per-property hypothesis table there."""
+  path = os.environ.get("FUZZ_REPORT")
+  if path:
+    import _fuzz_report
+    config.pluginmanager.register(
+        _fuzz_report.FuzzReport(path),
+        "shardopt_fuzz_report")
 
 
 @pytest.fixture(scope="session")

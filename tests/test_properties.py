@@ -12,7 +12,10 @@
   raises it, so no collective ran), and the caller's params, state and
   gradients, passed as *donated* buffers, are neither consumed nor changed.
 
-Run with ``pytest -s`` to see how many inputs each property tried.
+Run with ``pytest -s`` to see how many inputs each property tried. How many
+they draw depends on the hypothesis profile (``tests/_hypothesis_profiles.py``):
+the sizes below under ``ci`` (the default), at least 500 under ``thorough``
+(``make fuzz``).
 """
 
 import jax
@@ -20,15 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import HealthCheck
 from hypothesis import assume
-from hypothesis import Phase
 from hypothesis import given
-from hypothesis import settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import _hypothesis_profiles
 import shardopt
 
 AXIS = "batch"
@@ -38,12 +39,11 @@ FLOATS = [jnp.float32, jnp.bfloat16, jnp.float16]
 NON_FLOATS = [jnp.int32, jnp.int8, jnp.uint8, jnp.bool_]
 
 
-def _settings(examples):
-  # No shrinking: a failing example is reported as generated (examples are
-  # small already, and shrinking one that compiles can take minutes).
-  return settings(max_examples=examples, deadline=None, derandomize=True,
-                  database=None, phases=[Phase.explicit, Phase.generate],
-                  suppress_health_check=[HealthCheck.too_slow])
+def _settings(ci_examples):
+  # The loaded hypothesis profile decides: ``ci_examples`` under ``ci`` (the
+  # default), at least 500 under ``thorough`` (``make fuzz``). Both profiles
+  # skip shrinking; see tests/_hypothesis_profiles.py.
+  return _hypothesis_profiles.settings_for(ci_examples)
 
 
 def _report(what, tried, detail=""):
