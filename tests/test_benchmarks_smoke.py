@@ -18,7 +18,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECTIONS = ("overhead", "groups", "communication", "memory", "convergence",
-            "projection")
+            "projection", "powersgd")
 
 
 def test_hlo_reader_counts_bytes_and_finds_collectives_inside_cond():
