@@ -127,7 +127,8 @@ def run(quick: bool) -> dict:
   total_steps = 32 if quick else 1024
   seeds = (0,) if quick else (0, 1, 2)
   batch_size = 16
-  test_count = len(_digits(jax.device_count())[3])
+  n = jax.device_count()
+  test_count = len(_digits(n)[3])
 
   curves, final_divergence = {}, {}
   for name, (make_tx, period) in _methods(quick).items():

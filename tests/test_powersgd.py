@@ -234,16 +234,23 @@ def test_result_depends_on_p_only_through_p_p_transpose(monkeypatch):
     chex.assert_trees_all_close(s1.error, s2.error, rtol=1e-4, atol=1e-5)
 
 
-def test_start_step_mean_reduces_every_leaf_until_count_reaches_it():
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
+def test_start_step_mean_reduces_every_leaf_until_count_reaches_it(mesh,
+                                                                   mapping):
   tx = shardopt.powersgd(AXIS, rank=RANK, min_compression_rate=RATE,
                          start_step=2)
-  grads = _grad_steps(5)
-  history = _run_pmap(tx, grads, _params())
-  q_init = {k: np.asarray(v)[0] for k, v in history[0][1].q.items()
-            if COMPRESSED[k]}
+  grads = _grad_steps(5, steps=3 if mapping == "shard_map" else STEPS)
+  if mapping == "pmap":
+    history = _run_pmap(tx, grads, _params())
+    first = lambda x: x[0]
+  else:  # the warm-up/compressed cond's branches must agree on their types
+    history = _run_shard_map(tx, grads, _params(), mesh)
+    first = lambda x: x
+  q_init = {k: first(v) for k, v in history[0][1].q.items() if COMPRESSED[k]}
   expected, _ = _np_powersgd(grads, q_init, compressed=COMPRESSED, start_step=2)
   for t, (updates, state) in enumerate(history[1:]):
-    assert int(state.count[0]) == t + 1  # warm-up steps count too
+    _assert_same_on_every_replica(updates)
+    assert int(np.reshape(state.count, -1)[0]) == t + 1  # warm-up counts too
     for k in SHAPES:
       np.testing.assert_allclose(np.asarray(updates[k][0]), expected[t][k],
                                  rtol=2e-4, atol=2e-5)
