@@ -18,7 +18,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SECTIONS = ("overhead", "groups", "communication", "memory", "convergence",
-            "projection")
+            "projection", "powersgd")
 
 
 def test_hlo_reader_counts_bytes_and_finds_collectives_inside_cond():
@@ -64,7 +64,8 @@ def test_projection_uses_ring_allreduce_formula():
 
 
 def test_quick_run_writes_every_section(tmp_path):
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  # This checkout's sources first (an installed shardopt may be another one).
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=175)

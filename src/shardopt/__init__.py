@@ -20,6 +20,8 @@ from shardopt.periodic import AGNState
 from shardopt.periodic import agn
 from shardopt.periodic import diloco
 from shardopt.periodic import local_sgd
+from shardopt.powersgd import PowerSGDState
+from shardopt.powersgd import powersgd
 from shardopt.tower import clip_by_global_norm
 from shardopt.tower import tower
 
@@ -38,6 +40,8 @@ __all__ = [
     "agn",
     "diloco",
     "local_sgd",
+    "PowerSGDState",
+    "powersgd",
     "clip_by_global_norm",
     "tower",
     "AccumulateState",
