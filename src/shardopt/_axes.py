@@ -214,6 +214,15 @@ def check_comm_dtype(comm_dtype: Any, transform: str,
   return dtype
 
 
+def accumulation_dtype(dtype) -> np.dtype:
+  """float32 for low-precision floats (bf16, f16), the dtype itself otherwise.
+
+  The dtype in which gradients are summed over steps (accumulators, error
+  feedback, pseudo-gradients), so that many small terms do not vanish.
+  """
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def cast_tree_like(tree: Any, *likes: Any) -> Any:
   """Casts each leaf of ``tree`` to be varying wherever a ``likes`` leaf is.
 

@@ -24,7 +24,6 @@ import numpy as np
 import optax
 
 from shardopt import _axes
-from shardopt.periodic import _accumulation_dtype
 
 _ACCUMULATE = "shardopt.accumulate"
 
@@ -166,7 +165,7 @@ def accumulate(inner: optax.GradientTransformation, every_k_steps: int, *,
         mini_step=jnp.zeros([], jnp.int32),
         gradient_step=jnp.zeros([], jnp.int32),
         acc_grads=jax.tree.map(
-            lambda p: jnp.zeros(jnp.shape(p), _accumulation_dtype(p.dtype)),
+            lambda p: jnp.zeros(jnp.shape(p), _axes.accumulation_dtype(p.dtype)),
             params),
         inner_state=inner.init(params))
 

@@ -26,8 +26,6 @@ import optax
 
 from shardopt import _axes
 from shardopt.collectives import reduce
-from shardopt.periodic import _cast_tree_like
-from shardopt.periodic import _check_counter
 
 _POWERSGD = "shardopt.powersgd"
 # The factor matmuls run in full float32 on every backend (the default
@@ -418,7 +416,9 @@ def powersgd(axis_name: Any, *, rank: int = 1, start_step: int = 0,
   def update_fn(updates, state, params=None):
     del params
     _axes.axis_size(axis_name, _POWERSGD)
-    _check_counter(state.count, axis_name, _POWERSGD)
+    # The counter is replicated by construction: a varying or stacked (1,)
+    # counter (the whole state under P(axis) in shard_map) is as good.
+    step = _axes.scalar_counter(state.count, _POWERSGD, "state.count")
     paths_and_grads, treedef = jax.tree_util.tree_flatten_with_path(updates)
     try:
       errors = treedef.flatten_up_to(state.error)
@@ -433,23 +433,15 @@ def powersgd(axis_name: Any, *, rank: int = 1, start_step: int = 0,
     for (path, g), error, q in zip(paths_and_grads, errors, qs):
       _check_leaf(path, g, error, q, compressed=compressed(g), rank=rank,
                   axis_name=axis_name, error_feedback=error_feedback)
-    count = state.count + 1
-    args = (grads, errors, qs, count)
+    args = (grads, errors, qs, step + 1)
     if start_step == 0:
       outputs = compressed_step(*args)
-    elif _axes.vma_checked():
-      # Both branches must agree on varying-ness: cast each output to the
-      # union of what either branch gives.
-      types = (jax.eval_shape(compressed_step, *args),
-               jax.eval_shape(warm_up_step, *args))
-      outputs = jax.lax.cond(
-          state.count < start_step,
-          lambda *a: _cast_tree_like(warm_up_step(*a), *types),
-          lambda *a: _cast_tree_like(compressed_step(*a), *types), *args)
     else:
-      outputs = jax.lax.cond(state.count < start_step, warm_up_step,
-                             compressed_step, *args)
+      outputs = _axes.cond_same_types(step < start_step,
+                                      lambda: warm_up_step(*args),
+                                      lambda: compressed_step(*args))
     new_updates, errors, qs = (treedef.unflatten(x) for x in outputs)
-    return new_updates, PowerSGDState(count=count, error=errors, q=qs)
+    return new_updates, PowerSGDState(count=state.count + 1, error=errors,
+                                      q=qs)
 
   return optax.GradientTransformation(init_fn, update_fn)
