@@ -136,16 +136,11 @@ def _buffer_bytes(kind: str, result_bytes: int, sizes: list, group: int,
   return result_bytes
 
 
-def compiled_collectives(hlo_text: str, *, num_devices: int = 0
-                         ) -> list[Collective]:
-  """Lists the collectives in compiled HLO text, with their context and bytes.
+def _walk(hlo_text: str, caller: str) -> list[tuple[str, str, list[str]]]:
+  """``(context, outermost branch, instruction lines)`` per reachable computation.
 
-  Args:
-    hlo_text: ``Compiled.as_text()`` of a jitted or pmapped function.
-    num_devices: group size to assume when an instruction names no groups.
-
-  Returns:
-    One :class:`Collective` per collective instruction, in text order.
+  ``context`` and the branch are as in :class:`Collective` (``|``-joined when
+  a computation is reached in several).
   """
   computations: dict[str, list[str]] = {}
   entry = None
@@ -164,7 +159,7 @@ def compiled_collectives(hlo_text: str, *, num_devices: int = 0
       else:
         computations[current].append(line)
   if entry is None:
-    raise ValueError("compiled_collectives: no ENTRY computation in the text;"
+    raise ValueError(f"{caller}: no ENTRY computation in the text;"
                      " pass Compiled.as_text(), not the lowered StableHLO.")
 
   # Which contexts (and outermost conditional branches) each computation is
@@ -200,12 +195,24 @@ def compiled_collectives(hlo_text: str, *, num_devices: int = 0
       nxt = markers if marker is None or marker in markers else markers + (marker,)
       stack.append((target, nxt, branch or label))
 
+  return [("|".join(sorted(contexts[name])),
+           "|".join(sorted(b for b in branches[name] if b)), lines)
+          for name, lines in computations.items() if name in contexts]
+
+
+def compiled_collectives(hlo_text: str, *, num_devices: int = 0
+                         ) -> list[Collective]:
+  """Lists the collectives in compiled HLO text, with their context and bytes.
+
+  Args:
+    hlo_text: ``Compiled.as_text()`` of a jitted or pmapped function.
+    num_devices: group size to assume when an instruction names no groups.
+
+  Returns:
+    One :class:`Collective` per collective instruction, in text order.
+  """
   found = []
-  for name, lines in computations.items():
-    if name not in contexts:
-      continue
-    where = "|".join(sorted(contexts[name]))
-    branch = "|".join(sorted(b for b in branches[name] if b))
+  for where, branch, lines in _walk(hlo_text, "compiled_collectives"):
     for line in lines:
       inst = _INSTRUCTION.match(line)
       if not inst:
@@ -224,6 +231,32 @@ def compiled_collectives(hlo_text: str, *, num_devices: int = 0
           group_size=group, op_name=op_name.group(1) if op_name else "",
           branch=branch))
   return found
+
+
+def copied_bytes(hlo_text: str) -> dict:
+  """Bytes written by ``copy`` instructions, by where they run.
+
+  A copy moves a whole buffer in memory (no communication): what a step pays
+  when XLA cannot alias an input to an output, for instance state passed
+  through the untaken-work branch of a ``conditional``.
+
+  Returns:
+    ``{"top": bytes, "conditional": {branch label: bytes}}``: ``top`` runs
+    every call; a branch's copies only on the calls that take it.
+  """
+  top, branches = 0, defaultdict(int)
+  for _, branch, lines in _walk(hlo_text, "copied_bytes"):
+    for line in lines:
+      inst = _INSTRUCTION.match(line)
+      if inst and inst.group(3) in ("copy", "copy-start"):
+        size = _array_bytes(inst.group(2))[0]
+        if inst.group(3) == "copy-start":
+          size //= 2  # (operand, result, context): count the result once
+        if branch:
+          branches[branch] += size
+        else:
+          top += size
+  return {"top": top, "conditional": dict(branches)}
 
 
 _MLIR_OP = re.compile(
