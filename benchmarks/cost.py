@@ -188,12 +188,26 @@ def _powersgd_projection(bench: _Bench, timing: dict, mean: str, name: str,
     saved = (projection.ring_allreduce_seconds(base_bytes, bandwidth, bench.n)
              - projection.ring_allreduce_seconds(moved, bandwidth, bench.n))
     links[link] = {"saved_s": saved, "net_s": saved - extra,
-                   "pays_off": saved > extra}
+                   "pays_off": saved > 0 and saved > extra}
   ring = 2 * (bench.n - 1) / bench.n
+  if moved >= base_bytes:
+    break_even = None  # saves nothing: never pays off
+  elif extra <= 0:
+    break_even = float("inf")  # no measurable extra compute: any link
+  else:
+    break_even = ring * (base_bytes - moved) / extra
   return {"bytes_per_step": moved, "cross_shard_bytes_per_step": base_bytes,
           "extra_compute_s": extra, "links": links,
-          "break_even_bandwidth": (ring * (base_bytes - moved) / extra
-                                   if extra > 0 else float("inf"))}
+          "break_even_bandwidth": break_even}
+
+
+def _break_even_text(bandwidth) -> str:
+  if bandwidth is None:
+    return "never pays off (moves no fewer bytes)"
+  if bandwidth == float("inf"):
+    return "pays off on any link (no measurable extra compute here)"
+  return (f"break-even link {bandwidth / 1e9:,.3f} GB/s (pays off on slower"
+          " links)")
 
 
 def _copies_text(copies: dict) -> str:
@@ -243,7 +257,8 @@ def run(quick: bool) -> dict:
         f"{diff:.1e}", f"{_copies_text(copies)} (vs {_copies_text(base_copies)})"])
 
   # The smoke run times the no-donation pass only (it checks that the code runs).
-  for donate in (False,) if quick else (False, True):
+  passes = (False,) if quick else (False, True)
+  for donate in passes:
     tag = ", donated" if donate else ""
     # 1. Non-sync steps vs the same local optax step.
     local = f"optax.adam local step (no shardopt){tag}"
@@ -302,7 +317,7 @@ def run(quick: bool) -> dict:
       timing = bench.compare(runners, mean)
       for name, rank in ranks.items():
         record("powersgd", name, mean, runners, timing, donate)
-        if donate:  # the training-loop setting feeds the projection
+        if donate == passes[-1]:  # donated (a training loop's setting) if run
           powersgd[name] = _powersgd_projection(bench, timing, mean, name, rank)
 
   notes = [
@@ -348,9 +363,8 @@ def run(quick: bool) -> dict:
         f" {p['cross_shard_bytes_per_step'] / 1e3:,.1f} kB"
         f" ({p['bytes_per_step'] / p['cross_shard_bytes_per_step']:.3f} of"
         f" it), {p['extra_compute_s'] * 1e3:+,.2f} ms of step time here;"
-        f" {link_text}; break-even link"
-        f" {p['break_even_bandwidth'] / 1e9:,.3f} GB/s (pays off on slower"
-        " links). The break-even bandwidth stays the same if bytes and"
+        f" {link_text}; {_break_even_text(p['break_even_bandwidth'])}."
+        " The break-even bandwidth stays the same if bytes and"
         " compute both grow linearly with the model; the compute term is"
         " this CPU's.")
   if skipped:

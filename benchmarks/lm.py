@@ -68,7 +68,7 @@ class Config:
   depth: int = 2
   heads: int = 4
   batch_per_replica: int = 8
-  steps: int = 512
+  steps: int = 768
   eval_every: int = 64
   learning_rate: float = 2e-3
   weight_decay: float = 1e-4

@@ -129,7 +129,7 @@ def quality_per_byte() -> list[Method]:
       powersgd(1), powersgd(2, quick=True), powersgd(4),
       agn(8),
       local_sgd(16),
-      diloco(16, quick=True), diloco(64),
+      diloco(16), diloco(64),
       streaming_diloco(64, 4, quick=True),
       hierarchical({4: 2, 16: 8}, quick=True),
   ]

@@ -137,7 +137,11 @@ def _verdicts(data: dict) -> tuple[dict, list[str]]:
     loses = delta > spread
     reach = _sync_steps_to_reach(e["final_mean"], sync["steps"], sync["val_mean"])
     sync_bytes = None if reach is None else reach * sync["mean_bytes_per_step"]
-    wins = reach is None or (sync_bytes > e["total_bytes"])
+    if reach is None:
+      wins = "yes"
+    else:  # within 5% of the same bytes is a tie
+      ratio = sync_bytes / e["total_bytes"] if e["total_bytes"] else float("inf")
+      wins = "yes" if ratio > 1.05 else "no" if ratio < 1 / 1.05 else "tie"
     verdicts[label] = {"delta_vs_sync": delta, "loses_per_step": loses,
                        "sync_steps_to_same_loss": reach,
                        "sync_bytes_to_same_loss": sync_bytes,
@@ -145,12 +149,12 @@ def _verdicts(data: dict) -> tuple[dict, list[str]]:
     if reach is None:
       per_byte = "sync never reaches it in this run: wins per byte outright"
     else:
-      ratio = sync_bytes / e["total_bytes"] if e["total_bytes"] else float("inf")
       per_byte = (f"sync reaches that loss at step {reach:.0f} after"
                   f" {sync_bytes / 1e6:,.1f} MB vs this method's"
                   f" {e['total_bytes'] / 1e6:,.1f} MB in {total_steps} steps"
                   f" ({ratio:,.1f}x): "
-                  + ("wins per byte" if wins else "LOSES per byte"))
+                  + {"yes": "wins per byte", "no": "LOSES per byte",
+                     "tie": "a tie per byte"}[wins])
     notes.append(
         f"**{label}**: {e['final_mean']:.3f} vs sync {sync['final_mean']:.3f}"
         f" ({delta:+.3f} bits/byte): "
@@ -191,8 +195,7 @@ def run(quick: bool, seeds: Optional[Sequence[int]] = None,
         f"{e['total_bytes'] / 1e6:,.2f}",
         f"{e['final_mean']:.3f} ± {e['final_std']:.3f}",
         "-" if label == SYNC else f"{v.get('delta_vs_sync', 0):+.3f}",
-        "-" if label == SYNC else
-        ("yes" if v.get("wins_per_byte") else "no"),
+        "-" if label == SYNC else v.get("wins_per_byte", "-"),
     ])
   c = data["config"]
   w = data["workload"]
@@ -214,7 +217,8 @@ def run(quick: bool, seeds: Optional[Sequence[int]] = None,
       " branch on the steps its schedule takes it), mean over a cycle, and"
       " the peak step; total = mean x steps. 'wins per byte' = sync needs"
       " more bytes than the method's whole run to reach the method's final"
-      " validation loss (sync's curve interpolated between evaluations).",
+      " validation loss (sync's curve interpolated between evaluations;"
+      " within 5% is a tie).",
   ] + verdict_notes
   warnings = [f"{label}: {e['bytes_warning']}" for label, e in data["methods"].items()
               if e.get("bytes_warning")]
