@@ -73,12 +73,13 @@ def replicate(tree: Any, n: int) -> Any:
 
 
 def pmap_step(tx: optax.GradientTransformation, *, hand_written: bool = False,
-              devices=None) -> Callable:
+              devices=None, donate: bool = False) -> Callable:
   """``pmap``-ed ``(params, opt_state, x, y) -> (params, opt_state)``.
 
   ``hand_written`` replaces the shardopt transform by what a user would write
   without it: ``jax.lax.pmean(grads, axis)`` before ``tx`` (a plain optax
-  optimizer).
+  optimizer). ``donate`` donates params and state (the caller must not reuse
+  them).
   """
   def step(params, opt_state, x, y):
     grads = jax.grad(mlp_loss)(params, x, y)
@@ -87,7 +88,8 @@ def pmap_step(tx: optax.GradientTransformation, *, hand_written: bool = False,
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  return jax.pmap(step, axis_name=AXIS, devices=devices)
+  return jax.pmap(step, axis_name=AXIS, devices=devices,
+                  donate_argnums=(0, 1) if donate else ())
 
 
 def shard_map_step(tx: optax.GradientTransformation, mesh, *,

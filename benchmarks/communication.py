@@ -3,14 +3,21 @@
 For each transform, one training step of the same MLP is compiled and its HLO
 read by :mod:`benchmarks.hlo`: how many collectives of which kind, how many
 bytes they move, and whether they run every step (``top``) or only inside the
-sync branch of a ``lax.cond`` (``conditional``). The per-step figure
-amortises conditional bytes over the period: ``top + conditional / period``.
+sync branch of a ``lax.cond`` (``conditional``). The per-step figures weight
+each conditional branch by the steps that take it (:mod:`benchmarks.schedules`):
+the mean over a cycle (``top + conditional / period`` for a single sync
+branch) and the peak step.
 
 Each is compared with the minimum for its method, in all-reduce-equivalent
 bytes (see :mod:`benchmarks.hlo`): parameter bytes for ``cross_shard``; the
 same total split into reduce-scatter + all-gather for ``tower``; parameter
 bytes / T per step for ``agn`` (and / period for ``local_sgd``, / H for
-``diloco``); half for a bfloat16 ``comm_dtype``. The wire dtype comes from the
+``diloco``); half for a bfloat16 ``comm_dtype``. design.md section 6's
+transforms get a row each where this shardopt has them: ``accumulate`` (P / k),
+``apply_if_finite`` (P, plus its one-scalar flag), ``powersgd`` (rank x (rows
++ cols) per compressed leaf), ``hierarchical_local_sgd`` (P per sync at
+either level: P / 4 per step for ``{4: 2, 16: 8}``) and streaming ``diloco``
+(P / H per step on average, about P / F at the peak). The wire dtype comes from the
 lowered StableHLO, because XLA's CPU backend widens bfloat16 all-reduces to
 float32 in the compiled HLO (design.md, section 3).
 """
@@ -26,6 +33,8 @@ import optax
 import shardopt
 from benchmarks import _common
 from benchmarks import hlo
+from benchmarks import methods
+from benchmarks import schedules
 
 NAME = "communication"
 
@@ -83,6 +92,64 @@ def _cases(n: int) -> list[dict]:
         label="diloco(adam, H=500)", mapping="pmap",
         tx=lambda: shardopt.diloco(adam(), axis, sync_period=500), period=500,
         minimum=1.0 / 500, quick=True))
+  return cases + _new_cases()
+
+
+def _powersgd_minimum(rank: int) -> Callable:
+  """PowerSGD's bytes per step / P: r (n + m) per compressed leaf, else all.
+
+  design.md 6.3: a leaf is viewed as ``shape[0] x rest``, ``r = min(rank, n,
+  m)``, compressed iff ``ndim >= 2`` and ``r (n + m) * 2.0 < n m``
+  (min_compression_rate 2, the default).
+  """
+  def fraction(params) -> float:
+    total = moved = 0
+    for leaf in jax.tree.leaves(params):
+      size = leaf.size * leaf.dtype.itemsize
+      total += size
+      if leaf.ndim >= 2:
+        rows, cols = leaf.shape[0], leaf.size // leaf.shape[0]
+        r = min(rank, rows, cols)
+        if r * (rows + cols) * 2.0 < rows * cols:
+          moved += r * (rows + cols) * 4  # P and Q, float32
+          continue
+      moved += size
+    return moved / total
+  return fraction
+
+
+def _new_cases() -> list[dict]:
+  """Rows for design.md section 6's transforms, where this shardopt has them.
+
+  ``schedule`` weights each conditional branch by the steps that take it
+  (:mod:`benchmarks.schedules`); ``minimum`` is a fraction of P (or a
+  function of the params).
+  """
+  adam = lambda: optax.adam(1e-3)
+  recipes = [
+      (methods.accumulate(4, quick=True, name="adam"), 0.25),
+      (methods.Method(
+          "apply_if_finite(cross_shard(adam))", ("apply_if_finite",),
+          lambda opt: shardopt.apply_if_finite(
+              shardopt.cross_shard(opt(), _common.AXIS), _common.AXIS,
+              max_consecutive_errors=5),
+          schedules.every(taken="max"), quick=True), 1.0),
+      (methods.powersgd(1, name="adam"), _powersgd_minimum(1)),
+      (methods.powersgd(2, quick=True, name="adam"), _powersgd_minimum(2)),
+      (methods.powersgd(4, name="adam"), _powersgd_minimum(4)),
+      (methods.hierarchical({4: 2, 16: 8}, quick=True, name="adam"), 0.25),
+      (methods.streaming_diloco(500, 4, quick=True, name="adam"), 1.0 / 500),
+  ]
+  cases = []
+  for method, minimum in recipes:
+    tx, why = methods.build(method, adam)
+    label = method.label.replace(" [sync]", "")
+    if tx is None:
+      cases.append(dict(label=label, unavailable=why))
+      continue
+    cases.append(dict(label=label, mapping="pmap", tx=lambda t=tx: t,
+                      schedule=method.schedule, minimum=minimum,
+                      quick=method.quick))
   return cases
 
 
@@ -111,8 +178,11 @@ def measure(quick: bool) -> dict:
   s_x = _common.place(x.reshape(n * per_replica, -1), mesh, _common.P(_common.AXIS))
   s_y = _common.place(y.reshape(-1), mesh, _common.P(_common.AXIS))
 
-  results = {}
+  results, unavailable = {}, {}
   for case in _cases(n):
+    if "unavailable" in case:
+      unavailable[case["label"]] = case["unavailable"]
+      continue
     if quick and not case.get("quick"):
       continue  # the smoke run compiles one case per code path
     tx = case["tx"]()
@@ -134,28 +204,31 @@ def measure(quick: bool) -> dict:
     lowered_ops = hlo.lowered_collectives(lowered.as_text(), num_devices=n)
     compiled = hlo.summarize(compiled_ops)
     wire = hlo.summarize(lowered_ops)
-    equivalent = compiled["allreduce_equivalent_bytes"]
-    period = case["period"]
-    per_step = 0.0
-    for context, value in equivalent.items():
-      per_step += value / period if "conditional" in context else value
-    compiled_total = sum(equivalent.values())
+    period = case.get("period", 1)
+    schedule = case.get("schedule") or (
+        schedules.every() if period == 1 else schedules.periodic(period))
+    steps = schedules.per_step(compiled_ops, schedule)
+    compiled_total = sum(compiled["allreduce_equivalent_bytes"].values())
     wire_total = sum(wire["allreduce_equivalent_bytes"].values())
     wire_factor = wire_total / compiled_total if compiled_total else 1.0
-    wire_per_step = per_step * wire_factor
-    minimum = case["minimum"] * param_bytes
+    wire_per_step = steps["mean_bytes"] * wire_factor
+    minimum = case["minimum"]
+    minimum = (minimum(params) if callable(minimum) else minimum) * param_bytes
     key = f"{case['mapping'].replace('_invariant', '')} · {case['label']}"
     results[key] = {
         "mapping": case["mapping"], "label": case["label"], "period": period,
-        "param_bytes": param_bytes,
+        "schedule": schedule.describe(), "param_bytes": param_bytes,
         "compiled": compiled, "lowered": wire,
-        "compiled_bytes_per_step": per_step,
+        "compiled_bytes_per_step": steps["mean_bytes"],
         "wire_bytes_per_step": wire_per_step,
+        "wire_peak_bytes_per_step": steps["peak_bytes"] * wire_factor,
+        "schedule_warning": steps["warning"],
         "minimum_bytes_per_step": minimum,
         "wire_over_minimum": wire_per_step / minimum,
         "wire_over_param_bytes": wire_per_step / param_bytes,
     }
-  return {"sizes": list(sizes), "param_bytes": param_bytes, "cases": results}
+  return {"sizes": list(sizes), "param_bytes": param_bytes, "cases": results,
+          "unavailable": unavailable}
 
 
 def _counts(summary: dict) -> str:
@@ -178,19 +251,23 @@ def run(quick: bool) -> dict:
         ", ".join(m["lowered"]["dtypes"]) or "-",
         f"{m['compiled_bytes_per_step'] / 1e3:,.1f}",
         f"{m['wire_bytes_per_step'] / 1e3:,.1f}",
+        f"{m['wire_peak_bytes_per_step'] / 1e3:,.1f}",
         f"{m['minimum_bytes_per_step'] / 1e3:,.1f}",
         f"{m['wire_over_minimum']:.3f}" + ("" if ok else " (above)"),
     ])
   missing = [name for name in ("tower", "agn", "local_sgd", "diloco")
              if not _common.has(name)]
+  missing += list(measured.get("unavailable", {}))
   notes = [
       f"MLP {measured['sizes']}: parameter bytes P = {measured['param_bytes']:,}"
       f" (float32), {jax.device_count()} replicas; one training step compiled"
       " per row, XLA CPU backend.",
       "Counts come from the compiled HLO: `top` runs every step, `conditional`"
-      " only in the sync branch of a `lax.cond`. kB per step are"
+      " only in a branch of a `lax.cond`/`lax.switch`. kB per step are"
       " all-reduce-equivalent (reduce-scatter and all-gather count half their"
-      " full buffer each), conditional bytes divided by the period.",
+      " full buffer each); each branch's bytes count on the steps the"
+      " transform's schedule takes it (benchmarks/schedules.py): kB/step is"
+      " the mean over a cycle, peak the largest single step (a sync step).",
       "Wire kB/step uses the dtype of the lowered StableHLO; the compiled CPU"
       " HLO shows bf16 all-reduces widened to f32, so compiled and wire"
       " differ only for bf16 rows.",
@@ -199,13 +276,22 @@ def run(quick: bool) -> dict:
     notes.append("The shard_map `P() params, no pcast` row has its all-reduce"
                  " inside autodiff (`psum_invariant` in the transpose);"
                  " cross_shard then only divides by n.")
+  if any(m["label"].startswith("chain(powersgd") for m in measured["cases"].values()):
+    notes.append("PowerSGD minimum: rank x (rows + cols) float32 per leaf it"
+                 " compresses (leaf viewed as shape[0] x rest, compressed iff"
+                 " r (n + m) x 2 < n m), the other leaves in full.")
+  warnings = [f"{k}: {m['schedule_warning']}" for k, m in measured["cases"].items()
+              if m.get("schedule_warning")]
+  if warnings:
+    notes.append("HLO does not match the schedule (check): " + "; ".join(warnings))
   if missing:
     notes.append("Not yet measured (not yet in shardopt when this ran): "
                  + ", ".join(missing) + ".")
   return {
       "title": "3. Communication per step, from the compiled HLO",
       "table": {"columns": ["step", "collectives (compiled HLO)", "wire dtype",
-                            "compiled kB/step", "wire kB/step", "minimum kB/step",
+                            "compiled kB/step", "wire kB/step",
+                            "peak wire kB/step", "minimum kB/step",
                             "wire / minimum"],
                 "rows": rows},
       "notes": notes,

@@ -85,6 +85,11 @@ class Collective:
     buffer_bytes: bytes of the full-size buffer (see the module docstring).
     group_size: replicas per group (0 when the text does not say).
     op_name: JAX's name for the operation that produced it (metadata).
+    branch: the outermost ``conditional`` branch it sits in, as
+      ``"<conditional instruction>#<branch index>"`` (``lax.cond(pred, t, f)``
+      compiles to branch 0 = ``f``, 1 = ``t``); ``""`` outside any
+      conditional. Collectives of the same branch run together, on the steps
+      that take it: see :func:`by_branch`.
   """
   kind: str
   context: str
@@ -93,6 +98,7 @@ class Collective:
   buffer_bytes: int
   group_size: int
   op_name: str = ""
+  branch: str = ""
 
 
 def _array_bytes(shape_text: str) -> tuple[int, tuple, list]:
@@ -130,16 +136,11 @@ def _buffer_bytes(kind: str, result_bytes: int, sizes: list, group: int,
   return result_bytes
 
 
-def compiled_collectives(hlo_text: str, *, num_devices: int = 0
-                         ) -> list[Collective]:
-  """Lists the collectives in compiled HLO text, with their context and bytes.
+def _walk(hlo_text: str, caller: str) -> list[tuple[str, str, list[str]]]:
+  """``(context, outermost branch, instruction lines)`` per reachable computation.
 
-  Args:
-    hlo_text: ``Compiled.as_text()`` of a jitted or pmapped function.
-    num_devices: group size to assume when an instruction names no groups.
-
-  Returns:
-    One :class:`Collective` per collective instruction, in text order.
+  ``context`` and the branch are as in :class:`Collective` (``|``-joined when
+  a computation is reached in several).
   """
   computations: dict[str, list[str]] = {}
   entry = None
@@ -158,38 +159,60 @@ def compiled_collectives(hlo_text: str, *, num_devices: int = 0
       else:
         computations[current].append(line)
   if entry is None:
-    raise ValueError("compiled_collectives: no ENTRY computation in the text;"
+    raise ValueError(f"{caller}: no ENTRY computation in the text;"
                      " pass Compiled.as_text(), not the lowered StableHLO.")
 
-  # Which contexts each computation is reached in, from ENTRY.
-  edges: dict[str, list[tuple[str, Optional[str]]]] = defaultdict(list)
+  # Which contexts (and outermost conditional branches) each computation is
+  # reached in, from ENTRY.
+  edges: dict[str, list[tuple[str, Optional[str], str]]] = defaultdict(list)
   for name, lines in computations.items():
     for line in lines:
+      inst = _INSTRUCTION.match(line)
+      inst_name = inst.group(1) if inst else "?"
       for key, target in _SINGLE_REF.findall(line):
         marker = {"body": "loop", "condition": "loop",
                   "true_computation": "conditional",
                   "false_computation": "conditional"}.get(key)
-        edges[name].append((target, marker))
+        label = {"true_computation": f"{inst_name}#1",
+                 "false_computation": f"{inst_name}#0"}.get(key, "")
+        edges[name].append((target, marker, label))
       for group in _BRANCHES.findall(line):
-        for target in re.findall(r"%([\w.\-]+)", group):
-          edges[name].append((target, "conditional"))
+        for index, target in enumerate(re.findall(r"%([\w.\-]+)", group)):
+          edges[name].append((target, "conditional", f"{inst_name}#{index}"))
   contexts: dict[str, set] = defaultdict(set)
-  stack = [(entry, ())]
+  branches: dict[str, set] = defaultdict(set)
+  seen = set()
+  stack = [(entry, (), "")]
   while stack:
-    name, markers = stack.pop()
+    name, markers, branch = stack.pop()
     key = "+".join(markers) or "top"
-    if key in contexts[name]:
+    if (name, key, branch) in seen:
       continue
+    seen.add((name, key, branch))
     contexts[name].add(key)
-    for target, marker in edges.get(name, ()):
+    branches[name].add(branch)
+    for target, marker, label in edges.get(name, ()):
       nxt = markers if marker is None or marker in markers else markers + (marker,)
-      stack.append((target, nxt))
+      stack.append((target, nxt, branch or label))
 
+  return [("|".join(sorted(contexts[name])),
+           "|".join(sorted(b for b in branches[name] if b)), lines)
+          for name, lines in computations.items() if name in contexts]
+
+
+def compiled_collectives(hlo_text: str, *, num_devices: int = 0
+                         ) -> list[Collective]:
+  """Lists the collectives in compiled HLO text, with their context and bytes.
+
+  Args:
+    hlo_text: ``Compiled.as_text()`` of a jitted or pmapped function.
+    num_devices: group size to assume when an instruction names no groups.
+
+  Returns:
+    One :class:`Collective` per collective instruction, in text order.
+  """
   found = []
-  for name, lines in computations.items():
-    if name not in contexts:
-      continue
-    where = "|".join(sorted(contexts[name]))
+  for where, branch, lines in _walk(hlo_text, "compiled_collectives"):
     for line in lines:
       inst = _INSTRUCTION.match(line)
       if not inst:
@@ -205,8 +228,35 @@ def compiled_collectives(hlo_text: str, *, num_devices: int = 0
       found.append(Collective(
           kind=kind, context=where, dtypes=dtypes, result_bytes=result_bytes,
           buffer_bytes=_buffer_bytes(kind, result_bytes, sizes, group, is_start),
-          group_size=group, op_name=op_name.group(1) if op_name else ""))
+          group_size=group, op_name=op_name.group(1) if op_name else "",
+          branch=branch))
   return found
+
+
+def copied_bytes(hlo_text: str) -> dict:
+  """Bytes written by ``copy`` instructions, by where they run.
+
+  A copy moves a whole buffer in memory (no communication): what a step pays
+  when XLA cannot alias an input to an output, for instance state passed
+  through the untaken-work branch of a ``conditional``.
+
+  Returns:
+    ``{"top": bytes, "conditional": {branch label: bytes}}``: ``top`` runs
+    every call; a branch's copies only on the calls that take it.
+  """
+  top, branches = 0, defaultdict(int)
+  for _, branch, lines in _walk(hlo_text, "copied_bytes"):
+    for line in lines:
+      inst = _INSTRUCTION.match(line)
+      if inst and inst.group(3) in ("copy", "copy-start"):
+        size = _array_bytes(inst.group(2))[0]
+        if inst.group(3) == "copy-start":
+          size //= 2  # (operand, result, context): count the result once
+        if branch:
+          branches[branch] += size
+        else:
+          top += size
+  return {"top": top, "conditional": dict(branches)}
 
 
 _MLIR_OP = re.compile(
@@ -267,6 +317,43 @@ def lowered_collectives(stablehlo_text: str, *, num_devices: int = 0
   return found
 
 
+def allreduce_equivalent_bytes(op: Collective) -> float:
+  """``op``'s buffer in all-reduce-equivalent bytes (see the module docstring)."""
+  weight = 1.0 if op.kind in ("all-reduce", "collective-permute",
+                              "all-to-all") else 0.5
+  return weight * op.buffer_bytes
+
+
+def by_branch(collectives: list[Collective]) -> dict:
+  """All-reduce-equivalent bytes of the top level and of each conditional branch.
+
+  A step runs its ``top`` collectives every time and, for each conditional,
+  the collectives of the one branch it takes. Which branch a step takes is
+  the transform's schedule (``benchmarks/schedules.py`` turns the two into
+  bytes per step).
+
+  Returns:
+    ``{"top": bytes, "branches": {label: {"bytes", "group_sizes", "count"}}}``
+    with ``label`` the outermost branch (:attr:`Collective.branch`),
+    ``group_sizes`` the sorted replica-group sizes of its collectives and
+    ``count`` ``{kind: n}``. Branches without collectives are not listed.
+  """
+  top = 0.0
+  branches: dict = {}
+  for op in collectives:
+    if not op.branch:
+      top += allreduce_equivalent_bytes(op)
+      continue
+    entry = branches.setdefault(op.branch, {"bytes": 0.0, "group_sizes": set(),
+                                            "count": defaultdict(int)})
+    entry["bytes"] += allreduce_equivalent_bytes(op)
+    entry["group_sizes"].add(op.group_size)
+    entry["count"][op.kind] += 1
+  return {"top": top, "branches": {
+      label: {"bytes": e["bytes"], "group_sizes": sorted(e["group_sizes"]),
+              "count": dict(e["count"])} for label, e in branches.items()}}
+
+
 def summarize(collectives: list[Collective]) -> dict:
   """Counts and bytes by kind and context, plus all-reduce-equivalent bytes.
 
@@ -281,9 +368,7 @@ def summarize(collectives: list[Collective]) -> dict:
   for op in collectives:
     count[op.context][op.kind] += 1
     buffer[op.context][op.kind] += op.buffer_bytes
-    weight = 1.0 if op.kind in ("all-reduce", "collective-permute",
-                                "all-to-all") else 0.5
-    equivalent[op.context] += weight * op.buffer_bytes
+    equivalent[op.context] += allreduce_equivalent_bytes(op)
     dtypes.update(op.dtypes)
   return {
       "count": {c: dict(k) for c, k in count.items()},

@@ -1,0 +1,396 @@
+"""Cost of every new path: each new step timed side by side with what it replaces.
+
+All steps train the same MLP under ``jax.pmap`` on 8 replicas, and every
+timing is :func:`benchmarks._timing.compare`'s interleaved median (warm-up
+excluded). Every comparison runs twice, with the same donation setting for a
+step and its baseline each time:
+
+* **no donation**: every call starts from the same params and state, so a
+  step is timed in a fixed phase of its schedule (below);
+* **donated** (params and state, ``donate_argnums=(0, 1)``, what a training
+  loop does): every call continues from the previous one's outputs. To time
+  only non-sync steps, the periodic methods run with a period of 1,000,000
+  (a non-sync step runs the same code whatever the period: it is a static
+  constant of the predicate), ``accumulate`` with k = 1,000,000 for its mid
+  step; its emit step is timed without donation only.
+
+1. **Non-sync step** of ``agn`` (T = 8), ``local_sgd`` (H = 16), ``diloco``
+   (H = 16), streaming ``diloco`` (H = 64, F = 4) and
+   ``hierarchical_local_sgd`` ({4: 2, 16: 8}), from ``tx.init`` (count 0, so
+   the call is local step 1: no sync for any of them), vs the same local
+   ``optax.adam`` step without shardopt. Goal <= 1.03 (``agn`` also adds the
+   gradient to its accumulator: that add is part of its ratio).
+2. ``accumulate(cross_shard(adam), 4)``: a **mid step** (from ``tx.init``:
+   mini-step 1 of 4) vs a hand-written bare gradient add (``acc += grads``,
+   params untouched), and an **emit step** (from the state after 3 mini-steps)
+   vs ``cross_shard(adam)``. Goal <= 1.02.
+3. ``apply_if_finite(cross_shard(adam))`` vs ``cross_shard(adam)``. Goal <= 1.02.
+4. ``chain(powersgd(rank r), adam)`` for r = 1, 2, 4 vs
+   ``chain(cross_shard_mean, adam)``, with the projection of when it pays off
+   on 100 Gb/s and 1 Gb/s links (:mod:`benchmarks.projection`'s ring formula):
+   PowerSGD saves ``ring(P) - ring(B)`` seconds of communication per step (B
+   its bytes per step, from the HLO) and costs ``t_powersgd - t_cross_shard``
+   of compute (measured here, on CPU, where the all-reduce itself is a
+   shared-memory rendezvous); it pays off on links slower than the break-even
+   bandwidth ``2 (n - 1) / n x (P - B) / (t_powersgd - t_cross_shard)``.
+
+Every entry whose transform this shardopt does not have yet is skipped and
+listed. A ``max |Δparam|`` column checks that each step computes what its
+baseline does where it should (the non-sync steps, the mid step and
+``apply_if_finite``: equal up to float rounding; donated runners compare
+their params after the same number of calls).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+
+import shardopt
+from benchmarks import _common
+from benchmarks import _timing
+from benchmarks import hlo
+from benchmarks import methods
+from benchmarks import projection
+from benchmarks import schedules
+
+NAME = "cost"
+GOALS = {"non-sync": 1.03, "accumulate": 1.02, "apply_if_finite": 1.02}
+ACCUMULATE_K = 4
+POWERSGD_LINKS = ("100 Gb/s Ethernet (12.5 GB/s)", "1 Gb/s WAN (0.125 GB/s)")
+
+
+HUGE_PERIOD = 1_000_000
+
+
+def _adam():
+  return optax.adam(1e-3)
+
+
+def _bare_add_step(donate: bool):
+  """Hand-written accumulation: ``acc += grads``, params untouched."""
+  def step(params, acc, x, y):
+    grads = jax.grad(_common.mlp_loss)(params, x, y)
+    return params, jax.tree.map(lambda a, g: a + g, acc, grads)
+  return jax.pmap(step, axis_name=_common.AXIS,
+                  donate_argnums=(0, 1) if donate else ())
+
+
+class _Runner:
+  """A zero-argument callable running one step; fixed inputs or threaded."""
+
+  def __init__(self, step, params, state, batch, donate: bool):
+    self.step, self.params, self.state = step, params, state
+    self.batch, self.donate = batch, donate
+
+  def __call__(self):
+    out = self.step(self.params, self.state, *self.batch)
+    if self.donate:  # the inputs are gone: continue from the outputs
+      self.params, self.state = out
+    return out
+
+  def copied(self) -> dict:
+    """:func:`benchmarks.hlo.copied_bytes` of this step's compiled HLO."""
+    return hlo.copied_bytes(self.step.lower(
+        self.params, self.state, *self.batch).compile().as_text())
+
+  def final_params(self) -> np.ndarray:
+    """Replica 0's params after one call (fixed) or after every call so far."""
+    params = self.params if self.donate else self.step(
+        self.params, self.state, *self.batch)[0]
+    return np.concatenate([np.ravel(leaf[0]) for leaf in jax.tree.leaves(params)])
+
+
+class _Bench:
+  """The MLP, its params and batch, and :class:`_Runner` factories."""
+
+  def __init__(self, quick: bool):
+    self.quick = quick
+    self.sizes = (32, 64, 10) if quick else (512, 1024, 1024, 10)
+    self.per_replica = 4 if quick else 16
+    self.n = jax.device_count()
+    params = _common.mlp_init(jax.random.key(0), self.sizes)
+    self.param_count = _common.count_params(params)
+    self.param_bytes = _common.tree_bytes(params)
+    self._host = jax.tree.map(np.asarray, _common.replicate(params, self.n))
+    self._identity = jax.pmap(lambda t: t)
+    self.params = self.fresh_params()
+    self.batch = self._identity(_common.batch(
+        jax.random.key(1), self.n, self.per_replica, self.sizes[0],
+        self.sizes[-1]))
+
+  def fresh_params(self):
+    """New device buffers of the replicated params (donation consumes them)."""
+    return self._identity(self._host)
+
+  def runner(self, tx, donate: bool, *, warm_steps: int = 0) -> _Runner:
+    """``tx``'s step from ``tx.init``, after ``warm_steps`` untimed steps."""
+    step = _common.pmap_step(tx, donate=donate)
+    state = jax.pmap(tx.init, axis_name=_common.AXIS)(self.fresh_params())
+    params = self.fresh_params() if donate else self.params
+    for _ in range(warm_steps):  # fixed params: only the state moves
+      _, state = jax.block_until_ready(
+          _common.pmap_step(tx)(params, state, *self.batch))
+    return _Runner(step, params, state, self.batch, donate)
+
+  def bare_add(self, donate: bool) -> _Runner:
+    acc = self._identity(jax.tree.map(np.zeros_like, self._host))
+    params = self.fresh_params() if donate else self.params
+    return _Runner(_bare_add_step(donate), params, acc, self.batch, donate)
+
+  def hlo_bytes(self, tx, schedule) -> dict:
+    state = jax.pmap(tx.init, axis_name=_common.AXIS)(self.params)
+    text = _common.pmap_step(tx).lower(self.params, state, *self.batch
+                                       ).compile().as_text()
+    return schedules.per_step(hlo.compiled_collectives(text, num_devices=self.n),
+                              schedule)
+
+  def compare(self, runners: dict, baseline: str) -> dict:
+    return _timing.compare(runners, baseline=baseline,
+                           repeats=7 if self.quick else 21,
+                           inner=1 if self.quick else 2)
+
+
+def _periodic_methods(donate: bool) -> list:
+  """The periodic transforms; with donation, periods no call reaches."""
+  if donate:
+    h = HUGE_PERIOD
+    return [methods.agn(h, name="adam"), methods.local_sgd(h, name="adam"),
+            methods.diloco(h, name="adam"),
+            methods.streaming_diloco(h, 4, name="adam"),
+            methods.hierarchical({h: 2, 4 * h: 8}, name="adam")]
+  return [methods.agn(8, name="adam"), methods.local_sgd(16, name="adam"),
+          methods.diloco(16, name="adam"),
+          methods.streaming_diloco(64, 4, name="adam"),
+          methods.hierarchical({4: 2, 16: 8}, name="adam")]
+
+
+def _apply_if_finite() -> methods.Method:
+  return methods.Method(
+      "apply_if_finite(cross_shard(adam))", ("apply_if_finite",),
+      lambda opt: shardopt.apply_if_finite(
+          shardopt.cross_shard(opt(), _common.AXIS), _common.AXIS,
+          max_consecutive_errors=5), schedules.every())
+
+
+def _powersgd_projection(bench: _Bench, timing: dict, mean: str, name: str,
+                         rank: int) -> dict:
+  """Bytes from the HLO, extra compute from ``timing``; seconds per link."""
+  base_bytes = bench.param_bytes
+  tx, _ = methods.build(methods.powersgd(rank, name="adam"), _adam)
+  moved = bench.hlo_bytes(tx, schedules.every(taken="min"))["mean_bytes"]
+  extra = (timing["candidates"][name]["median_s"]
+           - timing["candidates"][mean]["median_s"])
+  links = {}
+  for link in POWERSGD_LINKS:
+    bandwidth = projection.LINKS[link]
+    saved = (projection.ring_allreduce_seconds(base_bytes, bandwidth, bench.n)
+             - projection.ring_allreduce_seconds(moved, bandwidth, bench.n))
+    links[link] = {"saved_s": saved, "net_s": saved - extra,
+                   "pays_off": saved > 0 and saved > extra}
+  ring = 2 * (bench.n - 1) / bench.n
+  if moved >= base_bytes:
+    break_even = None  # saves nothing: never pays off
+  elif extra <= 0:
+    break_even = float("inf")  # no measurable extra compute: any link
+  else:
+    break_even = ring * (base_bytes - moved) / extra
+  return {"bytes_per_step": moved, "cross_shard_bytes_per_step": base_bytes,
+          "extra_compute_s": extra, "links": links,
+          "break_even_bandwidth": break_even}
+
+
+def _break_even_text(bandwidth) -> str:
+  if bandwidth is None:
+    return "never pays off (moves no fewer bytes)"
+  if bandwidth == float("inf"):
+    return "pays off on any link (no measurable extra compute here)"
+  return (f"break-even link {bandwidth / 1e9:,.3f} GB/s (pays off on slower"
+          " links)")
+
+
+def _copies_text(copies: dict) -> str:
+  """``top MB`` plus ``[branch MB / ...]`` when some copies sit in branches."""
+  text = f"{copies['top'] / 1e6:.1f}"
+  if copies["conditional"]:
+    text += " + [" + ", ".join(
+        f"branch {b.rsplit('#', 1)[-1]}: {copies['conditional'][b] / 1e6:.1f}"
+        for b in sorted(copies["conditional"])) + "]"
+  return text
+
+
+def run(quick: bool) -> dict:
+  """Times every available path against its baseline; returns the section."""
+  bench = _Bench(quick)
+  rows, comparisons, skipped, powersgd = [], {}, {}, {}
+
+  def available(method):
+    tx, why = methods.build(method, _adam)
+    if tx is None:
+      skipped.setdefault(why, method.label)
+    return tx
+
+  def record(group, name, baseline, runners, timing, donate, goal=None,
+             expect_same=False):
+    r = _timing.ratio(timing, name, baseline)
+    c = timing["candidates"][name]
+    diff = float(np.max(np.abs(runners[name].final_params()
+                               - runners[baseline].final_params())))
+    met = None if goal is None else r["ratio"] <= goal
+    copies = runners[name].copied()
+    base_copies = runners[baseline].copied()
+    comparisons[name] = {
+        "copied_bytes": copies, "baseline_copied_bytes": base_copies,
+        "group": group, "baseline": baseline, "donated": donate,
+        "median_ms": c["median_s"] * 1e3,
+        "baseline_median_ms": timing["candidates"][baseline]["median_s"] * 1e3,
+        "ratio": r["ratio"], "paired_ratio": r["paired_ratio"],
+        "iqr_rel": c["iqr_rel"], "goal": goal, "goal_met": met,
+        "max_abs_param_diff": diff, "expect_same_params": expect_same}
+    rows.append([
+        name, baseline, f"{c['median_s'] * 1e3:.2f}",
+        f"{r['ratio']:.3f} (paired {r['paired_ratio']:.3f})",
+        f"±{c['iqr_rel'] * 50:.1f}%",
+        "-" if goal is None else f"<= {goal}",
+        "-" if goal is None else ("met" if met else "NOT met"),
+        f"{diff:.1e}", f"{_copies_text(copies)} (vs {_copies_text(base_copies)})"])
+
+  # The smoke run times the no-donation pass only (it checks that the code runs).
+  passes = (False,) if quick else (False, True)
+  for donate in passes:
+    tag = ", donated" if donate else ""
+    # 1. Non-sync steps vs the same local optax step.
+    local = f"optax.adam local step (no shardopt){tag}"
+    runners = {local: bench.runner(_adam(), donate)}
+    for method in _periodic_methods(donate):
+      tx = available(method)
+      if tx is not None:
+        runners[f"{method.label}: non-sync step{tag}"] = bench.runner(tx, donate)
+    if len(runners) > 1:
+      timing = bench.compare(runners, local)
+      for name in list(runners)[1:]:
+        record("non-sync", name, local, runners, timing, donate,
+               GOALS["non-sync"], True)
+
+    # 2-3. accumulate (mid, emit) and apply_if_finite vs their baselines.
+    sync = f"cross_shard(adam){tag}"
+    runners = {sync: bench.runner(shardopt.cross_shard(_adam(), _common.AXIS),
+                                  donate)}
+    pairs = []
+    k_mid = HUGE_PERIOD if donate else ACCUMULATE_K
+    mid_tx = available(methods.accumulate(k_mid, name="adam"))
+    if mid_tx is not None:
+      bare = f"hand-written acc += grads{tag}"
+      mid = f"accumulate(cross_shard(adam), {k_mid}): mid step{tag}"
+      runners[bare] = bench.bare_add(donate)
+      runners[mid] = bench.runner(mid_tx, donate)
+      pairs.append(("accumulate", mid, bare, True))
+      if not donate:
+        emit = f"accumulate(cross_shard(adam), {ACCUMULATE_K}): emit step"
+        runners[emit] = bench.runner(mid_tx, False,
+                                     warm_steps=ACCUMULATE_K - 1)
+        pairs.append(("accumulate", emit, sync, False))
+    guarded = available(_apply_if_finite())
+    if guarded is not None:
+      name = f"apply_if_finite(cross_shard(adam)){tag}"
+      runners[name] = bench.runner(guarded, donate)
+      pairs.append(("apply_if_finite", name, sync, True))
+    if pairs:
+      timing = bench.compare(runners, sync)
+      for group, name, baseline, same in pairs:
+        record(group, name, baseline, runners, timing, donate, GOALS[group],
+               same)
+
+    # 4. PowerSGD vs cross_shard_mean.
+    mean = f"chain(cross_shard_mean, adam){tag}"
+    runners = {mean: bench.runner(optax.chain(
+        shardopt.cross_shard_mean(_common.AXIS), _adam()), donate)}
+    ranks = {}
+    for rank in (1, 2, 4):
+      method = methods.powersgd(rank, name="adam")
+      tx = available(method)
+      if tx is not None:
+        ranks[f"{method.label}{tag}"] = rank
+        runners[f"{method.label}{tag}"] = bench.runner(tx, donate)
+    if ranks:
+      timing = bench.compare(runners, mean)
+      for name, rank in ranks.items():
+        record("powersgd", name, mean, runners, timing, donate)
+        if donate == passes[-1]:  # donated (a training loop's setting) if run
+          powersgd[name] = _powersgd_projection(bench, timing, mean, name, rank)
+
+  notes = [
+      f"MLP {list(bench.sizes)} = {bench.param_count:,} params"
+      f" (P = {bench.param_bytes:,} bytes), Adam lr 1e-3,"
+      f" {bench.per_replica} examples per replica, {bench.n} replicas under"
+      f" pmap; median of {7 if quick else 21} interleaved rounds"
+      f" ({1 if quick else 2} step(s) per sample) within each group, warm-up"
+      " excluded. Ratio = median / median of the baseline in the same group;"
+      " paired = median of per-round ratios; ± = half the interquartile range.",
+      "No donation: every call restarts from the same params and state"
+      " (periodic methods from tx.init: local step 1, never a sync step;"
+      f" accumulate's emit step from the state after {ACCUMULATE_K - 1}"
+      " mini-steps). Donated: params and state donated and threaded from call"
+      f" to call, periods {HUGE_PERIOD:,} so that no timed call syncs.",
+      "copied MB/step: bytes of `copy` instructions in the step's compiled"
+      " HLO (memory traffic, no communication), entry computation + [each"
+      " conditional branch, by branch index; a step runs one], vs the"
+      " baseline's. A non-sync step takes the no-sync branch.",
+      "max |Δparam|: params after one call (no donation) or after the same"
+      " number of calls (donated) vs the baseline's; equal up to float"
+      " rounding expected for the non-sync steps, the mid step and"
+      " apply_if_finite.",
+  ]
+  for group, goal in GOALS.items():
+    for donate in (False, True):
+      group_rows = {k: v for k, v in comparisons.items()
+                    if v["group"] == group and v["donated"] == donate}
+      if group_rows:
+        worst = max(group_rows, key=lambda k: group_rows[k]["ratio"])
+        notes.append(
+            f"Goal {group} <= {goal}, {'donated' if donate else 'no donation'}:"
+            f" worst `{worst}` at {group_rows[worst]['ratio']:.3f} (paired"
+            f" {group_rows[worst]['paired_ratio']:.3f}) -> "
+            + ("met" if group_rows[worst]["ratio"] <= goal else "NOT met") + ".")
+  for name, p in powersgd.items():
+    link_text = "; ".join(
+        f"{link.split(' (')[0]}: saves {v['saved_s'] * 1e3:,.2f} ms of"
+        f" communication -> {'pays off' if v['pays_off'] else 'does not pay off'}"
+        for link, v in p["links"].items())
+    notes.append(
+        f"**{name}**: {p['bytes_per_step'] / 1e3:,.1f} kB/step vs"
+        f" {p['cross_shard_bytes_per_step'] / 1e3:,.1f} kB"
+        f" ({p['bytes_per_step'] / p['cross_shard_bytes_per_step']:.3f} of"
+        f" it), {p['extra_compute_s'] * 1e3:+,.2f} ms of step time here;"
+        f" {link_text}; {_break_even_text(p['break_even_bandwidth'])}."
+        " The break-even bandwidth stays the same if bytes and"
+        " compute both grow linearly with the model; the compute term is"
+        " this CPU's.")
+  if skipped:
+    notes.append("Skipped, not available in this shardopt: "
+                 + "; ".join(f"{v} ({k})" for k, v in skipped.items()) + ".")
+  return {
+      "title": "9. Cost of every new path: step time vs what it replaces",
+      "table": {"columns": ["step", "compared with", "median ms",
+                            "ratio", "spread", "goal", "verdict",
+                            "max |Δparam|", "copied MB/step (HLO)"],
+                "rows": rows},
+      "notes": notes,
+      "data": {"sizes": list(bench.sizes), "params": bench.param_count,
+               "param_bytes": bench.param_bytes, "goals": GOALS,
+               "huge_period": HUGE_PERIOD, "skipped": skipped,
+               "comparisons": comparisons, "powersgd_projection": powersgd},
+  }
+
+
+def plot(result: dict, directory: str) -> list[str]:
+  """Writes ``cost.png``: every ratio, with the goal of its group."""
+  from benchmarks import _plots
+  rows = result["data"]["comparisons"]
+  return [_plots.bars(
+      f"{directory}/cost.png", [f"{k} / {v['baseline']}" for k, v in rows.items()],
+      [v["ratio"] for v in rows.values()],
+      title="Step time / baseline step time (interleaved medians)",
+      xlabel="ratio", reference=GOALS["non-sync"],
+      reference_label=f"goal {GOALS['non-sync']} (non-sync), 1.02 (others)")]

@@ -1,0 +1,342 @@
+"""A language-model workload: a byte-level transformer on the Python stdlib's sources.
+
+Nothing is downloaded: the text is the running interpreter's own standard
+library (``Lib/*.py`` of ``sysconfig.get_paths()["stdlib"]``, top level only,
+read as bytes). Files are split deterministically into train and validation
+FILES by a CRC-32 of their name (one in ten to validation), so validation text
+is code the model never saw, from the same distribution.
+
+Model: a decoder-only transformer in Flax (linen), byte-level (vocabulary
+256), learned positions, pre-LayerNorm blocks of causal multi-head attention
+and a GELU MLP, the output layer tied to the byte embedding. Attention
+projections are plain 2-D ``Dense`` kernels, so every weight matrix is a
+matrix (``powersgd`` views a leaf as ``shape[0] x rest``).
+
+Training: 8 replicas under ``jax.pmap`` (axis ``"batch"``); the training
+bytes are cut into 8 contiguous shards, one per replica, and every step each
+replica draws its own ``batch_per_replica`` random windows of ``context + 1``
+bytes from its shard (keys folded from seed, step and replica index). Steps
+run in ``lax.scan`` chunks of ``eval_every`` steps.
+
+Validation: every ``eval_every`` steps, the mean next-byte cross-entropy
+over fixed windows spread evenly over the validation text, in bits per byte
+(nats / ln 2), of the replica-averaged params (the average is taken on the
+host for evaluation only; it is not part of training and not counted as
+communication). At multiples of every method's period, except streaming
+DiLoCo's fragments, all replicas already hold the same params.
+
+``python -m benchmarks.lm [--quick] [--steps N] [--seed S]`` trains the
+synchronous baseline and prints its curve (a calibration aid; the comparison
+is :mod:`benchmarks.quality_per_byte`).
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # standalone: 8 CPU devices before jax is imported
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import dataclasses  # noqa: E402
+import glob  # noqa: E402
+import math  # noqa: E402
+import sysconfig  # noqa: E402
+import time  # noqa: E402
+import zlib  # noqa: E402
+from typing import Any  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from benchmarks import _common  # noqa: E402
+
+AXIS = _common.AXIS
+VOCAB = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Sizes of the model, the run and the evaluation."""
+  context: int = 64
+  width: int = 64
+  depth: int = 2
+  heads: int = 4
+  batch_per_replica: int = 8
+  steps: int = 768
+  eval_every: int = 64
+  learning_rate: float = 2e-3
+  weight_decay: float = 1e-4
+  val_windows: int = 128
+  validation_every: int = 10  # one file in N goes to validation
+
+
+FULL = Config()
+QUICK = Config(context=16, width=16, depth=1, heads=2, batch_per_replica=2,
+               steps=64, eval_every=32, val_windows=16)
+
+
+# ----------------------------------------------------------------- data
+
+def stdlib_files() -> list[str]:
+  """The interpreter's top-level stdlib ``*.py`` files, sorted by name."""
+  return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+
+
+def is_validation(path: str, every: int) -> bool:
+  """Deterministic file-level split: CRC-32 of the file name, one in ``every``."""
+  return zlib.crc32(os.path.basename(path).encode()) % every == 0
+
+
+def corpus(config: Config = FULL) -> dict:
+  """Train and validation bytes as ``uint8`` arrays, and the file lists."""
+  train, val, train_files, val_files = [], [], [], []
+  for path in stdlib_files():
+    with open(path, "rb") as f:
+      data = f.read()
+    if is_validation(path, config.validation_every):
+      val.append(data)
+      val_files.append(os.path.basename(path))
+    else:
+      train.append(data)
+      train_files.append(os.path.basename(path))
+  return {"train": np.frombuffer(b"".join(train), np.uint8),
+          "validation": np.frombuffer(b"".join(val), np.uint8),
+          "train_files": train_files, "validation_files": val_files,
+          "stdlib": sysconfig.get_paths()["stdlib"]}
+
+
+def shards(train: np.ndarray, replicas: int) -> np.ndarray:
+  """``(replicas, shard_len)``: contiguous equal shards of the training bytes."""
+  length = len(train) // replicas
+  return train[:length * replicas].reshape(replicas, length)
+
+
+def validation_windows(validation: np.ndarray, config: Config) -> np.ndarray:
+  """``(val_windows, context + 1)`` windows evenly spread over the text."""
+  starts = np.linspace(0, len(validation) - config.context - 1,
+                       config.val_windows).astype(np.int64)
+  return np.stack([validation[s:s + config.context + 1] for s in starts])
+
+
+# ----------------------------------------------------------------- model
+
+class Block(nn.Module):
+  """Pre-LayerNorm block: causal self-attention, then a GELU MLP."""
+  width: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    batch, length, width = x.shape
+    head = width // self.heads
+    qkv = nn.Dense(3 * width, use_bias=False, name="qkv")(
+        nn.LayerNorm(name="ln_attention")(x))
+    q, k, v = (a.reshape(batch, length, self.heads, head)
+               for a in jnp.split(qkv, 3, axis=-1))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    attended = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v)
+    x = x + nn.Dense(width, use_bias=False, name="out")(
+        attended.reshape(batch, length, width))
+    hidden = nn.gelu(nn.Dense(4 * width, name="up")(
+        nn.LayerNorm(name="ln_mlp")(x)))
+    return x + nn.Dense(width, name="down")(hidden)
+
+
+class ByteTransformer(nn.Module):
+  """Decoder-only byte-level transformer; logits over the next byte."""
+  config: Config
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    c = self.config
+    embed = nn.Embed(VOCAB, c.width, name="embed",
+                     embedding_init=nn.initializers.normal(0.02))
+    position = self.param("position", nn.initializers.normal(0.02),
+                          (c.context, c.width))
+    x = embed(tokens) + position[:tokens.shape[1]]
+    for i in range(c.depth):
+      x = Block(c.width, c.heads, name=f"block{i}")(x)
+    return embed.attend(nn.LayerNorm(name="ln_final")(x))
+
+
+def init_params(config: Config, seed: int) -> Any:
+  """Float32 params of :class:`ByteTransformer` from ``seed``."""
+  tokens = jnp.zeros((1, config.context), jnp.int32)
+  return ByteTransformer(config).init(jax.random.key(seed), tokens)["params"]
+
+
+def loss_fn(params: Any, windows: jax.Array, config: Config) -> jax.Array:
+  """Mean next-byte cross-entropy (nats) of ``(batch, context + 1)`` windows."""
+  tokens = windows.astype(jnp.int32)
+  logits = ByteTransformer(config).apply({"params": params}, tokens[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, tokens[:, 1:]).mean()
+
+
+def bits_per_byte(nats: float) -> float:
+  return nats / math.log(2)
+
+
+def adamw(config: Config):
+  """The optimizer factory every method wraps."""
+  return lambda: optax.adamw(config.learning_rate,
+                             weight_decay=config.weight_decay)
+
+
+# ----------------------------------------------------------------- training
+
+def sample(shard: jax.Array, key: jax.Array, config: Config) -> jax.Array:
+  """``batch_per_replica`` random windows of ``context + 1`` bytes."""
+  starts = jax.random.randint(key, (config.batch_per_replica,), 0,
+                              shard.shape[0] - config.context - 1)
+  return jax.vmap(lambda s: jax.lax.dynamic_slice(
+      shard, (s,), (config.context + 1,)))(starts)
+
+
+def train_step(tx: optax.GradientTransformation, config: Config):
+  """One step ``(params, state, windows) -> (params, state, loss)`` (per replica)."""
+  def step(params, state, windows):
+    loss, grads = jax.value_and_grad(loss_fn)(params, windows, config)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+  return step
+
+
+def pmapped_step(tx: optax.GradientTransformation, config: Config):
+  """``jax.pmap`` of :func:`train_step`, for reading the compiled HLO."""
+  return jax.pmap(train_step(tx, config), axis_name=AXIS)
+
+
+def train_chunk(tx: optax.GradientTransformation, config: Config):
+  """pmapped: ``eval_every`` steps from ``first_step``; per-step local losses."""
+  step = train_step(tx, config)
+
+  def chunk(params, state, shard, key, first_step):
+    replica = jax.lax.axis_index(AXIS)
+
+    def one(carry, t):
+      params, state = carry
+      k = jax.random.fold_in(jax.random.fold_in(key, t), replica)
+      params, state, loss = step(params, state, sample(shard, k, config))
+      return (params, state), loss
+
+    (params, state), losses = jax.lax.scan(
+        one, (params, state), first_step + jnp.arange(config.eval_every))
+    return params, state, losses
+
+  return jax.pmap(chunk, axis_name=AXIS, in_axes=(0, 0, 0, None, None),
+                  donate_argnums=(0, 1))
+
+
+class Workload:
+  """Data on the devices and the evaluation, built once for every method."""
+
+  def __init__(self, config: Config = FULL):
+    self.config = config
+    self.replicas = jax.device_count()
+    data = corpus(config)
+    self.info = {
+        "stdlib": data["stdlib"],
+        "train_files": len(data["train_files"]),
+        "validation_files": len(data["validation_files"]),
+        "train_bytes": int(len(data["train"])),
+        "validation_bytes": int(len(data["validation"])),
+    }
+    self.shards = jax.pmap(lambda s: s)(shards(data["train"], self.replicas))
+    self.validation = jnp.asarray(validation_windows(data["validation"], config))
+    self.info["validation_windows"] = list(self.validation.shape)
+    self._val_loss = jax.jit(lambda p: loss_fn(p, self.validation, config))
+
+  def initial(self, tx: optax.GradientTransformation, seed: int):
+    """Replicated params (``init_params(1000 + seed)``) and ``tx``'s state."""
+    params = init_params(self.config, 1000 + seed)
+    p_params = jax.pmap(lambda p: p)(_common.replicate(params, self.replicas))
+    return p_params, jax.pmap(tx.init, axis_name=AXIS)(p_params)
+
+  def compile(self, tx: optax.GradientTransformation):
+    """Compiles ``tx``'s :func:`train_chunk` once: ``(callable, HLO text)``.
+
+    The HLO is the chunk's: one step is the body of its ``while`` loop, so
+    every collective runs once per step, or once per step that takes its
+    conditional branch.
+    """
+    p_params, state = self.initial(tx, 0)
+    compiled = train_chunk(tx, self.config).lower(
+        p_params, state, self.shards, jax.random.key(0), jnp.int32(0)).compile()
+    return compiled, compiled.as_text()
+
+  def validation_bits_per_byte(self, replicated_params: Any) -> float:
+    """Validation bits per byte of the replica-averaged params."""
+    mean = jax.tree.map(lambda a: jnp.mean(a, 0), replicated_params)
+    return bits_per_byte(float(self._val_loss(mean)))
+
+  def train(self, tx: optax.GradientTransformation, seed: int, *,
+            chunk=None) -> dict:
+    """Trains from ``seed`` and returns the validation and training curves.
+
+    Args:
+      tx: the method's transform (its collectives use axis ``"batch"``).
+      seed: params init and data order.
+      chunk: a :func:`train_chunk` of ``tx`` to reuse, or the callable of
+        :meth:`compile` (compiled once per method, not per seed).
+
+    Returns:
+      ``{"steps": [0, eval_every, ...], "val_bpb": [...], "train_bpb":
+      [mean over replicas of every step's local loss], "divergence": max
+      |param difference| across replicas at the end, "seconds"}``.
+    """
+    c = self.config
+    chunk = chunk or train_chunk(tx, c)
+    p_params, state = self.initial(tx, seed)
+    key = jax.random.key(seed)
+    start = time.perf_counter()
+    steps, val, train = [0], [self.validation_bits_per_byte(p_params)], []
+    for first in range(0, c.steps, c.eval_every):
+      p_params, state, losses = chunk(p_params, state, self.shards, key,
+                                      jnp.int32(first))
+      losses = np.asarray(losses)  # (replicas, eval_every): blocks
+      train.extend(bits_per_byte(x) for x in losses.mean(0))
+      steps.append(first + c.eval_every)
+      val.append(self.validation_bits_per_byte(p_params))
+    divergence = max(float(jnp.max(jnp.abs(a - a[0:1])))
+                     for a in jax.tree.leaves(p_params))
+    return {"steps": steps, "val_bpb": val, "train_bpb": train,
+            "divergence": divergence, "seconds": time.perf_counter() - start}
+
+
+def main(argv=None) -> int:
+  import argparse
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--steps", type=int, default=None)
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+  import shardopt
+  config = QUICK if args.quick else FULL
+  if args.steps:
+    config = dataclasses.replace(config, steps=args.steps)
+  workload = Workload(config)
+  params = init_params(config, 0)
+  print(f"[lm] {workload.info}; params {_common.count_params(params):,}"
+        f" ({_common.tree_bytes(params):,} bytes); {config}")
+  tx = shardopt.cross_shard(adamw(config)(), AXIS)
+  t0 = time.perf_counter()
+  chunk = train_chunk(tx, config)
+  result = workload.train(tx, args.seed, chunk=chunk)
+  print(f"[lm] sync: {time.perf_counter() - t0:.1f} s in all,"
+        f" {result['seconds']:.1f} s after the first call")
+  for s, v in zip(result["steps"], result["val_bpb"]):
+    print(f"  step {s:5d}  val {v:.3f} bits/byte")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
