@@ -15,6 +15,7 @@ from shardopt.cross_shard import scale_loss
 from shardopt.periodic import AGNState
 from shardopt.periodic import agn
 from shardopt.periodic import diloco
+from shardopt.periodic import hierarchical_local_sgd
 from shardopt.periodic import local_sgd
 from shardopt.tower import clip_by_global_norm
 from shardopt.tower import tower
@@ -33,6 +34,7 @@ __all__ = [
     "AGNState",
     "agn",
     "diloco",
+    "hierarchical_local_sgd",
     "local_sgd",
     "clip_by_global_norm",
     "tower",
