@@ -130,17 +130,8 @@ def _buffer_bytes(kind: str, result_bytes: int, sizes: list, group: int,
   return result_bytes
 
 
-def compiled_collectives(hlo_text: str, *, num_devices: int = 0
-                         ) -> list[Collective]:
-  """Lists the collectives in compiled HLO text, with their context and bytes.
-
-  Args:
-    hlo_text: ``Compiled.as_text()`` of a jitted or pmapped function.
-    num_devices: group size to assume when an instruction names no groups.
-
-  Returns:
-    One :class:`Collective` per collective instruction, in text order.
-  """
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+  """``({computation name: instruction lines}, entry name)`` of compiled HLO."""
   computations: dict[str, list[str]] = {}
   entry = None
   current = None
@@ -160,8 +151,11 @@ def compiled_collectives(hlo_text: str, *, num_devices: int = 0
   if entry is None:
     raise ValueError("compiled_collectives: no ENTRY computation in the text;"
                      " pass Compiled.as_text(), not the lowered StableHLO.")
+  return computations, entry
 
-  # Which contexts each computation is reached in, from ENTRY.
+
+def _edges(computations: dict) -> dict:
+  """Which computations each one calls, and how (loop, conditional or None)."""
   edges: dict[str, list[tuple[str, Optional[str]]]] = defaultdict(list)
   for name, lines in computations.items():
     for line in lines:
@@ -173,6 +167,42 @@ def compiled_collectives(hlo_text: str, *, num_devices: int = 0
       for group in _BRANCHES.findall(line):
         for target in re.findall(r"%([\w.\-]+)", group):
           edges[name].append((target, "conditional"))
+  return edges
+
+
+def _collective(line: str, context: str, num_devices: int
+                ) -> Optional[Collective]:
+  inst = _INSTRUCTION.match(line)
+  if not inst:
+    return None
+  opcode = inst.group(3)
+  is_start = opcode.endswith("-start")
+  kind = opcode[:-len("-start")] if is_start else opcode
+  if kind not in COLLECTIVE_KINDS:
+    return None
+  result_bytes, dtypes, sizes = _array_bytes(inst.group(2))
+  group = _group_size(inst.group(4), num_devices)
+  op_name = _OP_NAME.search(line)
+  return Collective(
+      kind=kind, context=context, dtypes=dtypes, result_bytes=result_bytes,
+      buffer_bytes=_buffer_bytes(kind, result_bytes, sizes, group, is_start),
+      group_size=group, op_name=op_name.group(1) if op_name else "")
+
+
+def compiled_collectives(hlo_text: str, *, num_devices: int = 0
+                         ) -> list[Collective]:
+  """Lists the collectives in compiled HLO text, with their context and bytes.
+
+  Args:
+    hlo_text: ``Compiled.as_text()`` of a jitted or pmapped function.
+    num_devices: group size to assume when an instruction names no groups.
+
+  Returns:
+    One :class:`Collective` per collective instruction, in text order.
+  """
+  computations, entry = _computations(hlo_text)
+  edges = _edges(computations)
+  # Which contexts each computation is reached in, from ENTRY.
   contexts: dict[str, set] = defaultdict(set)
   stack = [(entry, ())]
   while stack:
@@ -191,22 +221,53 @@ def compiled_collectives(hlo_text: str, *, num_devices: int = 0
       continue
     where = "|".join(sorted(contexts[name]))
     for line in lines:
-      inst = _INSTRUCTION.match(line)
-      if not inst:
-        continue
-      opcode = inst.group(3)
-      is_start = opcode.endswith("-start")
-      kind = opcode[:-len("-start")] if is_start else opcode
-      if kind not in COLLECTIVE_KINDS:
-        continue
-      result_bytes, dtypes, sizes = _array_bytes(inst.group(2))
-      group = _group_size(inst.group(4), num_devices)
-      op_name = _OP_NAME.search(line)
-      found.append(Collective(
-          kind=kind, context=where, dtypes=dtypes, result_bytes=result_bytes,
-          buffer_bytes=_buffer_bytes(kind, result_bytes, sizes, group, is_start),
-          group_size=group, op_name=op_name.group(1) if op_name else ""))
+      op = _collective(line, where, num_devices)
+      if op is not None:
+        found.append(op)
   return found
+
+
+def branch_collectives(hlo_text: str, *, num_devices: int = 0
+                       ) -> list[list[list[Collective]]]:
+  """The collectives of every branch of every ``conditional``, in text order.
+
+  ``lax.cond``/``lax.switch`` compile to a ``conditional`` whose branches are
+  indexed as in ``switch`` (a ``cond`` is ``[false branch, true branch]``).
+  Each branch lists what it runs, following calls into its sub-computations
+  (context ``"branch"``).
+
+  Returns:
+    ``[conditional][branch] -> [Collective, ...]``.
+  """
+  computations, _ = _computations(hlo_text)
+  edges = _edges(computations)
+
+  def reachable(root: str) -> list[Collective]:
+    seen, stack, found = set(), [root], []
+    while stack:
+      name = stack.pop()
+      if name in seen or name not in computations:
+        continue
+      seen.add(name)
+      for line in computations[name]:
+        op = _collective(line, "branch", num_devices)
+        if op is not None:
+          found.append(op)
+      stack.extend(target for target, _ in edges.get(name, ()))
+    return found
+
+  out = []
+  for lines in computations.values():
+    for line in lines:
+      listed = _BRANCHES.search(line)
+      if listed:
+        out.append([reachable(b) for b in
+                    re.findall(r"%([\w.\-]+)", listed.group(1))])
+      elif " conditional(" in line:
+        refs = dict((k, t) for k, t in _SINGLE_REF.findall(line))
+        out.append([reachable(refs["false_computation"]),
+                    reachable(refs["true_computation"])])
+  return out
 
 
 _MLIR_OP = re.compile(

@@ -499,8 +499,14 @@ def periodic(name: str, optimizer: optax.GradientTransformation,
     view = functools.partial(_fragment_tree, treedef=treedef,
                              num_fragments=num_fragments)
     skipped = jnp.zeros([], jnp.int32)
-    if not whole_axis_count and _axes.vma_checked():
-      skipped = _axes.cast_varying(skipped, _axes.axis_names(axis_name))
+    if _axes.vma_checked():
+      # Typed as the syncs will make it: varying over the axes the params
+      # vary over (other than the engine's own axis, unless it counts within
+      # groups), so that a lax.scan can carry the state.
+      axes = frozenset().union(*(_axes.varying_axes(p) for p in leaves))
+      own = frozenset(_axes.axis_names(axis_name))
+      axes = axes - own if whole_axis_count else axes | own
+      skipped = _axes.cast_varying(skipped, axes)
     return AGNState(
         count=jnp.zeros([], jnp.int32),
         sync_count=jnp.zeros([], jnp.int32),

@@ -458,8 +458,16 @@ def diloco(optimizer: optax.GradientTransformation, axis_name: Any, *,
   ``"island"`` every ``H`` steps. Params are ``P("island")`` (a leading
   island axis, replicated over ``"data"``), or also varying over ``"data"``
   (e.g. ``P("island", "data")``); the state's arrays take the params' spec,
-  its scalar counters ``P()``. Under ``jax.pmap`` the same nests as
-  ``pmap(pmap(step, axis_name="data"), axis_name="island")``.
+  ``count`` and ``sync_count`` ``P()``. With params varying over ``"data"``
+  ``skipped`` is typed varying over ``"data"`` too (the same number on every
+  data replica): carry the state inside the shard_map (``lax.scan``) or pass
+  it stacked (``P(("island", "data"))`` on every leaf). Islands are
+  shard_map-only: JAX 0.10's ``pmap`` is built on shard_map and rejects a
+  ``pmap`` nested in another. :func:`local_sgd` works across islands the
+  same way; for :func:`agn`, which accumulates the gradients it is given,
+  reduce them over ``"data"`` first:
+  ``optax.chain(shardopt.cross_shard_mean("data"), shardopt.agn(opt,
+  "island"))``.
 
   Args:
     optimizer: the inner optimizer (e.g. ``optax.adamw(...)``).
