@@ -38,7 +38,7 @@ import traceback  # noqa: E402
 import jax  # noqa: E402
 
 SECTIONS = ("overhead", "groups", "communication", "memory", "convergence",
-            "projection")
+            "projection", "periodic_cost")
 HERE = os.path.dirname(os.path.abspath(__file__))
 GPU_NOTE = ("No GPU figure exists yet: no accelerator was available to this run,"
             " so sections 1 and 3 have not been repeated as a single-device GPU"
