@@ -24,11 +24,16 @@ function each:
 
 What does not change on a step stays out of the branches: the local step, the
 accumulator add and the counter run before the switch, and branch 0 returns
-its operands, so a training step that donates its state
-(``jax.jit(step, donate_argnums=...)``) copies nothing on a step without a
-sync. Without donation XLA must copy what a sync may change and no step
-rewrites anyway (the center and the global optimizer state) into fresh output
-buffers.
+its operands. Cost of a step without a sync (measured in
+``benchmarks/periodic_cost.py`` and ``tests/test_schedules.py``): nothing is
+communicated, but without donation XLA copies what a sync may change (the
+center, the global optimizer state, agn's accumulator) into fresh output
+buffers. With a donated state (``jax.jit(step, donate_argnums=...)`` over a
+shard_map) ``local_sgd`` copies nothing more than plain optax; the guard that
+keeps a group's center and global state when none of its replicas is finite
+(a ``where`` on the global state) still makes XLA copy the global state, and
+switches with several sync branches (hierarchy, fragments) copy the local
+step's results too.
 """
 
 from __future__ import annotations
