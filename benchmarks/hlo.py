@@ -136,12 +136,9 @@ def _buffer_bytes(kind: str, result_bytes: int, sizes: list, group: int,
   return result_bytes
 
 
-def _walk(hlo_text: str, caller: str) -> list[tuple[str, str, list[str]]]:
-  """``(context, outermost branch, instruction lines)`` per reachable computation.
-
-  ``context`` and the branch are as in :class:`Collective` (``|``-joined when
-  a computation is reached in several).
-  """
+def _computations(hlo_text: str, caller: str
+                  ) -> tuple[dict[str, list[str]], str]:
+  """``({computation name: instruction lines}, entry name)`` of compiled HLO."""
   computations: dict[str, list[str]] = {}
   entry = None
   current = None
@@ -161,9 +158,15 @@ def _walk(hlo_text: str, caller: str) -> list[tuple[str, str, list[str]]]:
   if entry is None:
     raise ValueError(f"{caller}: no ENTRY computation in the text;"
                      " pass Compiled.as_text(), not the lowered StableHLO.")
+  return computations, entry
 
-  # Which contexts (and outermost conditional branches) each computation is
-  # reached in, from ENTRY.
+
+def _edges(computations: dict) -> dict:
+  """``{caller: [(callee, "loop" | "conditional" | None, branch label)]}``.
+
+  The label of a conditional branch is ``"<instruction>#<branch index>"``
+  (``lax.cond(pred, t, f)``: 0 = ``f``, 1 = ``t``); ``""`` for other calls.
+  """
   edges: dict[str, list[tuple[str, Optional[str], str]]] = defaultdict(list)
   for name, lines in computations.items():
     for line in lines:
@@ -179,6 +182,19 @@ def _walk(hlo_text: str, caller: str) -> list[tuple[str, str, list[str]]]:
       for group in _BRANCHES.findall(line):
         for index, target in enumerate(re.findall(r"%([\w.\-]+)", group)):
           edges[name].append((target, "conditional", f"{inst_name}#{index}"))
+  return edges
+
+
+def _walk(hlo_text: str, caller: str) -> list[tuple[str, str, list[str]]]:
+  """``(context, outermost branch, instruction lines)`` per reachable computation.
+
+  ``context`` and the branch are as in :class:`Collective` (``|``-joined when
+  a computation is reached in several).
+  """
+  computations, entry = _computations(hlo_text, caller)
+  edges = _edges(computations)
+  # Which contexts (and outermost conditional branches) each computation is
+  # reached in, from ENTRY.
   contexts: dict[str, set] = defaultdict(set)
   branches: dict[str, set] = defaultdict(set)
   seen = set()
@@ -200,6 +216,27 @@ def _walk(hlo_text: str, caller: str) -> list[tuple[str, str, list[str]]]:
           for name, lines in computations.items() if name in contexts]
 
 
+def _collective(line: str, context: str, num_devices: int, branch: str = ""
+                ) -> Optional[Collective]:
+  """The :class:`Collective` an HLO instruction line runs, or None."""
+  inst = _INSTRUCTION.match(line)
+  if not inst:
+    return None
+  opcode = inst.group(3)
+  is_start = opcode.endswith("-start")
+  kind = opcode[:-len("-start")] if is_start else opcode
+  if kind not in COLLECTIVE_KINDS:
+    return None
+  result_bytes, dtypes, sizes = _array_bytes(inst.group(2))
+  group = _group_size(inst.group(4), num_devices)
+  op_name = _OP_NAME.search(line)
+  return Collective(
+      kind=kind, context=context, dtypes=dtypes, result_bytes=result_bytes,
+      buffer_bytes=_buffer_bytes(kind, result_bytes, sizes, group, is_start),
+      group_size=group, op_name=op_name.group(1) if op_name else "",
+      branch=branch)
+
+
 def compiled_collectives(hlo_text: str, *, num_devices: int = 0
                          ) -> list[Collective]:
   """Lists the collectives in compiled HLO text, with their context and bytes.
@@ -214,23 +251,53 @@ def compiled_collectives(hlo_text: str, *, num_devices: int = 0
   found = []
   for where, branch, lines in _walk(hlo_text, "compiled_collectives"):
     for line in lines:
-      inst = _INSTRUCTION.match(line)
-      if not inst:
-        continue
-      opcode = inst.group(3)
-      is_start = opcode.endswith("-start")
-      kind = opcode[:-len("-start")] if is_start else opcode
-      if kind not in COLLECTIVE_KINDS:
-        continue
-      result_bytes, dtypes, sizes = _array_bytes(inst.group(2))
-      group = _group_size(inst.group(4), num_devices)
-      op_name = _OP_NAME.search(line)
-      found.append(Collective(
-          kind=kind, context=where, dtypes=dtypes, result_bytes=result_bytes,
-          buffer_bytes=_buffer_bytes(kind, result_bytes, sizes, group, is_start),
-          group_size=group, op_name=op_name.group(1) if op_name else "",
-          branch=branch))
+      op = _collective(line, where, num_devices, branch)
+      if op is not None:
+        found.append(op)
   return found
+
+
+def branch_collectives(hlo_text: str, *, num_devices: int = 0
+                       ) -> list[list[list[Collective]]]:
+  """The collectives of every branch of every ``conditional``, in text order.
+
+  ``lax.cond``/``lax.switch`` compile to a ``conditional`` whose branches are
+  indexed as in ``switch`` (a ``cond`` is ``[false branch, true branch]``).
+  Each branch lists what it runs, following calls into its sub-computations
+  (context ``"branch"``).
+
+  Returns:
+    ``[conditional][branch] -> [Collective, ...]``.
+  """
+  computations, _ = _computations(hlo_text, "branch_collectives")
+  edges = _edges(computations)
+
+  def reachable(root: str) -> list[Collective]:
+    seen, stack, found = set(), [root], []
+    while stack:
+      name = stack.pop()
+      if name in seen or name not in computations:
+        continue
+      seen.add(name)
+      for line in computations[name]:
+        op = _collective(line, "branch", num_devices)
+        if op is not None:
+          found.append(op)
+      stack.extend(target for target, _, _ in edges.get(name, ()))
+    return found
+
+  out = []
+  for lines in computations.values():
+    for line in lines:
+      listed = _BRANCHES.search(line)
+      if listed:
+        out.append([reachable(b) for b in
+                    re.findall(r"%([\w.\-]+)", listed.group(1))])
+      elif " conditional(" in line:
+        refs = dict(_SINGLE_REF.findall(line))
+        out.append([reachable(refs["false_computation"]),
+                    reachable(refs["true_computation"])])
+  return out
 
 
 def copied_bytes(hlo_text: str) -> dict:

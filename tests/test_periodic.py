@@ -778,19 +778,6 @@ def test_invariant_gradients_are_rejected_with_the_fix(mesh):
     jax.eval_shape(f, _abstract(mesh, (1,), P()), _abstract(mesh, (8,), P("batch")))
 
 
-def test_counters_must_be_replicated_under_shard_map(mesh):
-  tx = shardopt.agn(optax.sgd(0.1), "batch")
-
-  def step(w):
-    state = tx.init(w)
-    state = state._replace(count=jax.lax.pcast(state.count, "batch", to="varying"))
-    return tx.update(w, state, w)[0]
-
-  f = jax.shard_map(step, mesh=mesh, in_specs=P("batch"), out_specs=P("batch"))
-  with pytest.raises(ValueError, match="shardopt.agn: state.count is varying"):
-    jax.eval_shape(f, _abstract(mesh, (8,), P("batch")))
-
-
 def test_groups_need_a_varying_center_under_shard_map(mesh):
   tx = shardopt.agn(optax.sgd(0.1), "batch", axis_index_groups=GROUPS)
 

@@ -19,6 +19,7 @@ from shardopt.finite import apply_if_finite
 from shardopt.periodic import AGNState
 from shardopt.periodic import agn
 from shardopt.periodic import diloco
+from shardopt.periodic import hierarchical_local_sgd
 from shardopt.periodic import local_sgd
 from shardopt.powersgd import PowerSGDState
 from shardopt.powersgd import powersgd
@@ -39,6 +40,7 @@ __all__ = [
     "AGNState",
     "agn",
     "diloco",
+    "hierarchical_local_sgd",
     "local_sgd",
     "PowerSGDState",
     "powersgd",

@@ -261,21 +261,24 @@ def cond_same_types(pred: Any, true_fn, false_fn, *, true_types: Any = None
       lambda: cast_tree_like(false_fn(), true_types, false_types))
 
 
-def scalar_counter(count: Any, transform: str, field: str) -> jax.Array:
+def scalar_counter(count: Any, transform: str, field: str,
+                   axis_name: AxisName = None) -> jax.Array:
   """The value of a step counter, as a scalar, however the state arrived.
 
   Step counters are the same on every replica by construction, so a counter
   typed varying (the whole state under ``P(axis)`` in ``jax.shard_map``) is
   as good as a replicated one; stacked under that spelling it arrives with
   shape ``(1,)``. Anything with more than one element is an error that gives
-  the specs to use.
+  the specs to use (naming ``axis_name`` when given).
   """
   if jnp.size(count) != 1:
+    axis = repr(axis_name) if axis_name is not None else "axis"
     raise ValueError(
-        f"{transform}: {field} has shape {jnp.shape(count)}, expected a scalar"
-        " step counter (the same on every replica). Under jax.shard_map give"
-        " the state's scalar counters spec P(), or stack the whole state with"
-        " a leading replica axis (jax.pmap(tx.init) or jax.vmap(tx.init)) and"
-        " give every leaf spec P(axis); under jax.pmap build the state with"
+        f"{transform}: {field} has shape {jnp.shape(count)}, expected one step"
+        " count per replica (a scalar, the same on every replica). Under"
+        " jax.shard_map pass the state's scalar counters with spec P() and the"
+        f" other leaves with P({axis}); or stack the whole state"
+        " (jax.vmap(tx.init) over a leading replica axis) and pass every leaf"
+        f" with P({axis}); under jax.pmap build the state with"
         " jax.pmap(tx.init).")
   return jnp.reshape(count, ())

@@ -1,13 +1,16 @@
-"""AGNOptimizer and the periodic-communication family: ``agn``, ``local_sgd``, ``diloco``.
+"""AGNOptimizer and the periodic-communication family: ``agn``, ``local_sgd``,
+``diloco`` and ``hierarchical_local_sgd``.
 
-One engine, three thin public wrappers. Every replica trains on its own
-(local) copy of the params with ``optimizer``; every ``period`` steps the
-replicas combine one *contribution* each across the axis, a *global*
-optimizer moves a shared ``center`` with it, and the returned updates move
-every replica's params onto the new center::
+One engine (``shardopt._periodic_engine``), thin public wrappers. Every
+replica trains on its own (local) copy of the params with ``optimizer``; on a
+*schedule* (which leaves, over which group of replicas, after which step) the
+replicas combine one *contribution* each, a *global* optimizer moves a shared
+``center`` with it, and the returned updates move every replica's params onto
+the new center::
 
   contribution    AGN: a_i = (sum of the gradients since the last sync) / T
                   local_sgd / diloco: a_i = center - local_params_i
+                  hierarchical_local_sgd: a_i = local_params_i (no center)
   combination     a = mean_i a_i  (or sum_i a_i for agn(reduction="sum"))
   global step     center <- global_optimizer(center, a)
   pull            params_i <- center
@@ -17,9 +20,13 @@ With ``global_optimizer = sgd(1)`` and the params contribution,
 averaging (``local_sgd``). With ``sgd(lr, momentum, nesterov=True)`` it is
 DiLoCo's outer step.
 
-Communication happens only on sync steps: the collectives sit inside the sync
-branch of one ``jax.lax.cond`` whose predicate is the replicated step counter.
-The other ``period - 1`` steps run no collective at all.
+Schedules: ``agn``/``local_sgd``/``diloco`` synchronise everything every T
+steps; ``hierarchical_local_sgd`` averages within contiguous groups of several
+sizes at several periods; ``diloco(..., num_fragments=F)`` (Streaming DiLoCo)
+synchronises one fragment of the leaves at a time, staggered over the period.
+Communication happens only on sync steps: the collectives sit inside the
+branches of one ``jax.lax.switch`` whose index is read from the replicated
+step counter. The other steps run no collective at all.
 
 TensorFlow's AGNOptimizer is asynchronous: each worker commits its normalized
 accumulator to a parameter server on its own schedule. shardopt is
@@ -34,59 +41,16 @@ imported).
 
 from __future__ import annotations
 
-import functools
-from typing import Any, NamedTuple, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
-import chex
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
-from shardopt import _axes
-from shardopt.collectives import reduce
+from shardopt import _periodic_engine as engine
+from shardopt._periodic_engine import AGNState
 
-_GRADIENTS = "gradients"
-_PARAMS = "params"
-
-
-class AGNState(NamedTuple):
-  """State of :func:`agn`, :func:`local_sgd` and :func:`diloco`.
-
-  Every field is an array (or a pytree of arrays), so a checkpoint taken in
-  the middle of a communication period restores and continues bit-identically
-  (``jax.tree.map(np.asarray, state)`` round-trips).
-
-  Attributes:
-    count: int32 scalar, local steps taken (the same on every replica).
-    sync_count: int32 scalar, synchronisations done (TensorFlow's global step
-      of the center variables); one all-reduce round each.
-    accumulator: the sum of this replica's gradients since the last sync,
-      float32 for low-precision gradients (``agn`` only; ``local_sgd`` and
-      ``diloco`` keep an empty tuple here: their contribution is read from
-      the params at the sync step).
-    center: the shared params every replica is pulled onto at a sync,
-      bit-identical on every replica (within a group with
-      ``axis_index_groups``).
-    local_state: this replica's state of the local ``optimizer``.
-    global_state: the global optimizer's state (for the center), the same on
-      every replica (within a group).
-    skipped: int32 scalar, how many replica contributions were left out of a
-      combination because they were not finite, summed over all syncs and
-      over the whole axis.
-  """
-  count: chex.Array
-  sync_count: chex.Array
-  accumulator: Any
-  center: Any
-  local_state: Any
-  global_state: Any
-  skipped: chex.Array
-
-
-def _accumulation_dtype(dtype) -> np.dtype:
-  """float32 for low-precision floats (bf16, f16), the dtype itself otherwise."""
-  return jnp.promote_types(dtype, jnp.float32)
+__all__ = ["AGNState", "agn", "diloco", "hierarchical_local_sgd", "local_sgd"]
 
 
 def _check_period(value: Any, arg: str, transform: str) -> int:
@@ -108,267 +72,43 @@ def _check_axis_name(axis_name: Any, transform: str) -> None:
         " name.")
 
 
-def _all_finite(tree: Any) -> jax.Array:
-  """A boolean scalar: every element of every leaf is finite."""
-  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-  return functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
-
-
-def _cast_tree_like(tree: Any, *likes: Any) -> Any:
-  """Casts every leaf of ``tree`` to be varying wherever a ``likes`` leaf is."""
-  if not _axes.vma_checked():
-    return tree
-
-  def leaf(x, *others):
-    axes = frozenset().union(*(_axes.varying_axes(o) for o in others))
-    return _axes.cast_varying(x, axes)
-
-  return jax.tree.map(leaf, tree, *likes)
-
-
-def _where_float(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-  """``jnp.where(pred, on_true, on_false)`` on the floating-point leaves.
-
-  Integer leaves (step counts) take ``on_true``. Under a checking shard_map a
-  leaf typed invariant while ``pred`` is varying also takes ``on_true``, so
-  that replicated leaves stay replicated.
-  """
-  pred_axes = _axes.varying_axes(pred) if _axes.vma_checked() else frozenset()
-
-  def leaf(t, f):
-    if not jnp.issubdtype(t.dtype, jnp.floating):
-      return t
-    if pred_axes - _axes.varying_axes(t):
-      return t
-    return jnp.where(pred, t, f.astype(t.dtype))
-
-  return jax.tree.map(leaf, on_true, on_false)
-
-
-def _check_local_gradients(grads: Any, params: Any, axis_name: Any,
-                           transform: str) -> None:
-  """Checks grads: params' tree structure, floating point, not invariant.
-
-  Gradients typed invariant were summed by autodiff: not local gradients.
-  Everything here runs at trace time, before any state is touched.
-  """
-  grads_def = jax.tree.structure(grads)
-  params_def = jax.tree.structure(params)
-  if grads_def != params_def:
+def _check_num_fragments(value: Any, sync_period: int, transform: str) -> int:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+      value, (int, np.integer)) or not 1 <= int(value) <= sync_period:
     raise ValueError(
-        f"{transform}: the gradient tree does not match the params tree over"
-        f" axis {axis_name!r}: grads have structure {grads_def}, params have"
-        f" {params_def}. Pass the gradient of the same params the state was"
-        " built from (tx.init(params)).")
-  checked = _axes.vma_checked()
-
-  def leaf(path, g):
-    _axes.check_float_leaf(path, g, transform, axis_name)
-    if not checked:
-      return
-    _, invariant = _axes.split_axes(g, axis_name)
-    if invariant:
-      raise ValueError(
-          f"{transform}: the gradient at {jax.tree_util.keystr(path) or '<root>'}"
-          f" is invariant over axis {_axes.as_axis(invariant)!r}: the params were"
-          " replicated (P()), so autodiff has already summed the gradient over"
-          " every replica. That is the synchronous gradient, not this"
-          f" replica's local gradient, and {transform} needs the local one"
-          " (the replicas train apart between synchronisations). Fix: give each"
-          " replica its own params, typed varying: a leading replica axis"
-          f" sharded over {axis_name!r} (in_specs=P({axis_name!r})), or"
-          f" params = jax.lax.pcast(params, {axis_name!r}, to='varying') before"
-          " jax.grad.")
-
-  jax.tree_util.tree_map_with_path(leaf, grads)
+        f"{transform}: num_fragments={value!r} must be an integer with 1 <="
+        f" num_fragments <= sync_period={sync_period} (each fragment"
+        " synchronises at its own step of the period, and at most one per"
+        " step); 1 is plain DiLoCo.")
+  return int(value)
 
 
-def _check_counter(count: Any, axis_name: Any, transform: str) -> None:
-  if jnp.ndim(count) != 0:
+def _check_period_group_sizes(value: Any, transform: str) -> dict:
+  """Checks ``{period: group_size}``: non-empty, integers >= 1, both
+  strictly increasing in the dict's own order (no sorting)."""
+  example = " e.g. period_group_sizes={2: 2, 8: 8}"
+  if not isinstance(value, Mapping) or not value:
     raise ValueError(
-        f"{transform}: state.count has shape {jnp.shape(count)}, expected a"
-        " scalar. Inside jax.shard_map keep the scalar counters of the state"
-        " replicated (spec P()) and give only the arrays a leading replica"
-        " axis; under jax.pmap, build the state with jax.pmap(tx.init).")
-  if _axes.vma_checked():
-    varying, _ = _axes.split_axes(count, axis_name)
-    if varying:
+        f"{transform}: period_group_sizes={value!r} must be a non-empty dict"
+        " {period: group_size}: after local step t the largest period that"
+        f" divides t averages within contiguous groups of its size;{example}.")
+  for period, size in value.items():
+    for what, v in (("period", period), ("group size", size)):
+      if isinstance(v, (bool, np.bool_)) or not isinstance(
+          v, (int, np.integer)) or int(v) < 1:
+        raise ValueError(
+            f"{transform}: period_group_sizes={value!r} has {what} {v!r};"
+            f" periods and group sizes must be integers >= 1;{example}.")
+  items = [(int(p), int(s)) for p, s in value.items()]
+  for (p0, s0), (p1, s1) in zip(items, items[1:]):
+    if not (p1 > p0 and s1 > s0):
       raise ValueError(
-          f"{transform}: state.count is varying over axis"
-          f" {_axes.as_axis(varying)!r}, but the step counter must be the same"
-          " on every replica (it decides when all replicas synchronise). Pass"
-          " the scalar counters of the state with spec P().")
-
-
-def _periodic(name: str, optimizer: optax.GradientTransformation,
-              global_optimizer: optax.GradientTransformation, axis_name: Any, *,
-              period: int, contribution: str, reduction: str,
-              axis_index_groups, comm_dtype
-              ) -> optax.GradientTransformationExtraArgs:
-  """The engine behind :func:`agn`, :func:`local_sgd` and :func:`diloco`.
-
-  Args:
-    name: the public transform's name, used in error messages.
-    optimizer: the local optimizer, applied on every replica at every step.
-    global_optimizer: the optimizer that moves the center at a sync.
-    axis_name: the replica axis (or tuple of axes).
-    period: local steps between two synchronisations (validated by the
-      caller, which knows the argument's public name).
-    contribution: ``"gradients"`` (AGN: accumulated gradients / period) or
-      ``"params"`` (the pseudo-gradient ``center - local params``).
-    reduction: how contributions combine across replicas.
-    axis_index_groups: optional groups; each group keeps its own center.
-    comm_dtype: optional floating dtype on the wire.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs`` with state :class:`AGNState`.
-  """
-  # The public wrappers check axis_name and their period argument first (it
-  # has a different name in each); the rest is checked here, once.
-  _axes.check_reduction(reduction, name, axis_name)
-  _axes.check_comm_dtype(comm_dtype, name, axis_name)
-  local = optax.with_extra_args_support(optimizer)
-  accumulate = contribution == _GRADIENTS
-
-  def init_fn(params):
-    if accumulate:
-      accumulator = jax.tree.map(
-          lambda p: jnp.zeros_like(p, dtype=_accumulation_dtype(p.dtype)), params)
-    else:
-      accumulator = ()
-    return AGNState(
-        count=jnp.zeros([], jnp.int32),
-        sync_count=jnp.zeros([], jnp.int32),
-        accumulator=accumulator,
-        center=jax.tree.map(jnp.asarray, params),
-        local_state=optimizer.init(params),
-        global_state=global_optimizer.init(params),
-        skipped=jnp.zeros([], jnp.int32))
-
-  def update_fn(grads, state, params=None, **extra_args):
-    if params is None:
-      raise ValueError(
-          f"{name}: params are required; call tx.update(grads, state, params)."
-          " At a sync the returned updates move params onto the center, which"
-          " needs the current params.")
-    size = _axes.axis_size(axis_name, name)
-    groups = _axes.validate_groups(axis_index_groups, size, name, axis_name)
-    _check_counter(state.count, axis_name, name)
-    _check_local_gradients(grads, params, axis_name, name)
-    center_def = jax.tree.structure(state.center)
-    if center_def != jax.tree.structure(params):
-      raise ValueError(
-          f"{name}: the state does not match the params tree over axis"
-          f" {axis_name!r}: state.center has structure {center_def}, params"
-          f" have {jax.tree.structure(params)}. Build the state with"
-          " tx.init(params) from these params.")
-    if groups is not None and _axes.vma_checked():
-      for c in jax.tree.leaves(state.center):
-        _, invariant = _axes.split_axes(c, axis_name)
-        if invariant:
-          raise ValueError(
-              f"{name}: with axis_index_groups each group keeps its own center,"
-              f" so the center must be typed varying over {axis_name!r}, but it"
-              " is invariant (it was initialised from replicated params). Build"
-              " the state with tx.init(params) from params that carry a leading"
-              f" replica axis sharded over {axis_name!r}, or from"
-              f" jax.lax.pcast(params, {axis_name!r}, to='varying').")
-
-    # Every step: one local step, accumulate, count.
-    local_updates, local_state = local.update(
-        grads, state.local_state, params, **extra_args)
-    # Updates are in the params' dtype on every step (a sync step's updates
-    # are center - params), so both branches of the cond agree even when the
-    # gradients are narrower (bfloat16 grads for float32 params).
-    local_updates = jax.tree.map(lambda u, p: u.astype(p.dtype), local_updates,
-                                 params)
-    if accumulate:
-      accumulator = jax.tree.map(lambda a, g: a + g.astype(a.dtype),
-                                 state.accumulator, grads)
-    else:
-      accumulator = ()
-    count = state.count + 1
-    is_sync = count % period == 0
-
-    def contributions():
-      if accumulate:  # AGN: a_i = (g_1 + ... + g_T) / T
-        return jax.tree.map(lambda a: a / jnp.asarray(period, a.dtype),
-                            accumulator)
-      # Pseudo-gradient: center - (params after this step's local update).
-      local_params = optax.apply_updates(params, local_updates)
-
-      def pseudo_gradient(c, p):
-        wide = _accumulation_dtype(p.dtype)
-        return c.astype(wide) - p.astype(wide)
-
-      return jax.tree.map(pseudo_gradient, state.center, local_params)
-
-    def sync_branch():
-      mine = contributions()
-      # A replica whose contribution is not finite is left out of the round.
-      finite = _all_finite(mine)
-      masked = jax.tree.map(lambda a: jnp.where(finite, a, jnp.zeros_like(a)),
-                            mine)
-      total = reduce(masked, axis_name, reduction="sum",
-                     axis_index_groups=groups, comm_dtype=comm_dtype,
-                     _transform=name)
-      flag = finite.astype(jnp.float32)
-      if _axes.vma_checked():
-        flag = _axes.cast_varying(flag, _axes.axis_names(axis_name))
-      finite_in_group = reduce(flag, axis_name, reduction="sum",
-                               axis_index_groups=groups, _transform=name)
-      finite_in_axis = finite_in_group if groups is None else reduce(
-          flag, axis_name, reduction="sum", _transform=name)
-      if reduction == "mean":
-        divisor = jnp.maximum(finite_in_group, 1.0)
-        total = jax.tree.map(lambda t: t / divisor.astype(t.dtype), total)
-      combined = jax.tree.map(lambda t, c: t.astype(c.dtype), total,
-                              state.center)
-      center_updates, global_state = global_optimizer.update(
-          combined, state.global_state, state.center)
-      center = optax.apply_updates(state.center, center_updates)
-      # No finite replica in the group: the center and the float leaves of the
-      # global state stay as they were (integer step counts advance).
-      any_finite = finite_in_group > 0
-      center = _where_float(any_finite, center, state.center)
-      global_state = _where_float(any_finite, global_state, state.global_state)
-      # A replica that was left out restarts the float leaves of its local
-      # optimizer state (moments, which may hold the non-finite values) from
-      # optimizer.init(center); integer leaves (step counts) are kept.
-      fresh = _cast_tree_like(optimizer.init(center), local_state)
-      new_local_state = _where_float(finite, local_state, fresh)
-      # Pull: params + (center - params) lands on the center (exactly when
-      # center/2 <= params <= 2*center, Sterbenz; see the agn docstring).
-      updates = jax.tree.map(lambda c, p: c.astype(p.dtype) - p, center, params)
-      skipped = state.skipped + jnp.round(size - finite_in_axis).astype(jnp.int32)
-      return (updates, jax.tree.map(jnp.zeros_like, accumulator), center,
-              global_state, new_local_state, state.sync_count + 1, skipped)
-
-    def local_branch():
-      return (local_updates, accumulator, state.center, state.global_state,
-              local_state, state.sync_count, state.skipped)
-
-    if _axes.vma_checked():
-      # Both branches of the cond must agree on varying-ness: cast each output
-      # to the union of what either branch (and the incoming state) is.
-      sync_types = jax.eval_shape(sync_branch)
-      local_types = local_branch()
-
-      def typed(branch):
-        return lambda: _cast_tree_like(branch(), sync_types, local_types)
-
-      outputs = jax.lax.cond(is_sync, typed(sync_branch), typed(local_branch))
-    else:
-      outputs = jax.lax.cond(is_sync, sync_branch, local_branch)
-    (updates, accumulator, center, global_state, local_state, sync_count,
-     skipped) = outputs
-    return updates, AGNState(
-        count=count, sync_count=sync_count, accumulator=accumulator,
-        center=center, local_state=local_state, global_state=global_state,
-        skipped=skipped)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
+          f"{transform}: period_group_sizes={value!r}: periods and group sizes"
+          " must both be strictly increasing in the order given (a longer"
+          f" period averages over a larger group), but {p0}: {s0} is followed"
+          f" by {p1}: {s1}. The dict is read in its own order, not sorted;"
+          f"{example}.")
+  return dict(items)
 
 
 def _check_outer_args(transform: str, outer_learning_rate: Any,
@@ -526,9 +266,10 @@ def agn(optimizer: optax.GradientTransformation, axis_name: Any, *,
   period = _check_period(communication_period, "communication_period", name)
   if global_optimizer is None:
     global_optimizer = optimizer
-  return _periodic(name, optimizer, global_optimizer, axis_name, period=period,
-                   contribution=_GRADIENTS, reduction=reduction,
-                   axis_index_groups=axis_index_groups, comm_dtype=comm_dtype)
+  return engine.periodic(
+      name, optimizer, global_optimizer, axis_name, syncs=engine.every(period),
+      contribution=engine.GRADIENTS, reduction=reduction,
+      axis_index_groups=axis_index_groups, comm_dtype=comm_dtype)
 
 
 def local_sgd(optimizer: optax.GradientTransformation, axis_name: Any, *,
@@ -582,15 +323,104 @@ def local_sgd(optimizer: optax.GradientTransformation, axis_name: Any, *,
   name = "shardopt.local_sgd"
   _check_axis_name(axis_name, name)
   period = _check_period(period, "period", name)
-  return _periodic(name, optimizer, optax.sgd(1.0), axis_name, period=period,
-                   contribution=_PARAMS, reduction="mean",
-                   axis_index_groups=axis_index_groups, comm_dtype=comm_dtype)
+  return engine.periodic(
+      name, optimizer, optax.sgd(1.0), axis_name, syncs=engine.every(period),
+      contribution=engine.PSEUDO_GRADIENT, axis_index_groups=axis_index_groups,
+      comm_dtype=comm_dtype)
+
+
+def hierarchical_local_sgd(optimizer: optax.GradientTransformation,
+                           axis_name: Any, *, period_group_sizes: dict,
+                           comm_dtype=None
+                           ) -> optax.GradientTransformationExtraArgs:
+  """Hierarchical local SGD: average often in small groups, rarely in big ones.
+
+  ``period_group_sizes`` maps a period to a group size, e.g. ``{2: 2, 8: 8}``
+  on 8 replicas: average within pairs after every 2nd step and over all 8
+  after every 8th. After local step ``t`` (``t = 1, 2, ...``), among the
+  periods ``p`` with ``t % p == 0`` the largest wins, and the params are
+  averaged within contiguous groups of its size (replica ``i`` is in group
+  ``i // size``); every collective of that sync runs within those groups,
+  never over the whole axis. Periods and group sizes must both be strictly
+  increasing in the dict's own order; every size must divide the axis size
+  (checked when the update is traced). The largest size may be below the
+  axis size: then no global average ever happens.
+
+  The params are averaged directly (local SGD semantics, as PyTorch's
+  ``HierarchicalModelAverager``): the state keeps no center and no global
+  optimizer state (empty tuples). One level whose size is the axis size is
+  :func:`local_sgd` to rounding (a few ulp: ``local_sgd`` averages through its
+  center, ``center - mean(center - params)``). A replica whose params are not
+  finite is left out of its group's average (and restarts the float leaves of
+  its local optimizer state from ``optimizer.init``); if no member of a group
+  is finite the group is left as it is. ``state.skipped`` counts the
+  contributions left out of this replica's groups, so it can differ between
+  groups: under a checking ``jax.shard_map`` it is typed varying, so pass the
+  whole state with a leading replica axis (``P(axis)`` on every leaf, the
+  counters included: build it stacked with ``jax.vmap(tx.init)``), or carry it
+  inside the shard_map (a ``lax.scan``).
+
+  Phase, and porting from PyTorch: shardopt averages after steps ``T, 2T,
+  ...`` (as :func:`local_sgd`). PyTorch's averagers read their step counter
+  *before* incrementing it, from 0, so they average after steps ``1, T + 1,
+  ...``. To get shardopt's schedule in PyTorch, start
+  ``HierarchicalModelAverager``'s ``step`` at 1 (``averager.step = 1`` before
+  the first ``average_parameters``, ``warmup_steps=0``); for
+  ``PeriodicModelAverager(period=T)`` pass ``warmup_steps=T - 1``. PyTorch
+  also requires the last group size to be the world size; shardopt does not.
+
+  Args:
+    optimizer: the local optimizer, applied on every replica at every step.
+    axis_name: the ``pmap``/mesh axis name (or tuple of names) of the replicas.
+    period_group_sizes: ``{period: group_size}``, non-empty, integers >= 1,
+      both strictly increasing in the order given.
+    comm_dtype: optional floating dtype used on the wire.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is
+    :class:`AGNState` (``center``, ``global_state`` and ``accumulator`` empty).
+    ``update`` needs ``params``.
+
+  Example:
+    Pairs every 2 steps, all 8 replicas every 4 steps::
+
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, shardopt
+      >>> tx = shardopt.hierarchical_local_sgd(
+      ...     optax.sgd(1.0), "batch", period_group_sizes={2: 2, 4: 8})
+      >>> def step(params, state, grads):
+      ...   updates, state = tx.update(grads, state, params)
+      ...   return optax.apply_updates(params, updates), state
+      >>> step = jax.pmap(step, axis_name="batch")
+      >>> params = jnp.zeros(8)
+      >>> state = jax.pmap(tx.init)(params)
+      >>> grads = -jnp.arange(8.0)  # replica i moves by i per step
+      >>> for _ in range(2):
+      ...   params, state = step(params, state, grads)
+      >>> np.asarray(params)  # pairs: mean(2i, 2i + 2)
+      array([ 1.,  1.,  5.,  5.,  9.,  9., 13., 13.], dtype=float32)
+      >>> for _ in range(2):
+      ...   params, state = step(params, state, grads)
+      >>> np.asarray(params)  # everyone: mean(4 i) = 14
+      array([14., 14., 14., 14., 14., 14., 14., 14.], dtype=float32)
+
+  References:
+    Lin et al., `Don't Use Large Mini-Batches, Use Local SGD
+    <https://arxiv.org/abs/1808.07217>`_, ICLR 2020 (hierarchical local SGD).
+    PyTorch, ``torch.distributed.algorithms.model_averaging.
+    hierarchical_model_averager.HierarchicalModelAverager``.
+  """
+  name = "shardopt.hierarchical_local_sgd"
+  _check_axis_name(axis_name, name)
+  levels = _check_period_group_sizes(period_group_sizes, name)
+  return engine.periodic(
+      name, optimizer, None, axis_name, syncs=engine.hierarchy(levels),
+      contribution=engine.PARAMS, comm_dtype=comm_dtype)
 
 
 def diloco(optimizer: optax.GradientTransformation, axis_name: Any, *,
            sync_period: int = 500, outer_learning_rate: float = 0.7,
            outer_momentum: float = 0.9, nesterov: bool = True,
-           axis_index_groups=None, comm_dtype=None
+           axis_index_groups=None, comm_dtype=None, num_fragments: int = 1
            ) -> optax.GradientTransformationExtraArgs:
   """DiLoCo: local inner steps, then an outer Nesterov step on the mean delta.
 
@@ -603,6 +433,42 @@ def diloco(optimizer: optax.GradientTransformation, axis_name: Any, *,
   momentum=outer_momentum, nesterov=nesterov)``); the state's ``accumulator``
   is an empty tuple.
 
+  **Streaming DiLoCo** (``num_fragments=F > 1``, Douillard et al. 2025): the
+  params' leaves are split into ``F`` fragments, contiguous in
+  ``jax.tree.leaves`` order and balanced by bytes (each cut where the
+  cumulative bytes come closest to a multiple of ``total / F``). Fragment
+  ``f`` (0-based) synchronises after local step ``t`` iff
+  ``t % sync_period == (f * sync_period) // F``, so fragment 0 keeps
+  DiLoCo's phase and the others follow, spread evenly over the period. Only
+  that fragment's outer gradient is all-reduced, and only its center, outer
+  momentum (``state.global_state[f]``, over the list of its leaves) and params
+  move: the peak bytes of a step drop to about ``1 / F`` of DiLoCo's (plus the
+  imbalance of the split). ``F = 1`` is DiLoCo, bit for bit (and its state has
+  the same structure). Fragments are whole leaves: ``F`` larger than the
+  number of leaves raises a ``ValueError`` at ``init``/``update`` (split big
+  leaves in the model instead). With ``F > 1`` do not snap the params onto
+  the center after a sync (see :func:`agn`): only one fragment's center is
+  current.
+
+  Islands (DiLoCo as deployed: synchronous data parallelism inside each island
+  of accelerators, DiLoCo across islands): nest it over a 2-D mesh
+  ``("island", "data")``, ``diloco(shardopt.cross_shard(optax.adamw(lr),
+  "data"), "island", sync_period=H)`` inside ``jax.shard_map``: the inner
+  optimizer all-reduces over ``"data"`` every step, the outer step runs over
+  ``"island"`` every ``H`` steps. Params are ``P("island")`` (a leading
+  island axis, replicated over ``"data"``), or also varying over ``"data"``
+  (e.g. ``P("island", "data")``); the state's arrays take the params' spec,
+  ``count`` and ``sync_count`` ``P()``. With params varying over ``"data"``
+  ``skipped`` is typed varying over ``"data"`` too (the same number on every
+  data replica): carry the state inside the shard_map (``lax.scan``) or pass
+  it stacked (``P(("island", "data"))`` on every leaf). Islands are
+  shard_map-only: JAX 0.10's ``pmap`` is built on shard_map and rejects a
+  ``pmap`` nested in another. :func:`local_sgd` works across islands the
+  same way; for :func:`agn`, which accumulates the gradients it is given,
+  reduce them over ``"data"`` first:
+  ``optax.chain(shardopt.cross_shard_mean("data"), shardopt.agn(opt,
+  "island"))``.
+
   Args:
     optimizer: the inner optimizer (e.g. ``optax.adamw(...)``).
     axis_name: the ``pmap``/mesh axis name (or tuple of names) of the replicas.
@@ -612,6 +478,8 @@ def diloco(optimizer: optax.GradientTransformation, axis_name: Any, *,
     nesterov: whether the outer momentum is Nesterov's.
     axis_index_groups: optional equal-size groups; each group has its center.
     comm_dtype: optional floating dtype used on the wire.
+    num_fragments: Streaming DiLoCo's number of fragments ``F``; an integer
+      with ``1 <= F <= min(sync_period, number of leaves)``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -631,9 +499,24 @@ def diloco(optimizer: optax.GradientTransformation, axis_name: Any, *,
     >>> np.round(np.asarray(state.center), 4)
     array([4.655, 4.655, 4.655, 4.655, 4.655, 4.655, 4.655, 4.655], dtype=float32)
 
+    Streaming, two fragments over a period of 4: leaf ``"a"`` syncs after
+    steps 4, 8, ..., leaf ``"b"`` after steps 2, 6, ...::
+
+      >>> tx = shardopt.diloco(optax.sgd(1.0), "batch", sync_period=4,
+      ...                      num_fragments=2)
+      >>> params = {"a": jnp.zeros(8), "b": jnp.zeros(8)}
+      >>> state = jax.pmap(tx.init)(params)
+      >>> grads = {"a": -jnp.arange(8.0), "b": -jnp.arange(8.0)}
+      >>> for _ in range(2):
+      ...   params, state = step(params, state, grads)
+      >>> np.asarray(params["a"])[:3], np.asarray(params["b"])[:3]
+      (array([0., 2., 4.], dtype=float32), array([9.31, 9.31, 9.31], dtype=float32))
+
   References:
     Douillard et al., `DiLoCo: Distributed Low-Communication Training of
     Language Models <https://arxiv.org/abs/2311.08105>`_, 2023.
+    Douillard et al., `Streaming DiLoCo with overlapping communication
+    <https://arxiv.org/abs/2501.18512>`_, 2025.
   """
   name = "shardopt.diloco"
   _check_axis_name(axis_name, name)
@@ -641,6 +524,9 @@ def diloco(optimizer: optax.GradientTransformation, axis_name: Any, *,
   _check_outer_args(name, outer_learning_rate, outer_momentum, nesterov)
   outer = optax.sgd(outer_learning_rate, momentum=outer_momentum or None,
                     nesterov=bool(nesterov))
-  return _periodic(name, optimizer, outer, axis_name, period=period,
-                   contribution=_PARAMS, reduction="mean",
-                   axis_index_groups=axis_index_groups, comm_dtype=comm_dtype)
+  fragments = _check_num_fragments(num_fragments, period, name)
+  return engine.periodic(
+      name, optimizer, outer, axis_name,
+      syncs=engine.streaming(period, fragments),
+      contribution=engine.PSEUDO_GRADIENT, axis_index_groups=axis_index_groups,
+      comm_dtype=comm_dtype, num_fragments=fragments)

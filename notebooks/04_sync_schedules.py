@@ -1,0 +1,288 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # shardopt 04 — sync schedules: hierarchy, islands, fragments
+#
+# `agn`, `local_sgd` and `diloco` synchronise everything, over the whole axis,
+# every T steps. Real deployments do three other things, and shardopt's
+# periodic engine runs all of them as a *schedule* (which leaves, over which
+# group of replicas, after which step), with every collective inside one
+# branch of a single `lax.switch`:
+#
+# 1. **hierarchical local SGD**: average often within small groups, rarely
+#    over everyone (`shardopt.hierarchical_local_sgd`);
+# 2. **DiLoCo across islands**: synchronous data parallelism inside each
+#    island, DiLoCo across islands, on a 2-D mesh `("island", "data")`;
+# 3. **Streaming DiLoCo**: one fragment of the params at a time
+#    (`shardopt.diloco(..., num_fragments=F)`).
+#
+# Runs on a Colab TPU, a multi-GPU machine, or a CPU (8 virtual devices).
+
+# %%
+# Setup: install shardopt on Colab (only there), then pick the devices.
+import glob
+import os
+import subprocess
+import sys
+
+if "google.colab" in sys.modules:
+  # shardopt has no PyPI release. This cell installs the wheel you upload to
+  # Colab's files (build it with `make wheel`: dist/shardopt-*.whl). To install
+  # from the git repository instead, set SHARDOPT_PIP_SPEC (here or in the
+  # environment) to its URL, "git+https://github.com/OWNER/shardopt.git".
+  SHARDOPT_PIP_SPEC = os.environ.get("SHARDOPT_PIP_SPEC", "")
+  if not SHARDOPT_PIP_SPEC:
+    wheels = glob.glob("shardopt-*.whl") + glob.glob("/content/shardopt-*.whl")
+    if not wheels:
+      raise FileNotFoundError(
+        "Upload dist/shardopt-*.whl (from `make wheel`) to Colab's files, or"
+        " set SHARDOPT_PIP_SPEC to the repository URL (git+https://...)."
+      )
+    SHARDOPT_PIP_SPEC = max(wheels, key=os.path.getmtime)
+  print(f"Installing shardopt from {SHARDOPT_PIP_SPEC}")
+  subprocess.run(
+    [sys.executable, "-m", "pip", "install", "-q", SHARDOPT_PIP_SPEC],
+    check=True,
+  )
+
+# With no TPU/GPU (or a single one), train on 8 virtual CPU devices. XLA reads
+# this flag when JAX starts its backends, so it must be set before the first
+# JAX computation; it only changes the CPU backend, never a TPU or GPU.
+NUM_DEVICES = 8
+_FLAG = "--xla_force_host_platform_device_count"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" {_FLAG}={NUM_DEVICES}"
+  ).strip()
+
+import jax
+
+if jax.default_backend() in ("tpu", "gpu") and jax.device_count() > 1:
+  DEVICES = jax.devices()[:NUM_DEVICES]  # a TPU slice or a multi-GPU box
+else:
+  DEVICES = jax.devices("cpu")[:NUM_DEVICES]
+print(f"JAX {jax.__version__}: {len(DEVICES)} x {DEVICES[0].device_kind}")
+
+# %%
+import functools
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import shardopt
+
+n = len(DEVICES)
+pmap = functools.partial(jax.pmap, axis_name="batch", devices=DEVICES)
+
+# The HLO reader ships with the repository (benchmarks/hlo.py); on Colab,
+# clone the repository to use it.
+for root in (pathlib.Path.cwd(), pathlib.Path.cwd().parent):
+  if (root / "benchmarks" / "hlo.py").exists():
+    sys.path.insert(0, str(root))
+    break
+from benchmarks import hlo
+
+rng = np.random.default_rng(0)
+true_w = rng.normal(size=(16,)).astype(np.float32)
+
+
+def batches(steps, *lead):
+  """Regression data, one batch per replica per step: (steps, *lead, 32, 16)."""
+  x = rng.normal(size=(steps, *lead, 32, 16)).astype(np.float32)
+  y = x @ true_w + 0.1 * rng.normal(size=(steps, *lead, 32)).astype(np.float32)
+  return x, y
+
+
+def loss_fn(params, x, y):
+  return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+# %% [markdown]
+# ## 1. Hierarchical local SGD
+#
+# `period_group_sizes={2: 2, 4: 4, 8: 8}`: after every 2nd local step the
+# replicas average in pairs (0-1, 2-3, ...), after every 4th in fours, after
+# every 8th all together. After step `t` the largest period dividing `t`
+# wins. The params are averaged directly, as PyTorch's
+# `HierarchicalModelAverager` does (shardopt averages after steps T, 2T, ...;
+# PyTorch counts from 0, so start its `step` at 1 to get the same schedule).
+
+# %%
+tx = shardopt.hierarchical_local_sgd(optax.sgd(0.05), "batch",
+                                     period_group_sizes={2: 2, 4: 4, 8: 8})
+
+
+def train_step(params, state, x, y):
+  grads = jax.grad(loss_fn)(params, x, y)
+  updates, state = tx.update(grads, state, params)
+  params = optax.apply_updates(params, updates)
+  # How many distinct values of w[0] are there across replicas?
+  gathered = jax.lax.all_gather(params["w"][0], "batch")
+  return params, state, gathered
+
+
+train_step = pmap(train_step)
+params = pmap(lambda _: {"w": jnp.zeros(16), "b": jnp.zeros(())})(np.arange(n))
+state = pmap(tx.init)(params)
+x, y = batches(8, n)
+for t in range(8):
+  params, state, gathered = train_step(params, state, x[t], y[t])
+  groups = len(np.unique(np.round(np.asarray(gathered[0]), 5)))
+  print(f"after step {t + 1}: {groups} distinct replica values,"
+        f" syncs so far {int(state.sync_count[0])}")
+
+# %% [markdown]
+# Each level's collectives run within its groups only. The compiled HLO of the
+# step has one `conditional` with one branch per level; the replica groups of
+# each branch's all-reduce say who talks to whom:
+
+# %%
+text = train_step.lower(params, state, x[0], y[0]).compile().as_text()
+(branches,) = hlo.branch_collectives(text)
+for level, ops in enumerate(branches):
+  sizes = sorted({op.group_size for op in ops if op.kind == "all-reduce"})
+  print(f"branch {level}: {len(ops)} collectives, group sizes {sizes}")
+outside = [op for op in hlo.compiled_collectives(text) if op.context == "top"]
+print(f"outside the switch: {[op.kind for op in outside]}"
+      " (the all-gather above is this notebook's own diagnostic)")
+
+# %% [markdown]
+# ## 2. DiLoCo across islands
+#
+# DiLoCo as deployed: a 2-D mesh `("island", "data")`. Inside each island the
+# replicas run synchronous data parallelism (`cross_shard(adamw, "data")`
+# all-reduces the gradients over `"data"` every step); across islands DiLoCo
+# syncs every H steps over `"island"`. The params are `P("island")`: one copy
+# per island, replicated over `"data"`.
+
+# %%
+ISLANDS, DATA, H = 2, n // 2, 4
+mesh = jax.make_mesh((ISLANDS, DATA), ("island", "data"), devices=DEVICES)
+tx = shardopt.diloco(shardopt.cross_shard(optax.adamw(0.05), "data"), "island",
+                     sync_period=H)
+params = {"w": np.zeros((ISLANDS, 16), np.float32),
+          "b": np.zeros((ISLANDS,), np.float32)}
+specs = jax.tree.map(lambda v: P() if np.ndim(v) == 0 else P("island"),
+                     jax.eval_shape(tx.init, {"w": jnp.zeros((1, 16)),
+                                              "b": jnp.zeros((1,))}))
+
+
+def island_step(params, state, x, y):  # params: this island's copy, (1, ...)
+  grads = jax.grad(lambda p: loss_fn(jax.tree.map(lambda v: v[0], p),
+                                     x[0, 0], y[0, 0]))(params)
+  updates, state = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+data_spec = P("island", "data")
+init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("island"),
+                             out_specs=specs))
+island_step = jax.jit(jax.shard_map(
+    island_step, mesh=mesh, in_specs=(P("island"), specs, data_spec, data_spec),
+    out_specs=(P("island"), specs)))
+put = lambda v, s: jax.device_put(v, NamedSharding(mesh, s))
+params = put(params, P("island"))
+state = init(params)
+x, y = batches(3 * H, ISLANDS, DATA)
+for t in range(3 * H):
+  params, state = island_step(params, state, put(x[t], data_spec),
+                              put(y[t], data_spec))
+  jax.block_until_ready(params)
+island0 = jax.tree.map(lambda v: np.asarray(v)[0], params)
+loss = float(loss_fn(island0, x.reshape(-1, 16), y.reshape(-1)))
+print(f"after {3 * H} steps: {int(state.sync_count)} outer steps, loss {loss:.4f}")
+
+# %% [markdown]
+# Bytes per step over each axis, read from the compiled HLO: the all-reduce
+# over `"data"` (groups of 4) runs on every step, outside the switch; the one
+# over `"island"` (groups of 2) runs inside the sync branch, once every H steps.
+
+# %%
+text = island_step.lower(params, state, put(x[0], data_spec),
+                         put(y[0], data_spec)).compile().as_text()
+param_bytes = sum(v.size * 4 for v in jax.tree.leaves(params)) // ISLANDS
+per_axis = {}
+for op in hlo.compiled_collectives(text):
+  axis = {DATA: "data", ISLANDS: "island"}[op.group_size]
+  every = H if "conditional" in op.context else 1
+  per_axis.setdefault(axis, []).append((op.kind, op.buffer_bytes, every))
+for axis, ops in per_axis.items():
+  per_step = sum(b / every for _, b, every in ops)
+  print(f'over "{axis}": {[(k, b) for k, b, _ in ops]}, every'
+        f" {ops[0][2]} step(s): {per_step:.0f} bytes per step on average"
+        f" ({param_bytes} param bytes)")
+
+# %% [markdown]
+# `local_sgd` nests the same way. `agn` accumulates the gradients it is
+# given, so reduce them over `"data"` first:
+# `optax.chain(shardopt.cross_shard_mean("data"), shardopt.agn(opt, "island"))`.
+# Islands need `jax.shard_map`: JAX's `pmap` does not nest.
+#
+# ## 3. Streaming DiLoCo
+#
+# `num_fragments=F` splits the leaves into F fragments (contiguous in
+# `jax.tree.leaves` order, balanced by bytes); fragment f syncs after the
+# steps t with `t % H == (f * H) // F`. Each sync all-reduces one fragment, so
+# the peak bytes of a step drop to about 1/F of DiLoCo's.
+
+# %%
+def mlp_init(key):
+  sizes = [16, 48, 48, 48, 48, 48, 1]
+  keys = jax.random.split(key, len(sizes) - 1)
+  return {f"layer{i}": {"w": jax.random.normal(k, (a, b)) / np.sqrt(a),
+                        "b": jnp.zeros(b)}
+          for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))}
+
+
+def mlp_loss(params, x, y):
+  h = x
+  for i in range(len(params)):
+    h = h @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
+    h = jax.nn.relu(h) if i < len(params) - 1 else h
+  return jnp.mean((h[..., 0] - y) ** 2)
+
+
+H = 8
+x, y = batches(64, n)
+results = {}
+for fragments in (1, 4):
+  tx = shardopt.diloco(optax.adam(3e-3), "batch", sync_period=H,
+                       num_fragments=fragments)
+
+  def step(params, state, x, y):
+    grads = jax.grad(mlp_loss)(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = pmap(step)
+  params = pmap(lambda _: mlp_init(jax.random.key(0)))(np.arange(n))
+  state = pmap(tx.init)(params)
+  text = step.lower(params, state, x[0], y[0]).compile().as_text()
+  (branches,) = hlo.branch_collectives(text)
+  per_sync = [sum(op.buffer_bytes for op in b) for b in branches[1:]]
+  for t in range(len(x)):
+    params, state = step(params, state, x[t], y[t])
+    jax.block_until_ready(params)
+  center = jax.tree.map(lambda v: v[0], state.center)
+  loss = float(mlp_loss(center, x.reshape(-1, 16), y.reshape(-1)))
+  results[fragments] = (per_sync, loss)
+  print(f"F={fragments}: bytes per sync branch {per_sync}; peak"
+        f" {max(per_sync)} bytes, mean {sum(per_sync) / H:.0f} bytes per step;"
+        f" loss of the center after {len(x)} steps {loss:.4f}")
+
+peak_ratio = max(results[4][0]) / max(results[1][0])
+print(f"peak bytes, F=4 / F=1: {peak_ratio:.2f}")

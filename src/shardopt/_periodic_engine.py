@@ -1,0 +1,552 @@
+"""The schedule engine behind ``agn``, ``local_sgd``, ``diloco`` and
+``hierarchical_local_sgd``.
+
+Every replica trains on its own params with a local optimizer. A *schedule*
+(a tuple of :class:`Sync`) says which leaves synchronise, over which groups of
+replicas, after which local step. ``update`` runs these steps, one small
+function each:
+
+1. :func:`_local_step`: the local optimizer's step on this replica's params,
+   and ``accumulator += grads`` (``agn`` only).
+2. :func:`_branch`: ``count += 1``; the index of the sync that fires after
+   this step (0: none), read from the replicated counter.
+3. ``jax.lax.switch`` on that index. Branch 0 hands the state back unchanged;
+   branch ``k`` runs sync ``k``, the only place the engine communicates:
+
+   a. :func:`_contribution`: this replica's contribution for the sync's leaves
+      (accumulated gradients / period, ``center - local params``, or the local
+      params themselves);
+   b. :func:`_combine`: one collective round within the sync's groups, a
+      non-finite contribution left out;
+   c. :func:`_global_step`: the global optimizer moves the center (for plain
+      averaging the combined params are the target and there is no center);
+   d. :func:`_pull`: updates that move the synced leaves onto the target.
+
+What does not change on a step stays out of the branches: the local step, the
+accumulator add and the counter run before the switch, and branch 0 returns
+its operands. Cost of a step without a sync (measured in
+``benchmarks/cost.py`` and ``tests/test_schedules.py``): nothing is
+communicated, but without donation XLA copies what a sync may change (the
+center, the global optimizer state, agn's accumulator) into fresh output
+buffers. With a donated state (``jax.jit(step, donate_argnums=...)`` over a
+shard_map) ``local_sgd`` copies nothing more than plain optax; the guard that
+keeps a group's center and global state when none of its replicas is finite
+(a ``where`` on the global state) still makes XLA copy the global state, and
+switches with several sync branches (hierarchy, fragments) copy the local
+step's results too.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from shardopt import _axes
+from shardopt.collectives import reduce
+from shardopt.finite import all_finite
+
+GRADIENTS = "gradients"              # a_i = accumulated gradients / period
+PSEUDO_GRADIENT = "pseudo_gradient"  # a_i = center - local params
+PARAMS = "params"                    # a_i = local params (plain averaging)
+
+
+class AGNState(NamedTuple):
+  """State of :func:`agn`, :func:`local_sgd`, :func:`diloco` and
+  :func:`hierarchical_local_sgd`.
+
+  Every field is an array (or a pytree of arrays), so a checkpoint taken in
+  the middle of a communication period restores and continues bit-identically
+  (``jax.tree.map(np.asarray, state)`` round-trips).
+
+  Attributes:
+    count: int32 scalar, local steps taken (the same on every replica).
+    sync_count: int32 scalar, synchronisations done (TensorFlow's global step
+      of the center variables); one collective round each. With
+      ``num_fragments`` every fragment's sync counts once.
+    accumulator: the sum of this replica's gradients since the last sync,
+      float32 for low-precision gradients (``agn`` only; the others keep an
+      empty tuple here: their contribution is read from the params at the
+      sync step).
+    center: the shared params every replica is pulled onto at a sync,
+      bit-identical on every replica (within a group with
+      ``axis_index_groups``); an empty tuple for ``hierarchical_local_sgd``,
+      which averages the params directly.
+    local_state: this replica's state of the local ``optimizer``.
+    global_state: the global optimizer's state (for the center), the same on
+      every replica (within a group). With ``num_fragments=F > 1`` a tuple of
+      ``F`` states, fragment ``f``'s over the list of its leaves. An empty
+      tuple for ``hierarchical_local_sgd``.
+    skipped: int32 scalar, how many replica contributions were left out of a
+      combination because they were not finite, summed over all syncs and
+      over the whole axis (for ``hierarchical_local_sgd``: over this
+      replica's groups, so it can differ between groups).
+  """
+  count: chex.Array
+  sync_count: chex.Array
+  accumulator: Any
+  center: Any
+  local_state: Any
+  global_state: Any
+  skipped: chex.Array
+
+
+class Sync(NamedTuple):
+  """One synchronisation of a schedule.
+
+  Attributes:
+    period: with ``phase``: the sync fires after local step ``t`` (1, 2, ...)
+      iff ``t % period == phase``. When several fire at the same step, the
+      last one in the schedule wins.
+    phase: see ``period``.
+    fragment: index of the fragment of the params' leaves it synchronises.
+    group_size: replicas per contiguous group (replica ``i`` is in group
+      ``i // group_size``); None: the transform's ``axis_index_groups``, or
+      the whole axis.
+  """
+  period: int
+  phase: int = 0
+  fragment: int = 0
+  group_size: Optional[int] = None
+
+
+class _Carry(NamedTuple):
+  """What a sync may change: the operands and results of the switch."""
+  updates: list
+  accumulator: list
+  center: list
+  local_state: Any
+  global_state: Any
+  sync_count: jax.Array
+  skipped: jax.Array
+
+
+# --------------------------------------------------------------------------
+# Schedules.
+
+def every(period: int) -> tuple[Sync, ...]:
+  """Everything, over the whole axis (or each group), after T, 2T, ..."""
+  return (Sync(period),)
+
+
+def hierarchy(period_group_sizes: dict) -> tuple[Sync, ...]:
+  """One level per ``{period: group_size}``; the largest period wins."""
+  return tuple(Sync(p, 0, 0, s) for p, s in period_group_sizes.items())
+
+
+def streaming(period: int, num_fragments: int) -> tuple[Sync, ...]:
+  """Fragment ``f`` after step t iff ``t % period == (f * period) // F``."""
+  return tuple(Sync(period, (f * period) // num_fragments, f)
+               for f in range(num_fragments))
+
+
+def split_fragments(leaf_bytes: Sequence[int], num_fragments: int
+                    ) -> tuple[tuple[int, ...], ...]:
+  """Contiguous fragments of leaf indices, balanced by bytes.
+
+  The ``k``-th cut goes where the cumulative bytes come closest to ``k *
+  total / num_fragments`` (the first such place on a tie), keeping every
+  fragment non-empty. Needs ``1 <= num_fragments <= len(leaf_bytes)``.
+  """
+  n = len(leaf_bytes)
+  cumulative = np.cumsum(leaf_bytes)
+  total = float(cumulative[-1]) if n else 0.0
+  cuts = [0]
+  for k in range(1, num_fragments):
+    target = k * total / num_fragments
+    candidates = range(cuts[-1] + 1, n - (num_fragments - k) + 1)
+    cuts.append(min(candidates, key=lambda j: abs(cumulative[j - 1] - target)))
+  cuts.append(n)
+  return tuple(tuple(range(a, b)) for a, b in zip(cuts[:-1], cuts[1:]))
+
+
+def _leaf_bytes(params: Any) -> list[int]:
+  return [int(np.prod(np.shape(p))) * np.dtype(p.dtype).itemsize
+          for p in jax.tree.leaves(params)]
+
+
+def check_fragments(params: Any, num_fragments: int, transform: str
+                    ) -> tuple[tuple[int, ...], ...]:
+  """The fragments of ``params``, or a ValueError naming the fix."""
+  n = len(jax.tree.leaves(params))
+  if num_fragments > max(n, 1):
+    raise ValueError(
+        f"{transform}: num_fragments={num_fragments} but the params have only"
+        f" {n} leaves; fragments are made of whole leaves (contiguous in"
+        f" jax.tree.leaves order), so use num_fragments <= {n}.")
+  return split_fragments(_leaf_bytes(params), num_fragments)
+
+
+# --------------------------------------------------------------------------
+# Small helpers.
+
+def _where_float(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+  """``jnp.where(pred, on_true, on_false)`` on the floating-point leaves.
+
+  Integer leaves (step counts) take ``on_true``. Under a checking shard_map a
+  leaf typed invariant while ``pred`` is varying also takes ``on_true``, so
+  that replicated leaves stay replicated.
+  """
+  pred_axes = _axes.varying_axes(pred) if _axes.vma_checked() else frozenset()
+
+  def leaf(t, f):
+    if not jnp.issubdtype(t.dtype, jnp.floating):
+      return t
+    if pred_axes - _axes.varying_axes(t):
+      return t
+    return jnp.where(pred, t, f.astype(t.dtype))
+
+  return jax.tree.map(leaf, on_true, on_false)
+
+
+def _fragment_tree(leaves: list, treedef, num_fragments: int) -> Any:
+  """What the global optimizer sees: the whole tree, or a fragment's list."""
+  return treedef.unflatten(leaves) if num_fragments == 1 else list(leaves)
+
+
+def _groups(group_size: Optional[int], axis_index_groups, size: int,
+            transform: str, axis_name: Any) -> Optional[tuple]:
+  """A sync's replica groups: contiguous ones of ``group_size``, or the
+  transform's ``axis_index_groups`` (None: the whole axis)."""
+  if group_size is None:
+    return _axes.validate_groups(axis_index_groups, size, transform, axis_name)
+  if size % group_size:
+    raise ValueError(
+        f"{transform}: group size {group_size} does not divide the size"
+        f" {size} of axis {axis_name!r}; every group size in"
+        " period_group_sizes must divide the axis size (contiguous groups of"
+        f" that many replicas), e.g. one of {_divisors(size)}.")
+  if group_size == size:
+    return None
+  return tuple(tuple(range(g, g + group_size)) for g in range(0, size, group_size))
+
+
+def _divisors(size: int) -> list[int]:
+  return [d for d in range(1, size + 1) if size % d == 0]
+
+
+# --------------------------------------------------------------------------
+# The steps of update, in order.
+
+def _local_step(local, grads, state, params, extra_args):
+  """Step 1: the local optimizer's step, and the accumulator (agn)."""
+  updates, local_state = local.update(grads, state.local_state, params,
+                                      **extra_args)
+  # Updates are in the params' dtype on every step (a sync step's updates
+  # are target - params), so all branches of the switch agree even when the
+  # gradients are narrower (bfloat16 grads for float32 params).
+  updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+  accumulator = [a + g.astype(a.dtype) for a, g in
+                 zip(jax.tree.leaves(state.accumulator), jax.tree.leaves(grads))]
+  return jax.tree.leaves(updates), local_state, accumulator
+
+
+def _branch(step: jax.Array, syncs: Sequence[Sync]) -> jax.Array:
+  """Step 2: which sync fires after ``step`` (0: none; later syncs win)."""
+  index = jnp.zeros([], jnp.int32)
+  for k, sync in enumerate(syncs):
+    index = jnp.where(step % sync.period == sync.phase, k + 1, index)
+  return index
+
+
+def _contribution(kind: str, leaves: Sequence[int], carry: _Carry,
+                  params: list, period: int) -> list:
+  """Step 3a: this replica's contribution for the sync's ``leaves``."""
+  if kind == GRADIENTS:  # AGN: a_i = (g_1 + ... + g_T) / T
+    return [carry.accumulator[i] / jnp.asarray(period, carry.accumulator[i].dtype)
+            for i in leaves]
+  mine = []
+  for i in leaves:  # the params after this step's local update
+    wide = _axes.accumulation_dtype(params[i].dtype)
+    local = optax.apply_updates(params[i], carry.updates[i]).astype(wide)
+    mine.append(carry.center[i].astype(wide) - local
+                if kind == PSEUDO_GRADIENT else local)
+  return mine
+
+
+def _combine(mine: list, axis_name, groups, *, reduction: str, comm_dtype,
+             whole_axis_count: bool, transform: str):
+  """Step 3b: one collective round; a non-finite contribution is left out.
+
+  Returns the combined contribution (sum or mean over the finite replicas of
+  the group), this replica's finiteness, the number of finite replicas in its
+  group and (with ``whole_axis_count`` and groups) in the whole axis.
+  """
+  finite = all_finite(mine)
+  masked = [jnp.where(finite, a, jnp.zeros_like(a)) for a in mine]
+  flag = finite.astype(jnp.float32)
+  if _axes.vma_checked():
+    flag = _axes.cast_varying(flag, _axes.axis_names(axis_name))
+  # The finite flag travels with the contributions: same groups, one round.
+  *total, in_group = reduce(masked + [flag], axis_name, reduction="sum",
+                            axis_index_groups=groups, comm_dtype=comm_dtype,
+                            _transform=transform)
+  in_group = jnp.round(in_group)
+  in_axis = in_group
+  if groups is not None and whole_axis_count:
+    in_axis = jnp.round(reduce(flag, axis_name, reduction="sum",
+                               _transform=transform))
+  if reduction == "mean":
+    divisor = jnp.maximum(in_group, 1.0)
+    total = [t / divisor.astype(t.dtype) for t in total]
+  return total, finite, in_group, in_axis
+
+
+def _global_step(global_optimizer, combined: list, center: list, global_state,
+                 any_finite: jax.Array, view):
+  """Step 3c: the global optimizer moves the center (if any replica was
+  finite; integer leaves of its state, step counts, advance regardless)."""
+  combined = [t.astype(c.dtype) for t, c in zip(combined, center)]
+  center_updates, new_state = global_optimizer.update(
+      view(combined), global_state, view(center))
+  new_center = jax.tree.leaves(optax.apply_updates(view(center), center_updates))
+  return (_where_float(any_finite, new_center, center),
+          _where_float(any_finite, new_state, global_state))
+
+
+def _pull(target: list, leaves: Sequence[int], updates: list, params: list
+          ) -> list:
+  """Step 3d: updates that move the synced leaves onto ``target``.
+
+  ``params + (target - params)`` lands on the target exactly when
+  ``target/2 <= params <= 2*target`` (Sterbenz), within one rounding otherwise.
+  """
+  updates = list(updates)
+  for i, t in zip(leaves, target):
+    updates[i] = t.astype(params[i].dtype) - params[i]
+  return updates
+
+
+def _restart_left_out(optimizer, finite, local_state, reference: Any):
+  """A replica left out of a combination restarts the float leaves of its
+  local state (moments, which may hold the non-finite values) from
+  ``optimizer.init``; integer leaves (step counts) are kept."""
+  fresh = _axes.cast_tree_like(optimizer.init(reference), local_state)
+  return _where_float(finite, local_state, fresh)
+
+
+def _switch(index: jax.Array, branches: list, carry: _Carry) -> _Carry:
+  """``lax.switch``, its branches typed alike under a checking shard_map."""
+  if not _axes.vma_checked():
+    return jax.lax.switch(index, branches, carry)
+  # Every branch's outputs are cast to the union of what any branch makes
+  # (a psum turns varying into invariant; a grouped one keeps it varying).
+  types = [jax.eval_shape(branch, carry) for branch in branches]
+  typed = [lambda c, b=branch: _axes.cast_tree_like(b(c), *types)
+           for branch in branches]
+  return jax.lax.switch(index, typed, carry)
+
+
+# --------------------------------------------------------------------------
+# Checks at trace time, before any state is touched.
+
+def _check_update_args(name, grads, state, params, axis_name, has_center,
+                       syncs, axis_index_groups):
+  """Checks everything ``update`` is given; returns the axis size and each
+  sync's replica groups."""
+  if params is None:
+    raise ValueError(
+        f"{name}: params are required; call tx.update(grads, state, params)."
+        " At a sync the returned updates move params onto the target, which"
+        " needs the current params.")
+  size = _axes.axis_size(axis_name, name)
+  groups = [_groups(s.group_size, axis_index_groups, size, name, axis_name)
+            for s in syncs]
+  _axes.scalar_counter(state.count, name, "state.count", axis_name)
+  _check_local_gradients(grads, params, axis_name, name)
+  if not has_center:
+    return size, groups
+  center_def = jax.tree.structure(state.center)
+  if center_def != jax.tree.structure(params):
+    raise ValueError(
+        f"{name}: the state does not match the params tree over axis"
+        f" {axis_name!r}: state.center has structure {center_def}, params"
+        f" have {jax.tree.structure(params)}. Build the state with"
+        " tx.init(params) from these params.")
+  if axis_index_groups is not None and _axes.vma_checked():
+    for c in jax.tree.leaves(state.center):
+      _, invariant = _axes.split_axes(c, axis_name)
+      if invariant:
+        raise ValueError(
+            f"{name}: with axis_index_groups each group keeps its own center,"
+            f" so the center must be typed varying over {axis_name!r}, but it"
+            " is invariant (it was initialised from replicated params). Build"
+            " the state with tx.init(params) from params that carry a leading"
+            f" replica axis sharded over {axis_name!r}, or from"
+            f" jax.lax.pcast(params, {axis_name!r}, to='varying').")
+  return size, groups
+
+
+def _check_local_gradients(grads: Any, params: Any, axis_name: Any,
+                           transform: str) -> None:
+  """Checks grads: params' tree structure, floating point, not invariant.
+
+  Gradients typed invariant were summed by autodiff: not local gradients.
+  """
+  grads_def = jax.tree.structure(grads)
+  params_def = jax.tree.structure(params)
+  if grads_def != params_def:
+    raise ValueError(
+        f"{transform}: the gradient tree does not match the params tree over"
+        f" axis {axis_name!r}: grads have structure {grads_def}, params have"
+        f" {params_def}. Pass the gradient of the same params the state was"
+        " built from (tx.init(params)).")
+  checked = _axes.vma_checked()
+
+  def leaf(path, g):
+    _axes.check_float_leaf(path, g, transform, axis_name)
+    if not checked:
+      return
+    _, invariant = _axes.split_axes(g, axis_name)
+    if invariant:
+      raise ValueError(
+          f"{transform}: the gradient at {jax.tree_util.keystr(path) or '<root>'}"
+          f" is invariant over axis {_axes.as_axis(invariant)!r}: the params were"
+          " replicated (P()), so autodiff has already summed the gradient over"
+          " every replica. That is the synchronous gradient, not this"
+          f" replica's local gradient, and {transform} needs the local one"
+          " (the replicas train apart between synchronisations). Fix: give each"
+          " replica its own params, typed varying: a leading replica axis"
+          f" sharded over {axis_name!r} (in_specs=P({axis_name!r})), or"
+          f" params = jax.lax.pcast(params, {axis_name!r}, to='varying') before"
+          " jax.grad.")
+
+  jax.tree_util.tree_map_with_path(leaf, grads)
+
+
+# --------------------------------------------------------------------------
+# The engine.
+
+def periodic(name: str, optimizer: optax.GradientTransformation,
+             global_optimizer: Optional[optax.GradientTransformation],
+             axis_name: Any, *, syncs: Sequence[Sync], contribution: str,
+             reduction: str = "mean", axis_index_groups=None, comm_dtype=None,
+             num_fragments: int = 1
+             ) -> optax.GradientTransformationExtraArgs:
+  """The engine: ``optimizer`` every step, the ``syncs`` on their schedule.
+
+  Args:
+    name: the public transform's name, used in error messages.
+    optimizer: the local optimizer, applied on every replica at every step.
+    global_optimizer: the optimizer that moves the center at a sync; None with
+      the ``PARAMS`` contribution (no center: the average is the target).
+    axis_name: the replica axis (or tuple of axes).
+    syncs: the schedule (see :class:`Sync`); validated by the caller.
+    contribution: ``GRADIENTS``, ``PSEUDO_GRADIENT`` or ``PARAMS``.
+    reduction: how contributions combine across replicas.
+    axis_index_groups: optional groups for syncs without a ``group_size``;
+      each group keeps its own center.
+    comm_dtype: optional floating dtype on the wire.
+    num_fragments: how many fragments the params' leaves are split into.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state :class:`AGNState`.
+  """
+  _axes.check_reduction(reduction, name, axis_name)
+  _axes.check_comm_dtype(comm_dtype, name, axis_name)
+  local = optax.with_extra_args_support(optimizer)
+  has_center = contribution != PARAMS
+  # Skips counted over the whole axis keep `skipped` replicated; a schedule
+  # of contiguous groups (hierarchical) counts within them (per replica).
+  whole_axis_count = all(s.group_size is None for s in syncs)
+  period = syncs[0].period
+
+  def init_fn(params):
+    fragments = check_fragments(params, num_fragments, name)
+    leaves, treedef = jax.tree.flatten(params)
+    view = functools.partial(_fragment_tree, treedef=treedef,
+                             num_fragments=num_fragments)
+    skipped = jnp.zeros([], jnp.int32)
+    if _axes.vma_checked():
+      # Typed as the syncs will make it: varying over the axes the params
+      # vary over (other than the engine's own axis, unless it counts within
+      # groups), so that a lax.scan can carry the state.
+      axes = frozenset().union(*(_axes.varying_axes(p) for p in leaves))
+      own = frozenset(_axes.axis_names(axis_name))
+      axes = axes - own if whole_axis_count else axes | own
+      skipped = _axes.cast_varying(skipped, axes)
+    return AGNState(
+        count=jnp.zeros([], jnp.int32),
+        sync_count=jnp.zeros([], jnp.int32),
+        accumulator=jax.tree.map(
+            lambda p: jnp.zeros_like(p, dtype=_axes.accumulation_dtype(p.dtype)),
+            params) if contribution == GRADIENTS else (),
+        center=jax.tree.map(jnp.asarray, params) if has_center else (),
+        local_state=optimizer.init(params),
+        global_state=() if not has_center else (
+            global_optimizer.init(params) if num_fragments == 1 else tuple(
+                global_optimizer.init(view([leaves[i] for i in f]))
+                for f in fragments)),
+        skipped=skipped)
+
+  def update_fn(grads, state, params=None, **extra_args):
+    size, groups = _check_update_args(name, grads, state, params, axis_name,
+                                      has_center, syncs, axis_index_groups)
+    fragments = check_fragments(params, num_fragments, name)
+    param_leaves, treedef = jax.tree.flatten(params)
+    view = functools.partial(_fragment_tree, treedef=treedef,
+                             num_fragments=num_fragments)
+
+    def sync(k: int, carry: _Carry) -> _Carry:
+      leaves = fragments[syncs[k].fragment]
+      mine = _contribution(contribution, leaves, carry, param_leaves, period)
+      combined, finite, in_group, in_axis = _combine(
+          mine, axis_name, groups[k], reduction=reduction,
+          comm_dtype=comm_dtype, whole_axis_count=whole_axis_count,
+          transform=name)
+      center, global_state = carry.center, carry.global_state
+      if has_center:
+        fragment_state = (global_state if num_fragments == 1
+                          else global_state[syncs[k].fragment])
+        target, fragment_state = _global_step(
+            global_optimizer, combined, [center[i] for i in leaves],
+            fragment_state, in_group > 0, view)
+        center = list(center)
+        for i, c in zip(leaves, target):
+          center[i] = c
+        global_state = (fragment_state if num_fragments == 1 else tuple(
+            fragment_state if f == syncs[k].fragment else s
+            for f, s in enumerate(global_state)))
+      else:  # no finite replica in the group: nothing to average
+        target = [jnp.where(in_group > 0, t, m) for t, m in zip(combined, mine)]
+      updates = _pull(target, leaves, carry.updates, param_leaves)
+      reference = treedef.unflatten(center if has_center else [
+          p + u for p, u in zip(param_leaves, updates)])
+      accumulator = list(carry.accumulator)
+      for i in leaves if accumulator else ():
+        accumulator[i] = jnp.zeros_like(accumulator[i])
+      skipped = carry.skipped + jnp.round(
+          (size if whole_axis_count else _axes.group_size(groups[k], size))
+          - in_axis).astype(jnp.int32)
+      return _Carry(
+          updates=updates, accumulator=accumulator, center=center,
+          local_state=_restart_left_out(optimizer, finite, carry.local_state,
+                                        reference),
+          global_state=global_state, sync_count=carry.sync_count + 1,
+          skipped=skipped)
+
+    updates, local_state, accumulator = _local_step(local, grads, state, params,
+                                                    extra_args)
+    count = state.count + 1
+    carry = _Carry(updates=updates, accumulator=accumulator,
+                   center=jax.tree.leaves(state.center), local_state=local_state,
+                   global_state=state.global_state,
+                   sync_count=state.sync_count, skipped=state.skipped)
+    branches = [lambda c: c] + [functools.partial(sync, k)
+                                for k in range(len(syncs))]
+    carry = _switch(_branch(jnp.reshape(count, ()), syncs), branches, carry)
+    return treedef.unflatten(carry.updates), AGNState(
+        count=count, sync_count=carry.sync_count,
+        accumulator=(treedef.unflatten(carry.accumulator)
+                     if contribution == GRADIENTS else ()),
+        center=treedef.unflatten(carry.center) if has_center else (),
+        local_state=carry.local_state, global_state=carry.global_state,
+        skipped=carry.skipped)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
