@@ -119,6 +119,46 @@ def shard_map_step(tx: optax.GradientTransformation, mesh, *,
       out_specs=(out_spec, out_spec)))
 
 
+def unstack(tree: Any) -> Any:
+  """pmap's stacked layout ``(n, d0, ...)`` -> shard_map's ``(n * d0, ...)``.
+
+  Leaves that are one scalar per replica (step counters, shape ``(n,)``)
+  keep replica 0's value: they are the same on every replica.
+  """
+  return jax.tree.map(
+      lambda a: a[0] if a.ndim == 1 else a.reshape((-1,) + a.shape[2:]), tree)
+
+
+def concat_specs(tree: Any) -> Any:
+  """Specs of :func:`unstack`'s layout: ``P(AXIS)`` for arrays, ``P()`` for scalars."""
+  return jax.tree.map(lambda a: P(AXIS) if jnp.ndim(a) else P(), tree)
+
+
+def concat_shard_map_step(tx: optax.GradientTransformation, mesh, specs, *,
+                          donate: bool = False) -> Callable:
+  """:func:`pmap_step` on ``jax.jit`` + ``shard_map(check_vma=False)``.
+
+  Params, state and batch are :func:`unstack`-ed: each replica's values are
+  a ``P(AXIS)`` block of one global array, scalar counters are ``P()`` (a
+  per-replica scalar such as ``hierarchical_local_sgd``'s ``skipped`` leaves
+  with replica 0's value), so every replica holds its own params and every
+  value is per replica, as under ``pmap``. ``specs``
+  are the state's (:func:`concat_specs`). ``donate`` donates params and state
+  to ``jax.jit``, which aliases input and output buffers; ``pmap``'s donation
+  (jax 0.10, CPU) copies every donated output instead, so a donated ``pmap``
+  step pays copies that no training loop on ``jit`` pays.
+  """
+  def step(params, opt_state, x, y):
+    grads = jax.grad(mlp_loss)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return jax.jit(jax.shard_map(
+      step, mesh=mesh, in_specs=(P(AXIS), specs, P(AXIS), P(AXIS)),
+      out_specs=(P(AXIS), specs), check_vma=False),
+                 donate_argnums=(0, 1) if donate else ())
+
+
 def place(tree: Any, mesh, spec=P()) -> Any:
   return jax.device_put(tree, NamedSharding(mesh, spec))
 

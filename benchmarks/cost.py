@@ -8,7 +8,12 @@ step and its baseline each time:
 * **no donation**: every call starts from the same params and state, so a
   step is timed in a fixed phase of its schedule (below);
 * **donated** (params and state, ``donate_argnums=(0, 1)``, what a training
-  loop does): every call continues from the previous one's outputs. To time
+  loop does): every call continues from the previous one's outputs. These
+  steps run on ``jax.jit`` + ``shard_map(check_vma=False)`` (pmap's
+  semantics), per-replica params as ``P(axis)`` blocks
+  (:func:`benchmarks._common.concat_shard_map_step`): jit's donation aliases
+  buffers, where pmap's (jax 0.10, CPU) copies every donated output, so a
+  donated pmap step would pay copies no jit training loop pays. To time
   only non-sync steps, the periodic methods run with a period of 1,000,000
   (a non-sync step runs the same code whatever the period: it is a static
   constant of the predicate), ``accumulate`` with k = 1,000,000 for its mid
@@ -46,6 +51,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 import shardopt
 from benchmarks import _common
@@ -68,21 +74,26 @@ def _adam():
   return optax.adam(1e-3)
 
 
-def _bare_add_step(donate: bool):
+def _bare_add_step(mesh, donate: bool):
   """Hand-written accumulation: ``acc += grads``, params untouched."""
   def step(params, acc, x, y):
     grads = jax.grad(_common.mlp_loss)(params, x, y)
     return params, jax.tree.map(lambda a, g: a + g, acc, grads)
-  return jax.pmap(step, axis_name=_common.AXIS,
-                  donate_argnums=(0, 1) if donate else ())
+  if not donate:
+    return jax.pmap(step, axis_name=_common.AXIS)
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(_common.AXIS),
+                               out_specs=P(_common.AXIS), check_vma=False),
+                 donate_argnums=(0, 1))
 
 
 class _Runner:
   """A zero-argument callable running one step; fixed inputs or threaded."""
 
-  def __init__(self, step, params, state, batch, donate: bool):
+  def __init__(self, step, params, state, batch, donate: bool,
+               replicas: int = 0):
     self.step, self.params, self.state = step, params, state
     self.batch, self.donate = batch, donate
+    self.replicas = replicas  # > 0: params are unstacked (replica blocks)
 
   def __call__(self):
     out = self.step(self.params, self.state, *self.batch)
@@ -99,7 +110,10 @@ class _Runner:
     """Replica 0's params after one call (fixed) or after every call so far."""
     params = self.params if self.donate else self.step(
         self.params, self.state, *self.batch)[0]
-    return np.concatenate([np.ravel(leaf[0]) for leaf in jax.tree.leaves(params)])
+    first = (lambda a: a.reshape((self.replicas, -1) + a.shape[1:])[0]) if (
+        self.replicas) else (lambda a: a[0])
+    return np.concatenate([np.ravel(first(np.asarray(leaf)))
+                           for leaf in jax.tree.leaves(params)])
 
 
 class _Bench:
@@ -115,6 +129,7 @@ class _Bench:
     self.param_bytes = _common.tree_bytes(params)
     self._host = jax.tree.map(np.asarray, _common.replicate(params, self.n))
     self._identity = jax.pmap(lambda t: t)
+    self.mesh = jax.make_mesh((self.n,), (_common.AXIS,))
     self.params = self.fresh_params()
     self.batch = self._identity(_common.batch(
         jax.random.key(1), self.n, self.per_replica, self.sizes[0],
@@ -124,20 +139,39 @@ class _Bench:
     """New device buffers of the replicated params (donation consumes them)."""
     return self._identity(self._host)
 
+  def _donated(self, step, params, state) -> _Runner:
+    """A donated runner on jit + shard_map (:func:`_common.unstack` layout)."""
+    def on_mesh(tree):  # reshaped on the host: no device op on pmap arrays
+      tree = _common.unstack(jax.tree.map(np.asarray, tree))
+      return jax.tree.map(lambda a, spec: _common.place(a, self.mesh, spec),
+                          tree, _common.concat_specs(tree))
+    return _Runner(step, on_mesh(params), on_mesh(state), on_mesh(self.batch),
+                   donate=True, replicas=self.n)
+
   def runner(self, tx, donate: bool, *, warm_steps: int = 0) -> _Runner:
-    """``tx``'s step from ``tx.init``, after ``warm_steps`` untimed steps."""
-    step = _common.pmap_step(tx, donate=donate)
+    """``tx``'s step from ``tx.init``, after ``warm_steps`` untimed steps.
+
+    Not donated: ``jax.pmap``. Donated: ``jax.jit`` + ``shard_map`` with the
+    same stacked layout (see :func:`_common.stacked_shard_map_step`).
+    """
     state = jax.pmap(tx.init, axis_name=_common.AXIS)(self.fresh_params())
     params = self.fresh_params() if donate else self.params
     for _ in range(warm_steps):  # fixed params: only the state moves
       _, state = jax.block_until_ready(
           _common.pmap_step(tx)(params, state, *self.batch))
-    return _Runner(step, params, state, self.batch, donate)
+    if donate:
+      specs = _common.concat_specs(_common.unstack(state))
+      return self._donated(
+          _common.concat_shard_map_step(tx, self.mesh, specs, donate=True),
+          params, state)
+    return _Runner(_common.pmap_step(tx), params, state, self.batch, donate)
 
   def bare_add(self, donate: bool) -> _Runner:
     acc = self._identity(jax.tree.map(np.zeros_like, self._host))
-    params = self.fresh_params() if donate else self.params
-    return _Runner(_bare_add_step(donate), params, acc, self.batch, donate)
+    step = _bare_add_step(self.mesh, donate)
+    if donate:
+      return self._donated(step, self.fresh_params(), acc)
+    return _Runner(step, self.params, acc, self.batch, donate)
 
   def hlo_bytes(self, tx, schedule) -> dict:
     state = jax.pmap(tx.init, axis_name=_common.AXIS)(self.params)
