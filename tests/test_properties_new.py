@@ -561,3 +561,335 @@ def test_grads_not_matching_the_state_structure_of_the_new_transforms_raise(
   check()
   _report(f"grads/state tree mismatch for {name} -> error", len(tried),
           f" ({len(set(tried))} kinds of mismatch)")
+
+
+# --- Stubs for transforms still being written elsewhere. ------------------------
+# Each runs once its transform exists and is skipped until then (hasattr).
+# They are written against the APIs of docs/design section 6.3 and 6.4:
+#   shardopt.powersgd(axis_name, *, rank=1, start_step=0,
+#                     min_compression_rate=2.0, error_feedback=True,
+#                     warm_start=True, seed=0), state PowerSGDState(count,
+#                     error, q), error per replica float32 in the leaf's shape
+#                     or (n, m);
+#   shardopt.hierarchical_local_sgd(optimizer, axis_name, *,
+#                                   period_group_sizes={period: size});
+#   shardopt.diloco(..., num_fragments=F).
+
+
+def _needs(attr):
+  return pytest.mark.skipif(not hasattr(shardopt, attr),
+                            reason=f"shardopt.{attr} is not in this branch")
+
+
+def _diloco_has_fragments():
+  import inspect
+  return "num_fragments" in inspect.signature(shardopt.diloco).parameters
+
+
+def _pmap_steps(tx, params, grads_seq):
+  """Steps of tx under pmap, one call and block_until_ready per step.
+
+  params: leaves (R, ...); grads_seq: a list of grads trees, leaves (R, ...).
+  Returns [(params, updates, state)] after every step, as numpy.
+  """
+  state = jax.pmap(tx.init, axis_name=AXIS)(params)
+
+  def one(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), updates, state
+
+  step = jax.pmap(one, axis_name=AXIS)
+  out = []
+  for grads in grads_seq:
+    params, updates, state = step(params, state, grads)
+    jax.block_until_ready(params)
+    out.append(jax.tree.map(np.asarray, (params, updates, state)))
+  return out
+
+
+POWERSGD_SHAPES = [(4, 3), (2, 5), (3, 2, 2), (5, 1), (6,), ()]
+
+
+def _powersgd_compressed(shape, rank, rate):
+  """Design 6.3: compressed iff ndim >= 2 and r*(n+m)*rate < n*m."""
+  if len(shape) < 2:
+    return False
+  n, m = shape[0], int(np.prod(shape[1:]))
+  r = min(rank, n, m)
+  return r * (n + m) * rate < n * m
+
+
+def _per_leaf(params, tree):
+  """``tree`` (the PowerSGD error, or q) as one entry per leaf of params."""
+  treedef = jax.tree.structure(params)
+  try:
+    return treedef.flatten_up_to(tree)
+  except (ValueError, TypeError):
+    entries = list(tree)
+    assert len(entries) == treedef.num_leaves, (treedef, tree)
+    return entries
+
+
+def _powersgd_run(rank, rate, shapes, steps, seed, lr=1.0):
+  rng = np.random.default_rng(seed)
+  params = [np.zeros((R,) + s, np.float32) for s in shapes]
+  grads_seq = [[rng.normal(size=(R,) + s).astype(np.float32) for s in shapes]
+               for _ in range(steps)]
+  tx = optax.chain(shardopt.powersgd(AXIS, rank=rank,
+                                     min_compression_rate=rate),
+                   optax.sgd(lr))
+  return grads_seq, _pmap_steps(tx, params, grads_seq)
+
+
+@_needs("powersgd")
+def test_powersgd_at_full_rank_is_the_mean():
+  tried = []
+
+  @_settings(8)
+  @given(shapes=st.lists(st.sampled_from(POWERSGD_SHAPES), min_size=1,
+                         max_size=3),
+         steps=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
+  def check(shapes, steps, seed):
+    # rank >= min(n, m) for every leaf; min_compression_rate 0.25 makes every
+    # leaf of 2 or more dims compressed even at full rank (r (n+m)/4 < n m).
+    rank, rate = max(max(s, default=1) for s in shapes), 0.25
+    grads_seq, out = _powersgd_run(rank, rate, shapes, steps, seed)
+    for grads, (_, updates, _) in zip(grads_seq, out):
+      for g, u in zip(grads, updates):
+        want = -g.astype(np.float64).mean(axis=0)
+        for r in range(R):  # the same on every replica, bit for bit
+          np.testing.assert_array_equal(u[r], u[0])
+        np.testing.assert_allclose(u[0], want, rtol=1e-4,
+                                   atol=1e-5 * max(1.0, np.abs(g).max()))
+    tried.append(sum(_powersgd_compressed(s, rank, rate) for s in shapes))
+
+  check()
+  _report("powersgd at full rank == mean", len(tried),
+          f" ({sum(tried)} compressed leaves)")
+
+
+@_needs("powersgd")
+def test_powersgd_error_feedback_sums_to_what_was_not_sent():
+  tried = []
+
+  @_settings(8)
+  @given(shapes=st.lists(st.sampled_from(POWERSGD_SHAPES), min_size=1,
+                         max_size=3),
+         rank=st.integers(1, 3), rate=st.sampled_from([0.25, 1.0, 2.0]),
+         steps=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
+  def check(shapes, rank, rate, steps, seed):
+    grads_seq, out = _powersgd_run(rank, rate, shapes, steps, seed)
+    params0 = [np.zeros((R,) + s, np.float32) for s in shapes]
+    errors_before = [np.zeros((R,) + s) for s in shapes]
+    for grads, (_, updates, state) in zip(grads_seq, out):
+      errors = _per_leaf(params0, state[0].error)
+      for i, (s, g, u) in enumerate(zip(shapes, grads, updates)):
+        approx = -u[0].astype(np.float64)       # sgd(1.0): updates = -approx
+        if not _powersgd_compressed(s, rank, rate):
+          np.testing.assert_allclose(approx, g.astype(np.float64).mean(0),
+                                     rtol=1e-5, atol=1e-6)
+          continue
+        e = np.asarray(errors[i], np.float64).reshape((R,) + s)
+        sent = g.astype(np.float64) + errors_before[i]   # M_i = g_i + e_i
+        # sum_i e_i == sum_i M_i - n * approx: what was not sent, in total.
+        np.testing.assert_allclose(
+            e.sum(0), sent.sum(0) - R * approx, rtol=1e-4,
+            atol=1e-4 * max(1.0, np.abs(sent).sum(0).max()))
+        errors_before[i] = e
+    tried.append(sum(_powersgd_compressed(s, rank, rate) for s in shapes))
+
+  check()
+  _report("powersgd: sum of errors == sum of inputs - n * approximation",
+          len(tried), f" ({sum(tried)} compressed leaves)")
+
+
+@st.composite
+def _hierarchies(draw):
+  """{period: size}: periods and sizes (divisors of R) strictly increasing."""
+  levels = draw(st.integers(1, 3))
+  periods = sorted(draw(st.lists(st.integers(1, 8), min_size=levels,
+                                 max_size=levels, unique=True)))
+  sizes = sorted(draw(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=levels,
+                               max_size=levels, unique=True)))
+  return dict(zip(periods, sizes))
+
+
+def _np_hierarchical(schedule, p0, grads_seq, lr):
+  """numpy: local SGD steps; after step t the largest period dividing t
+  wins and params are averaged in contiguous groups of its size."""
+  p, out = np.tile(p0.astype(np.float64), (R, 1)), []
+  for t, g in enumerate(grads_seq, start=1):
+    p = p - lr * g
+    winners = [period for period in schedule if t % period == 0]
+    if winners:
+      size = schedule[max(winners)]
+      for start in range(0, R, size):
+        p[start:start + size] = p[start:start + size].mean(axis=0)
+    out.append(p)
+  return out
+
+
+def _flat_rows(tree):
+  return np.concatenate([np.asarray(x).reshape(R, -1)
+                         for x in jax.tree.leaves(tree)], axis=1)
+
+
+@_needs("hierarchical_local_sgd")
+def test_hierarchical_local_sgd_equals_numpy_for_random_schedules():
+  tried = []
+
+  @_settings(8)
+  @given(schedule=_hierarchies(), tree=_trees(dtypes=[jnp.float32]),
+         steps=st.integers(1, 12), seed=st.integers(0, 2**31 - 1))
+  def check(schedule, tree, steps, seed):
+    kind, specs = tree
+    rng = np.random.default_rng(seed)
+    lr = 0.1
+    leaves0 = [rng.normal(size=s).astype(np.float32) for s, _ in specs]
+    params = _build(kind, [np.tile(x, (R,) + (1,) * x.ndim) for x in leaves0])
+    grads_seq = [_build(kind, [rng.normal(size=(R,) + s).astype(np.float32)
+                               for s, _ in specs]) for _ in range(steps)]
+    tx = shardopt.hierarchical_local_sgd(optax.sgd(lr), AXIS,
+                                         period_group_sizes=schedule)
+    out = _pmap_steps(tx, params, grads_seq)
+    p0 = _flat_rows(params)[0]
+    want = _np_hierarchical(schedule, p0, [_flat_rows(g) for g in grads_seq],
+                            lr)
+    for t, ((got, _, _), ref) in enumerate(zip(out, want), start=1):
+      np.testing.assert_allclose(_flat_rows(got), ref, rtol=1e-5, atol=1e-6,
+                                 err_msg=f"step {t}, schedule {schedule}")
+    tried.append(len(schedule))
+
+  check()
+  _report("hierarchical_local_sgd == numpy", len(tried),
+          f" (levels per schedule: {sorted(set(tried))})")
+
+
+INVALID_SCHEDULES = {
+    "empty": {},
+    "periods not increasing": {4: 2, 2: 4},
+    "sizes not increasing": {2: 4, 4: 2},
+    "size not dividing the axis": {2: 3},
+    "period 0": {0: 2},
+    "size 0": {2: 0},
+    "float period": {2.0: 2},
+    "bool size": {2: True},
+    "str size": {2: "4"},
+    "not a mapping": 4,
+}
+
+
+@_needs("hierarchical_local_sgd")
+@pytest.mark.parametrize("schedule", list(INVALID_SCHEDULES.values()),
+                         ids=list(INVALID_SCHEDULES))
+def test_hierarchical_local_sgd_rejects_invalid_schedules(schedule):
+  name = "shardopt.hierarchical_local_sgd"
+  with pytest.raises((ValueError, TypeError)) as info:
+    tx = shardopt.hierarchical_local_sgd(optax.sgd(0.1), AXIS,
+                                         period_group_sizes=schedule)
+    # A size that does not divide the axis can only be seen while tracing.
+    params = np.zeros((R, 3), np.float32)
+    state = jax.pmap(tx.init, axis_name=AXIS)(params)
+    jax.pmap(lambda p, s, g: tx.update(g, s, p), axis_name=AXIS)(
+        params, state, params)
+  assert name in str(info.value) and "period_group_sizes" in str(info.value), (
+      info.value)
+
+
+def _np_fragments(nbytes, num_fragments):
+  """Leaf ranges of each fragment: contiguous, cut where the cumulative bytes
+  come closest to multiples of total/F. None when a cut is ambiguous (a tie)
+  or two cuts coincide; the property then draws another example."""
+  cumulative = np.cumsum(nbytes)
+  total, cuts = cumulative[-1], [0]
+  for j in range(1, num_fragments):
+    distance = np.abs(cumulative[:-1] - j * total / num_fragments)
+    best = np.flatnonzero(distance == distance.min())
+    if len(best) > 1 or best[0] + 1 <= cuts[-1]:
+      return None
+    cuts.append(int(best[0]) + 1)
+  cuts.append(len(nbytes))
+  return [range(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _np_streaming_diloco(leaves0, grads_seq, period, fragments, lr,
+                         outer_lr=0.7, momentum=0.9):
+  """numpy: local SGD; fragment f syncs after step t iff t % H == (f H)//F:
+  the outer Nesterov step on center - mean(params) of its leaves only."""
+  centers = [x.astype(np.float64) for x in leaves0]
+  traces = [np.zeros_like(c) for c in centers]
+  params = [np.tile(c, (R,) + (1,) * c.ndim) for c in centers]
+  out, F = [], len(fragments)
+  for t, grads in enumerate(grads_seq, start=1):
+    params = [p - lr * g for p, g in zip(params, grads)]
+    for f, leaves in enumerate(fragments):
+      if t % period != (f * period) // F:
+        continue
+      for i in leaves:
+        delta = centers[i] - params[i].mean(axis=0)
+        traces[i] = delta + momentum * traces[i]
+        centers[i] = centers[i] - outer_lr * (delta + momentum * traces[i])
+        params[i] = np.tile(centers[i], (R,) + (1,) * centers[i].ndim)
+    out.append([p.copy() for p in params])
+  return out
+
+
+def test_diloco_fragments_equal_numpy_for_random_periods_and_trees():
+  # Until num_fragments exists, F = 1 runs (plain diloco, which the numpy
+  # reference must match too); afterwards every F in 1..min(H, leaves).
+  fragments_supported = _diloco_has_fragments()
+  tried = []
+
+  @_settings(8)
+  @given(period=st.integers(1, 6),
+         shapes=st.lists(st.sampled_from([(), (1,), (3,), (2, 3), (7,)]),
+                         min_size=1, max_size=4),
+         data=st.data(), seed=st.integers(0, 2**31 - 1))
+  def check(period, shapes, data, seed):
+    max_f = min(period, len(shapes)) if fragments_supported else 1
+    num_fragments = data.draw(st.integers(1, max_f), label="num_fragments")
+    fragments = _np_fragments([4 * int(np.prod(s)) for s in shapes],
+                              num_fragments)
+    assume(fragments is not None)
+    steps = data.draw(st.integers(1, 2 * period + 1), label="steps")
+    rng = np.random.default_rng(seed)
+    lr = 0.1
+    leaves0 = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    params = [np.tile(x, (R,) + (1,) * x.ndim) for x in leaves0]
+    grads_seq = [[rng.normal(size=(R,) + s).astype(np.float32) for s in shapes]
+                 for _ in range(steps)]
+    kwargs = {"num_fragments": num_fragments} if fragments_supported else {}
+    tx = shardopt.diloco(optax.sgd(lr), AXIS, sync_period=period, **kwargs)
+    out = _pmap_steps(tx, params, grads_seq)
+    want = _np_streaming_diloco(leaves0, grads_seq, period, fragments, lr)
+    for t, ((got, _, _), ref) in enumerate(zip(out, want), start=1):
+      for i, (x, y) in enumerate(zip(got, ref)):
+        np.testing.assert_allclose(
+            x, y, rtol=1e-5, atol=1e-5,
+            err_msg=f"step {t}, leaf {i}, H={period}, F={num_fragments},"
+                    f" fragments {fragments}")
+    tried.append(num_fragments)
+
+  check()
+  _report("diloco(num_fragments=F) == numpy", len(tried),
+          f" (F drawn: {sorted(set(tried))}; num_fragments supported:"
+          f" {fragments_supported})")
+
+
+@pytest.mark.skipif(not _diloco_has_fragments(),
+                    reason="shardopt.diloco has no num_fragments yet")
+@pytest.mark.parametrize("num_fragments, period, leaves", [
+    (0, 4, 3), (-1, 4, 3), (5, 4, 8), (4, 4, 3), (True, 4, 3), (2.0, 4, 3),
+    (None, 4, 3)], ids=["0", "negative", "more than H", "more than leaves",
+                        "bool", "float", "None"])
+def test_diloco_rejects_invalid_num_fragments(num_fragments, period, leaves):
+  with pytest.raises((ValueError, TypeError)) as info:
+    tx = shardopt.diloco(optax.sgd(0.1), AXIS, sync_period=period,
+                         num_fragments=num_fragments)
+    # More fragments than leaves can only be seen with the params.
+    params = [np.zeros((R, 2), np.float32) for _ in range(leaves)]
+    state = jax.pmap(tx.init, axis_name=AXIS)(params)
+    jax.pmap(lambda p, s, g: tx.update(g, s, p), axis_name=AXIS)(
+        params, state, params)
+  assert "shardopt.diloco" in str(info.value) and "num_fragments" in str(
+      info.value), info.value
