@@ -49,8 +49,8 @@ from benchmarks import hlo
 
 AXIS = "batch"
 R, D, B = 8, 6, 4
-K = 4                        # accumulate's every_k_steps
-STEPS = 32                   # 8 periods
+K = 4  # accumulate's every_k_steps
+STEPS = 32  # 8 periods
 MAX_CONSECUTIVE = 3
 LR, B1, B2, EPS = 0.02, 0.9, 0.999, 1e-8
 
@@ -59,7 +59,8 @@ def _data():
   rng = np.random.default_rng(3)
   x = rng.normal(size=(STEPS, R, B, D)).astype(np.float32)
   y = (x @ rng.normal(size=D) + 0.1 * rng.normal(size=(STEPS, R, B))).astype(
-      np.float32)
+    np.float32
+  )
   return x, y, rng.normal(size=D).astype(np.float32)
 
 
@@ -72,8 +73,9 @@ def _faults():
   """
   rng = np.random.default_rng(2024)
   periods = sorted(rng.choice(np.arange(1, STEPS // K - 1), 4, replace=False))
-  positions = rng.permutation([int(rng.integers(0, K - 1)),
-                               int(rng.integers(0, K - 1)), K - 1, K - 1])
+  positions = rng.permutation(
+    [int(rng.integers(0, K - 1)), int(rng.integers(0, K - 1)), K - 1, K - 1]
+  )
   mask = np.zeros((STEPS, R), bool)
   values = np.zeros([STEPS], np.float32)
   where = []
@@ -82,8 +84,10 @@ def _faults():
     replica = int(rng.integers(R))
     mask[t, replica] = True
     values[t] = (np.nan, np.inf, -np.inf)[i % 3]
-    where.append(f"step {t} ({'emit' if pos == K - 1 else f'mini-step {pos}'}"
-                 f", replica {replica}, {values[t]})")
+    where.append(
+      f"step {t} ({'emit' if pos == K - 1 else f'mini-step {pos}'}"
+      f", replica {replica}, {values[t]})"
+    )
   return mask, values, where
 
 
@@ -92,14 +96,20 @@ def _adam():
 
 
 SPELLINGS = {
-    "no guard": lambda: shardopt.accumulate(
-        shardopt.cross_shard(_adam(), AXIS), K),
-    "guard outside": lambda: shardopt.apply_if_finite(
-        shardopt.accumulate(shardopt.cross_shard(_adam(), AXIS), K), AXIS,
-        MAX_CONSECUTIVE),
-    "guard inside": lambda: shardopt.accumulate(
-        shardopt.apply_if_finite(shardopt.cross_shard(_adam(), AXIS), AXIS,
-                                 MAX_CONSECUTIVE), K),
+  "no guard": lambda: shardopt.accumulate(
+    shardopt.cross_shard(_adam(), AXIS), K
+  ),
+  "guard outside": lambda: shardopt.apply_if_finite(
+    shardopt.accumulate(shardopt.cross_shard(_adam(), AXIS), K),
+    AXIS,
+    MAX_CONSECUTIVE,
+  ),
+  "guard inside": lambda: shardopt.accumulate(
+    shardopt.apply_if_finite(
+      shardopt.cross_shard(_adam(), AXIS), AXIS, MAX_CONSECUTIVE
+    ),
+    K,
+  ),
 }
 
 
@@ -130,8 +140,9 @@ def _train(spelling, mapping="pmap"):
     grads = jnp.where(fault, value, jax.grad(_loss)(w, x, y))
     updates, state = tx.update(grads, state, w)
     w = optax.apply_updates(w, updates)
-    divergence = shardopt.replica_divergence((w, _replicated(spelling, state)),
-                                             AXIS)
+    divergence = shardopt.replica_divergence(
+      (w, _replicated(spelling, state)), AXIS
+    )
     return w, state, divergence
 
   w = jnp.tile(w0, (R, 1))
@@ -148,24 +159,33 @@ def _train(spelling, mapping="pmap"):
       w, state, divergence = one_step(w, state, x, y, fault[:, None], value)
       return w, state, divergence[None]
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh,
-                                 in_specs=(P(AXIS),) * 5 + (P(),),
-                                 out_specs=P(AXIS)))
+    step = jax.jit(
+      jax.shard_map(
+        body, mesh=mesh, in_specs=(P(AXIS),) * 5 + (P(),), out_specs=P(AXIS)
+      )
+    )
     w, state = put(w), put(state)
   history, divergence, emitted = [], [], []
   for t in range(STEPS):
-    before = int(np.asarray(_accumulate_state(spelling, state).gradient_step)
-                 .ravel()[0])
-    w, state, div = step(w, state, put(x[t]), put(y[t]), put(mask[t]),
-                         values[t])
+    before = int(
+      np.asarray(_accumulate_state(spelling, state).gradient_step).ravel()[0]
+    )
+    w, state, div = step(
+      w, state, put(x[t]), put(y[t]), put(mask[t]), values[t]
+    )
     jax.block_until_ready((w, state))
     history.append(np.asarray(w))
     divergence.append(float(np.max(np.asarray(div))))
-    after = int(np.asarray(_accumulate_state(spelling, state).gradient_step)
-                .ravel()[0])
+    after = int(
+      np.asarray(_accumulate_state(spelling, state).gradient_step).ravel()[0]
+    )
     emitted.append(after > before)
-  return (np.stack(history), np.asarray(divergence), np.asarray(emitted),
-          jax.tree.map(np.asarray, state))
+  return (
+    np.stack(history),
+    np.asarray(divergence),
+    np.asarray(emitted),
+    jax.tree.map(np.asarray, state),
+  )
 
 
 def _np_grads(w, x, y):
@@ -191,7 +211,7 @@ def _np_reference(spelling):
     finite = bool(np.all(np.isfinite(g)))
     emit = False
     if spelling == "guard outside" and not finite:
-      pass                                   # dropped: not accumulated
+      pass  # dropped: not accumulated
     else:
       period_ok &= finite
       pending.append(g.mean(axis=0) if finite else None)
@@ -201,9 +221,10 @@ def _np_reference(spelling):
           mean = np.mean(pending, axis=0)
           count += 1
           m = B1 * m + (1 - B1) * mean
-          v = B2 * v + (1 - B2) * mean ** 2
-          w = w - LR * (m / (1 - B1 ** count)) / (
-              np.sqrt(v / (1 - B2 ** count)) + EPS)
+          v = B2 * v + (1 - B2) * mean**2
+          w = w - LR * (m / (1 - B1**count)) / (
+            np.sqrt(v / (1 - B2**count)) + EPS
+          )
         pending, period_ok = [], True
     history.append(w)
     emitted.append(emit)
@@ -218,15 +239,17 @@ def _assert_same_on_every_replica(history, divergence):
 
 def _print(spelling, mapping, divergence, extra):
   _, _, where = _faults()
-  print(f"\n[faults] {spelling}: {SPELLINGS_TEXT[spelling]} under {mapping},"
-        f" {STEPS} steps, faults at {', '.join(where)}: {extra};"
-        f" max replica_divergence = {float(divergence.max())}")
+  print(
+    f"\n[faults] {spelling}: {SPELLINGS_TEXT[spelling]} under {mapping},"
+    f" {STEPS} steps, faults at {', '.join(where)}: {extra};"
+    f" max replica_divergence = {float(divergence.max())}"
+  )
 
 
 SPELLINGS_TEXT = {
-    "no guard": f"accumulate(cross_shard(adam), {K})",
-    "guard outside": f"apply_if_finite(accumulate(cross_shard(adam), {K}))",
-    "guard inside": f"accumulate(apply_if_finite(cross_shard(adam)), {K})",
+  "no guard": f"accumulate(cross_shard(adam), {K})",
+  "guard outside": f"apply_if_finite(accumulate(cross_shard(adam), {K}))",
+  "guard inside": f"accumulate(apply_if_finite(cross_shard(adam)), {K})",
 }
 
 
@@ -241,27 +264,38 @@ def test_without_a_guard_a_nan_poisons_every_replica_identically():
   history, divergence, emitted, state = _train("no guard")
   mask, _, _ = _faults()
   first = int(np.nonzero(mask.any(axis=1))[0][0])
-  poisoned = (first // K + 1) * K - 1       # the emit step of its period
+  poisoned = (first // K + 1) * K - 1  # the emit step of its period
   want, want_emitted, _ = _np_reference("guard inside")
-  _print("no guard", "pmap", divergence,
-         f"params finite up to step {poisoned - 1}, NaN on every replica from"
-         f" the emit step {poisoned} on")
+  _print(
+    "no guard",
+    "pmap",
+    divergence,
+    f"params finite up to step {poisoned - 1}, NaN on every replica from"
+    f" the emit step {poisoned} on",
+  )
   _assert_same_on_every_replica(history, divergence)
   np.testing.assert_array_equal(emitted, (np.arange(STEPS) + 1) % K == 0)
   # Before the first faulty period ends: the numbers of a fault-free run.
-  np.testing.assert_allclose(history[:poisoned, 0], want[:poisoned],
-                             rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(
+    history[:poisoned, 0], want[:poisoned], rtol=2e-5, atol=2e-6
+  )
   # From its emit step on: non-finite everywhere, adam's moments too.
   assert np.all(np.isnan(history[poisoned:]))
   mu = state.inner_state[0].mu
   assert np.all(np.isnan(mu)), mu
 
 
-@pytest.mark.parametrize("spelling, mapping", [
-    ("guard outside", "pmap"), ("guard inside", "pmap"),
-    ("guard inside", "shard_map")])
+@pytest.mark.parametrize(
+  "spelling, mapping",
+  [
+    ("guard outside", "pmap"),
+    ("guard inside", "pmap"),
+    ("guard inside", "shard_map"),
+  ],
+)
 def test_a_guarded_accumulate_skips_on_every_replica_and_matches_numpy(
-    spelling, mapping):
+  spelling, mapping
+):
   history, divergence, emitted, state = _train(spelling, mapping)
   want, want_emitted, adam_steps = _np_reference(spelling)
   faulty_steps = int(_faults()[0].any(axis=1).sum())
@@ -273,32 +307,41 @@ def test_a_guarded_accumulate_skips_on_every_replica_and_matches_numpy(
     acc = state
     guard = state.inner_state
     adam_count = int(guard.inner_state[0].count.ravel()[0])
-    skipped = (f"{int(guard.total_notfinite.ravel()[0])} periods skipped"
-               " whole")
-  _print(spelling, mapping, divergence,
-         f"{skipped}; emit steps {np.nonzero(emitted)[0].tolist()}; adam steps"
-         f" {adam_count} of {int(acc.gradient_step.ravel()[0])} updates")
+    skipped = f"{int(guard.total_notfinite.ravel()[0])} periods skipped whole"
+  _print(
+    spelling,
+    mapping,
+    divergence,
+    f"{skipped}; emit steps {np.nonzero(emitted)[0].tolist()}; adam steps"
+    f" {adam_count} of {int(acc.gradient_step.ravel()[0])} updates",
+  )
   _assert_same_on_every_replica(history, divergence)
   np.testing.assert_array_equal(emitted, want_emitted)
   assert adam_count == adam_steps
-  np.testing.assert_array_equal(guard.total_notfinite.ravel(),
-                                faulty_steps if spelling == "guard outside"
-                                else 4)       # four faulty periods
+  np.testing.assert_array_equal(
+    guard.total_notfinite.ravel(),
+    faulty_steps if spelling == "guard outside" else 4,
+  )  # four faulty periods
   assert np.all(np.isfinite(history))
   np.testing.assert_allclose(history[:, 0], want, rtol=2e-5, atol=2e-6)
 
 
 def test_only_the_inner_guard_keeps_the_mini_steps_free_of_communication():
   from tests.test_accumulate import _compiled_update
+
   counts = {}
   for spelling in ("guard outside", "guard inside"):
     ops = hlo.compiled_collectives(
-        _compiled_update(SPELLINGS[spelling](), "pmap", 1024), num_devices=R)
+      _compiled_update(SPELLINGS[spelling](), "pmap", 1024), num_devices=R
+    )
     counts[spelling] = (
-        [(o.kind, o.buffer_bytes) for o in ops if o.context == "top"],
-        sum("conditional" in o.context for o in ops))
-  print(f"\n[hlo] collectives outside any cond (every mini-step) and inside:"
-        f" {counts}")
+      [(o.kind, o.buffer_bytes) for o in ops if o.context == "top"],
+      sum("conditional" in o.context for o in ops),
+    )
+  print(
+    f"\n[hlo] collectives outside any cond (every mini-step) and inside:"
+    f" {counts}"
+  )
   # Outside: the 4-byte finite flag on every mini-step.
   assert counts["guard outside"][0] == [("all-reduce", 4)]
   # Inside: nothing on a mini-step, the flag and the update in the emit branch.
@@ -311,6 +354,7 @@ def test_the_accumulate_entry_of_the_kill_one_process_test_trains(mesh):
   sure its accumulate entry is there and moves them (4 updates in 16 steps),
   the same on every replica, so that comparison is not vacuous."""
   from _workers import tiny_training
+
   have, _ = tiny_training.available_fault_transforms()
   assert "accumulate_cross_shard_adam" in have
   params = tiny_training.train("accumulate_cross_shard_adam", mesh, 16)
