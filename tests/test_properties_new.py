@@ -524,14 +524,6 @@ NOT_TRANSFORMS = {
 }
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason=(
-    "not checked yet: an `inner` that is not a transform fails with"
-    " AttributeError (\"'NoneType' object has no attribute 'init'\"),"
-    " which names neither the transform nor the argument"
-  ),
-)
 @pytest.mark.parametrize(
   "bad", list(NOT_TRANSFORMS.values()), ids=list(NOT_TRANSFORMS)
 )
@@ -543,15 +535,19 @@ NOT_TRANSFORMS = {
       "shardopt.apply_if_finite",
       lambda inner: shardopt.apply_if_finite(inner, AXIS, 2),
     ),
+    ("shardopt.cross_shard", lambda inner: shardopt.cross_shard(inner, AXIS)),
+    ("shardopt.tower", lambda inner: shardopt.tower(inner, AXIS)),
+    ("shardopt.agn", lambda inner: shardopt.agn(inner, AXIS)),
   ],
-  ids=["accumulate", "apply_if_finite"],
+  ids=["accumulate", "apply_if_finite", "cross_shard", "tower", "agn"],
 )
 def test_inner_not_a_transform_is_rejected_naming_the_transform(
   name, make, bad
 ):
   with pytest.raises((TypeError, ValueError)) as info:
     make(bad)
-  assert name in str(info.value) and "inner" in str(info.value), info.value
+  arg = "optimizer" if name == "shardopt.agn" else "inner"
+  assert name in str(info.value) and arg in str(info.value), info.value
 
 
 WITH_AXIS_NEW = {  # name in the error -> (axis -> transform)

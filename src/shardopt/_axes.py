@@ -214,6 +214,21 @@ def check_comm_dtype(comm_dtype: Any, transform: str,
   return dtype
 
 
+def check_transform(inner: Any, transform: str, arg: str = "inner") -> None:
+  """Raises ``TypeError`` unless ``inner`` is an optax transform.
+
+  Anything with callable ``init`` and ``update`` passes
+  (``optax.GradientTransformation`` and its ``ExtraArgs`` variant).
+  """
+  if not (callable(getattr(inner, "init", None))
+          and callable(getattr(inner, "update", None))):
+    raise TypeError(
+        f"{transform}: {arg}={inner!r} is not an optax transform (an object"
+        " with init and update, such as optax.adam(1e-3)); pass the built"
+        " transform, e.g. optax.adam(1e-3) rather than optax.adam, and"
+        " optax.chain(a, b) rather than a tuple (a, b).")
+
+
 def accumulation_dtype(dtype) -> np.dtype:
   """float32 for low-precision floats (bf16, f16), the dtype itself otherwise.
 

@@ -448,6 +448,9 @@ def periodic(name: str, optimizer: optax.GradientTransformation,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`AGNState`.
   """
+  _axes.check_transform(optimizer, name, "optimizer")
+  if global_optimizer is not None:
+    _axes.check_transform(global_optimizer, name, "global_optimizer")
   _axes.check_reduction(reduction, name, axis_name)
   _axes.check_comm_dtype(comm_dtype, name, axis_name)
   local = optax.with_extra_args_support(optimizer)

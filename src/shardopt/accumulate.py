@@ -158,6 +158,7 @@ def accumulate(inner: optax.GradientTransformation, every_k_steps: int, *,
   if not isinstance(use_grad_mean, (bool, np.bool_)):
     raise TypeError(f"{_ACCUMULATE}: use_grad_mean={use_grad_mean!r} must be"
                     " True (average the accumulated gradients) or False (sum).")
+  _axes.check_transform(inner, _ACCUMULATE)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

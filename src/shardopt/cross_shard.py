@@ -149,6 +149,7 @@ def cross_shard(inner: optax.GradientTransformation, axis_name: Any, *,
     TensorFlow, ``tf.compat.v1.tpu.CrossShardOptimizer``.
   """
   name = "shardopt.cross_shard"
+  _axes.check_transform(inner, name)
   _axes.check_reduction(reduction, name, axis_name)
   _axes.check_comm_dtype(comm_dtype, name, axis_name)
 

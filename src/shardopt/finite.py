@@ -160,6 +160,7 @@ def apply_if_finite(inner: optax.GradientTransformation, axis_name: Any,
         " must be a non-negative integer, the number of consecutive"
         " non-finite steps to skip before an update is applied anyway (e.g."
         " 5).")
+  _axes.check_transform(inner, _APPLY_IF_FINITE)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):

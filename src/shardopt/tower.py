@@ -200,6 +200,7 @@ def tower(inner: optax.GradientTransformation, axis_name: Any, *,
         " under plain jax.jit over sharded arrays use `inner` directly.")
   _axes.check_reduction(reduction, _TOWER, axis_name)
   comm_dtype = _axes.check_comm_dtype(comm_dtype, _TOWER, axis_name)
+  _axes.check_transform(inner, _TOWER)
   inner = optax.with_extra_args_support(inner)
   names = _axes.axis_names(axis_name)
 
