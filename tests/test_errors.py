@@ -249,3 +249,16 @@ def test_broadcast_source_out_of_range(source):
       f"shardopt.broadcast: source={source!r} is not a replica index of axis"
       " 'batch' (size 8); use 0 <= source < 8.")):
     _under_pmap(lambda g: shardopt.broadcast(g, AXIS, source=source), GRADS)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jax.pmap(lambda x: shardopt.reduce(x, 3), axis_name="i"),
+    lambda: jax.pmap(lambda x: shardopt.all_finite(x, 3), axis_name="i"),
+    lambda: jax.pmap(lambda x: shardopt.cross_shard(optax.sgd(1.0), 3).update(
+        x, optax.EmptyState())[0], axis_name="i"),
+], ids=["reduce", "all_finite", "cross_shard"])
+def test_an_integer_axis_name_that_is_not_bound_names_the_axis(make):
+  """jax reads an integer as a positional axis ("axis 3 is out of bounds")."""
+  with pytest.raises(shardopt.AxisNotBoundError, match=r"axis name 3 is not"
+                     r" bound here"):
+    make()(jnp.ones(8))

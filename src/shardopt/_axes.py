@@ -50,7 +50,9 @@ def axis_size(axis_name: AxisName, transform: str) -> int:
   """Size of the (possibly tuple) named axis, or a clear error if unbound."""
   try:
     return int(jax.lax.axis_size(axis_name))
-  except NameError as e:
+  except (NameError, ValueError) as e:
+    # An unbound name raises NameError; an integer, which jax reads as a
+    # positional axis, "axis 3 is out of bounds" (ValueError).
     raise AxisNotBoundError(
         f"{transform}: axis name {axis_name!r} is not bound here. Call it inside"
         f" jax.pmap(..., axis_name={axis_name!r}) or inside jax.shard_map over a"
