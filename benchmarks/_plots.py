@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Optional
 
 
 def bars(path: str, labels: Sequence[str], values: Sequence[float], *,
-         title: str, xlabel: str, reference: Optional[float] = None,
+         title: str, xlabel: str, reference: float | None = None,
          reference_label: str = "", log: bool = False) -> str:
   """Writes a horizontal bar chart to ``path`` and returns the path."""
   import matplotlib

@@ -140,7 +140,6 @@ def run(quick: bool) -> dict:
                     "accuracy_mean": np.mean(per_seed, 0).tolist(),
                     "accuracy_std": np.std(per_seed, 0).tolist()}
 
-  sync = curves["cross_shard(adam) [sync]"]
   round_budget = total_steps // 16  # what agn T=16 spends in the whole run
   rows, summary = [], {}
   for name, c in curves.items():

@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import defaultdict
-from typing import Optional
 
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
@@ -167,7 +166,7 @@ def _edges(computations: dict) -> dict:
   The label of a conditional branch is ``"<instruction>#<branch index>"``
   (``lax.cond(pred, t, f)``: 0 = ``f``, 1 = ``t``); ``""`` for other calls.
   """
-  edges: dict[str, list[tuple[str, Optional[str], str]]] = defaultdict(list)
+  edges: dict[str, list[tuple[str, str | None, str]]] = defaultdict(list)
   for name, lines in computations.items():
     for line in lines:
       inst = _INSTRUCTION.match(line)
@@ -217,7 +216,7 @@ def _walk(hlo_text: str, caller: str) -> list[tuple[str, str, list[str]]]:
 
 
 def _collective(line: str, context: str, num_devices: int, branch: str = ""
-                ) -> Optional[Collective]:
+                ) -> Collective | None:
   """The :class:`Collective` an HLO instruction line runs, or None."""
   inst = _INSTRUCTION.match(line)
   if not inst:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Optional
 
 import optax
 
@@ -46,7 +45,7 @@ class Method:
 
 
 def build(method: Method, optimizer: Factory
-          ) -> tuple[Optional[optax.GradientTransformation], str]:
+          ) -> tuple[optax.GradientTransformation | None, str]:
   """``(transform, "")``, or ``(None, why)`` if this shardopt lacks it."""
   missing = [name for name in method.requires if not hasattr(shardopt, name)]
   if missing:

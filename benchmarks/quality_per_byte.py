@@ -38,7 +38,7 @@ if __name__ == "__main__":  # standalone: 8 CPU devices before jax is imported
 
 import dataclasses  # noqa: E402
 import time  # noqa: E402
-from typing import Optional, Sequence  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -55,7 +55,7 @@ TITLE = "8. Quality per byte: byte-level LM on the stdlib, val bits/byte vs byte
 
 
 def _sync_steps_to_reach(target: float, steps: Sequence[int],
-                         curve: Sequence[float]) -> Optional[float]:
+                         curve: Sequence[float]) -> float | None:
   """First step at which sync's validation curve reaches ``target`` (linear)."""
   for i in range(1, len(curve)):
     if curve[i] <= target:
@@ -67,8 +67,8 @@ def _sync_steps_to_reach(target: float, steps: Sequence[int],
   return None
 
 
-def measure(quick: bool, seeds: Optional[Sequence[int]] = None,
-            only: Optional[Sequence[str]] = None) -> dict:
+def measure(quick: bool, seeds: Sequence[int] | None = None,
+            only: Sequence[str] | None = None) -> dict:
   """Trains every available method on every seed; returns curves and bytes."""
   config = lm.QUICK if quick else lm.FULL
   seeds = tuple(seeds) if seeds is not None else ((0,) if quick else (0, 1, 2))
@@ -173,8 +173,8 @@ def _verdicts(data: dict) -> tuple[dict, list[str]]:
   return verdicts, notes
 
 
-def run(quick: bool, seeds: Optional[Sequence[int]] = None,
-        only: Optional[Sequence[str]] = None) -> dict:
+def run(quick: bool, seeds: Sequence[int] | None = None,
+        only: Sequence[str] | None = None) -> dict:
   """Runs :func:`measure` and formats the section (table, notes, data)."""
   data = measure(quick, seeds, only)
   verdicts, verdict_notes = _verdicts(data)

@@ -73,9 +73,9 @@ def _git_commit() -> str:
 
 def machine() -> dict:
   """The device and software every number in this run came from."""
+  import jaxlib
   import numpy
   import optax
-  import jaxlib
   devices = jax.devices()
   return {
       "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(

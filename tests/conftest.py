@@ -12,12 +12,11 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (must come after XLA_FLAGS)
-import pytest  # noqa: E402
-
 # Registers the hypothesis profiles "ci" (default) and "thorough" and loads
 # the one named by $HYPOTHESIS_PROFILE.
 import _hypothesis_profiles  # noqa: E402,F401
+import jax  # noqa: E402  (must come after XLA_FLAGS)
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 

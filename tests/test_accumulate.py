@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from shardopt import _axes
 from benchmarks import hlo
+from shardopt import _axes
 
 AXIS = "batch"
 R = 8

@@ -39,8 +39,10 @@ def test_hlo_reader_counts_bytes_and_finds_collectives_inside_cond():
 
 
 def test_hlo_reader_counts_reduce_scatter_and_bf16_wire_bytes(mesh):
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   from benchmarks import hlo
-  from jax.sharding import NamedSharding, PartitionSpec as P
 
   def f(x):  # per device: 1000 elements, bf16 on the wire = 2000 bytes
     y = jax.lax.psum_scatter(x.astype(jnp.bfloat16), "batch", tiled=True)
@@ -58,7 +60,8 @@ def test_hlo_reader_counts_reduce_scatter_and_bf16_wire_bytes(mesh):
 
 
 def test_schedule_weights_each_branch_by_the_steps_that_take_it():
-  from benchmarks import hlo, schedules
+  from benchmarks import hlo
+  from benchmarks import schedules
   pairs = [[0, 1], [2, 3], [4, 5], [6, 7]]
 
   def levels(t, x):  # 256 float32 = 1024 bytes per all-reduce

@@ -112,7 +112,7 @@ def _shard(tree, spec=P(AXIS)):
   return jax.device_put(tree, NamedSharding(_mesh(), spec))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reducer(mapping, groups_name, reduction, comm_name):
   """A compiled reduce for one (mapping, groups, reduction, comm_dtype)."""
   kwargs = dict(reduction=reduction, axis_index_groups=GROUPS[groups_name],
@@ -120,7 +120,7 @@ def _reducer(mapping, groups_name, reduction, comm_name):
   return _mapped(mapping, lambda tree: shardopt.reduce(tree, AXIS, **kwargs))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _all_reductions(mapping, groups_name):
   """Every (reduction, comm_dtype) in one compiled function: one compile per
   (mapping, groups) keeps the matrix cheap."""
@@ -178,7 +178,7 @@ def _loss(params, data):
   return sum(terms)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _invariant_gradient_reducer(groups_name, reduction, comm_name):
 
   def body(params, data):

@@ -345,7 +345,7 @@ def test_axis_name_none_is_plain_sgd_under_jit(make_tx):
 ])
 def test_scale_loss_divides_by_the_axis_or_group_size_for_mean_only(
     reduction, groups, expected):
-  out = jax.pmap(lambda l: shardopt.scale_loss(l, AXIS, reduction=reduction,
+  out = jax.pmap(lambda loss: shardopt.scale_loss(loss, AXIS, reduction=reduction,
                                                axis_index_groups=groups),
                  axis_name=AXIS)(np.full(8, 4.0, np.float32))
   np.testing.assert_array_equal(out, np.full(8, expected, np.float32))

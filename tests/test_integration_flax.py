@@ -21,7 +21,8 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from flax.training import train_state
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import shardopt
 

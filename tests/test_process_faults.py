@@ -281,7 +281,9 @@ def test_a_peer_that_hangs_alive_is_caught_by_the_watchdog(tmp_path):
       assert code != 0 and any(e in text for e in CLEAR_ERRORS), (
           i, code, launch.report())
     assert not (tmp_path / "out.npz").exists()
+  clear_lines = [line for t in texts for line in t.splitlines()
+                 if line.startswith(CLEAR_ERRORS)]
   print(f"\n[process faults] process {hanging} hung (alive) after step"
         f" {hang_at}: exit codes {codes} within {waited:.1f}s"
-        f" ({'; '.join(l for t in texts for l in t.splitlines() if l.startswith(CLEAR_ERRORS))[:400]});"
+        f" ({'; '.join(clear_lines)[:400]});"
         f" watchdog {HANG_WATCHDOG_S}s; wall {time.perf_counter() - started:.1f}s")

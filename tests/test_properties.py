@@ -18,18 +18,17 @@ the sizes below under ``ci`` (the default), at least 500 under ``thorough``
 (``make fuzz``).
 """
 
+import _hypothesis_profiles
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import assume
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import _hypothesis_profiles
 import shardopt
 
 AXIS = "batch"

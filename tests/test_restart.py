@@ -110,8 +110,8 @@ def _launch(ckpt_dir, out, kill_at=None):
 
 
 def _restored_step(lines) -> int:
-  found = [re.fullmatch(r"restored step (\d+) data position \[(\d+), (\d+)\]", l)
-           for l in lines]
+  found = [re.fullmatch(r"restored step (\d+) data position \[(\d+), (\d+)\]", line)
+           for line in lines]
   found = [m for m in found if m]
   assert len(found) == 1, "\n".join(lines[-40:])
   step, epoch, index = map(int, found[0].groups())

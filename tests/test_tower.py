@@ -249,8 +249,8 @@ ORACLES = [  # reduction, loss, c after one step (design.md)
 @pytest.mark.parametrize("reduction,loss,c", ORACLES)
 def test_tensorflow_tower_oracle_under_pmap(tf_literal, reduction, loss, c):
   with jax.enable_x64(True):
-    step = jax.pmap(lambda c, f, l: _oracle_step(
-        c, f, l, tf_literal=tf_literal, reduction=reduction),
+    step = jax.pmap(lambda c, f, labels: _oracle_step(
+        c, f, labels, tf_literal=tf_literal, reduction=reduction),
                     axis_name=AXIS, devices=jax.devices()[:2])
     total, new_c = step(jnp.full((2,), 10.0, jnp.float64), FEATURES, LABELS)
     assert new_c.dtype == jnp.float64
@@ -266,7 +266,7 @@ def test_tensorflow_tower_oracle_under_shard_map_with_replicated_params(
   mesh2 = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2])
   with jax.enable_x64(True):
     step = jax.jit(jax.shard_map(
-        lambda c, f, l: _oracle_step(c, f[0], l[0], tf_literal=tf_literal,
+        lambda c, f, labels: _oracle_step(c, f[0], labels[0], tf_literal=tf_literal,
                                      reduction=reduction),
         mesh=mesh2, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=(P(), P())))
     total, new_c = step(_put(mesh2, jnp.array(10.0, jnp.float64), P()),
@@ -279,8 +279,8 @@ def test_tensorflow_tower_oracle_under_shard_map_with_replicated_params(
 @pytest.mark.parametrize("tf_literal", [True, False], ids=["scale_loss+sum", "unscaled"])
 def test_tensorflow_tower_oracle_two_sum_steps(tf_literal):
   with jax.enable_x64(True):
-    step = jax.pmap(lambda c, f, l: _oracle_step(
-        c, f, l, tf_literal=tf_literal, reduction="sum"),
+    step = jax.pmap(lambda c, f, labels: _oracle_step(
+        c, f, labels, tf_literal=tf_literal, reduction="sum"),
                     axis_name=AXIS, devices=jax.devices()[:2])
     _, c = step(jnp.full((2,), 10.0, jnp.float64), FEATURES, LABELS)
     total, c = step(c, FEATURES_2, LABELS_2)

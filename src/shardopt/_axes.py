@@ -8,14 +8,14 @@ change (``tests/test_axes.py`` fails loudly if they stop working).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-AxisName = Union[Hashable, tuple]
-Groups = Optional[Sequence[Sequence[int]]]
+AxisName = Hashable | tuple
+Groups = Sequence[Sequence[int]] | None
 
 REDUCTIONS = ("mean", "sum")
 
@@ -31,7 +31,7 @@ def axis_names(axis_name: AxisName) -> tuple:
   return (axis_name,)
 
 
-def check_reduction(reduction: Any, transform: Optional[str] = None,
+def check_reduction(reduction: Any, transform: str | None = None,
                     axis_name: AxisName = None) -> str:
   """Validates ``reduction``; raises ``ValueError("Unsupported reduction: ...")``.
 
@@ -121,7 +121,7 @@ def as_axis(names: tuple) -> AxisName:
 
 
 def validate_groups(axis_index_groups: Groups, size: int, transform: str,
-                    axis_name: AxisName) -> Optional[tuple]:
+                    axis_name: AxisName) -> tuple | None:
   """Checks ``axis_index_groups`` against an axis of ``size`` replicas.
 
   Groups must be a list of lists of ints that uses every index of
@@ -179,7 +179,7 @@ def validate_groups(axis_index_groups: Groups, size: int, transform: str,
   return tuple(groups)
 
 
-def group_size(groups: Optional[tuple], size: int) -> int:
+def group_size(groups: tuple | None, size: int) -> int:
   """Number of replicas a value is reduced over."""
   return len(groups[0]) if groups else size
 

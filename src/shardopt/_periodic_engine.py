@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -113,7 +113,7 @@ class Sync(NamedTuple):
   period: int
   phase: int = 0
   fragment: int = 0
-  group_size: Optional[int] = None
+  group_size: int | None = None
 
 
 class _Carry(NamedTuple):
@@ -210,8 +210,8 @@ def _fragment_tree(leaves: list, treedef, num_fragments: int) -> Any:
   return treedef.unflatten(leaves) if num_fragments == 1 else list(leaves)
 
 
-def _groups(group_size: Optional[int], axis_index_groups, size: int,
-            transform: str, axis_name: Any) -> Optional[tuple]:
+def _groups(group_size: int | None, axis_index_groups, size: int,
+            transform: str, axis_name: Any) -> tuple | None:
   """A sync's replica groups: contiguous ones of ``group_size``, or the
   transform's ``axis_index_groups`` (None: the whole axis)."""
   if group_size is None:
@@ -424,7 +424,7 @@ def _check_local_gradients(grads: Any, params: Any, axis_name: Any,
 # The engine.
 
 def periodic(name: str, optimizer: optax.GradientTransformation,
-             global_optimizer: Optional[optax.GradientTransformation],
+             global_optimizer: optax.GradientTransformation | None,
              axis_name: Any, *, syncs: Sequence[Sync], contribution: str,
              reduction: str = "mean", axis_index_groups=None, comm_dtype=None,
              num_fragments: int = 1

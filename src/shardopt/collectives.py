@@ -17,7 +17,7 @@ The examples below assume 8 devices, e.g. a CPU forced to show them with
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +53,7 @@ def _grouped_psum_scatter_gather(x: jax.Array, axis, groups: tuple) -> jax.Array
   return full[:x.size].reshape(x.shape)
 
 
-def _psum_leaf(y, varying: tuple, groups: Optional[tuple]):
+def _psum_leaf(y, varying: tuple, groups: tuple | None):
   """Sums ``y`` over the ``varying`` axes (within groups, if any)."""
   axis = _axes.as_axis(varying)
   if groups is None:

@@ -39,7 +39,8 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 METHODS = ("cross_shard", "tower", "agn")
 AXIS = "batch"
@@ -96,9 +97,9 @@ class RunResult(NamedTuple):
 
 def load_digits_split(seed: int = 0):
   """Digits as float32 features in [0, 1] and int32 labels, 80/20 split."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
   from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
   from sklearn.model_selection import train_test_split  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
 
   digits = load_digits()
   features = (digits.data / 16.0).astype(np.float32)
@@ -139,6 +140,7 @@ def cross_entropy(params, features, labels):
 def make_optimizer(method: str, learning_rate: float, communication_period: int):
   """The optax transform the demo trains with for ``method``."""
   import optax  # pylint: disable=g-import-not-at-top
+
   import shardopt  # pylint: disable=g-import-not-at-top
 
   if method == "cross_shard":
@@ -172,6 +174,7 @@ def train(method: str, devices: list, data, *, steps: int,
   import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+
   import shardopt  # pylint: disable=g-import-not-at-top
 
   x_train, x_test, y_train, y_test = data
@@ -283,7 +286,7 @@ def plot_losses(results: Sequence[RunResult], path: str) -> str:
   return path
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       prog="python -m shardopt.demo",
       description="Train an MLP on sklearn digits with shardopt's cross_shard,"
@@ -310,7 +313,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> list:
+def main(argv: Sequence[str] | None = None) -> list:
   """Runs the demo; returns the list of :class:`RunResult`."""
   args = parse_args(argv)
   force_host_devices(args.devices)  # before JAX asks for its first device

@@ -42,7 +42,7 @@ imported).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import optax
@@ -132,7 +132,7 @@ def _check_outer_args(transform: str, outer_learning_rate: Any,
 
 def agn(optimizer: optax.GradientTransformation, axis_name: Any, *,
         communication_period: int = 10,
-        global_optimizer: Optional[optax.GradientTransformation] = None,
+        global_optimizer: optax.GradientTransformation | None = None,
         reduction: str = "mean", axis_index_groups=None, comm_dtype=None
         ) -> optax.GradientTransformationExtraArgs:
   """Accumulated Gradient Normalization (TensorFlow's ``AGNOptimizer``).

@@ -50,6 +50,7 @@ def main() -> int:
       initialization_timeout=60)
 
   import numpy as np
+
   from _workers import tiny_training
 
   print(f"process {jax.process_index()}/{jax.process_count()}:"
