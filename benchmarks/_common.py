@@ -38,9 +38,9 @@ def mlp_init(key: jax.Array, sizes: Sequence[int]) -> dict:
   keys = jax.random.split(key, len(sizes) - 1)
   for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
     params[f"layer{i}"] = {
-        "w": jax.random.normal(keys[i], (fan_in, fan_out), jnp.float32)
-             / math.sqrt(fan_in),
-        "b": jnp.zeros((fan_out,), jnp.float32),
+      "w": jax.random.normal(keys[i], (fan_in, fan_out), jnp.float32)
+      / math.sqrt(fan_in),
+      "b": jnp.zeros((fan_out,), jnp.float32),
     }
   return params
 
@@ -72,8 +72,13 @@ def replicate(tree: Any, n: int) -> Any:
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree)
 
 
-def pmap_step(tx: optax.GradientTransformation, *, hand_written: bool = False,
-              devices=None, donate: bool = False) -> Callable:
+def pmap_step(
+  tx: optax.GradientTransformation,
+  *,
+  hand_written: bool = False,
+  devices=None,
+  donate: bool = False,
+) -> Callable:
   """``pmap``-ed ``(params, opt_state, x, y) -> (params, opt_state)``.
 
   ``hand_written`` replaces the shardopt transform by what a user would write
@@ -81,6 +86,7 @@ def pmap_step(tx: optax.GradientTransformation, *, hand_written: bool = False,
   optimizer). ``donate`` donates params and state (the caller must not reuse
   them).
   """
+
   def step(params, opt_state, x, y):
     grads = jax.grad(mlp_loss)(params, x, y)
     if hand_written:
@@ -88,13 +94,21 @@ def pmap_step(tx: optax.GradientTransformation, *, hand_written: bool = False,
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  return jax.pmap(step, axis_name=AXIS, devices=devices,
-                  donate_argnums=(0, 1) if donate else ())
+  return jax.pmap(
+    step,
+    axis_name=AXIS,
+    devices=devices,
+    donate_argnums=(0, 1) if donate else (),
+  )
 
 
-def shard_map_step(tx: optax.GradientTransformation, mesh, *,
-                   hand_written: bool = False, per_replica_out: bool = False
-                   ) -> Callable:
+def shard_map_step(
+  tx: optax.GradientTransformation,
+  mesh,
+  *,
+  hand_written: bool = False,
+  per_replica_out: bool = False,
+) -> Callable:
   """Jitted checking ``shard_map`` step over replicated params.
 
   ``hand_written``: ``jax.lax.pmean`` of the (varying) gradient, then ``tx``.
@@ -102,6 +116,7 @@ def shard_map_step(tx: optax.GradientTransformation, mesh, *,
   (``P(axis)``), for transforms whose results differ between replicas
   (``axis_index_groups``: each group has its own values).
   """
+
   def step(params, opt_state, x, y):
     local = jax.lax.pcast(params, AXIS, to="varying")
     grads = jax.grad(mlp_loss)(local, x, y)
@@ -114,9 +129,14 @@ def shard_map_step(tx: optax.GradientTransformation, mesh, *,
     return out
 
   out_spec = P(AXIS) if per_replica_out else P()
-  return jax.jit(jax.shard_map(
-      step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
-      out_specs=(out_spec, out_spec)))
+  return jax.jit(
+    jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(P(), P(), P(AXIS), P(AXIS)),
+      out_specs=(out_spec, out_spec),
+    )
+  )
 
 
 def unstack(tree: Any) -> Any:
@@ -126,7 +146,8 @@ def unstack(tree: Any) -> Any:
   keep replica 0's value: they are the same on every replica.
   """
   return jax.tree.map(
-      lambda a: a[0] if a.ndim == 1 else a.reshape((-1,) + a.shape[2:]), tree)
+    lambda a: a[0] if a.ndim == 1 else a.reshape((-1,) + a.shape[2:]), tree
+  )
 
 
 def concat_specs(tree: Any) -> Any:
@@ -134,8 +155,9 @@ def concat_specs(tree: Any) -> Any:
   return jax.tree.map(lambda a: P(AXIS) if jnp.ndim(a) else P(), tree)
 
 
-def concat_shard_map_step(tx: optax.GradientTransformation, mesh, specs, *,
-                          donate: bool = False) -> Callable:
+def concat_shard_map_step(
+  tx: optax.GradientTransformation, mesh, specs, *, donate: bool = False
+) -> Callable:
   """:func:`pmap_step` on ``jax.jit`` + ``shard_map(check_vma=False)``.
 
   Params, state and batch are :func:`unstack`-ed: each replica's values are
@@ -148,23 +170,31 @@ def concat_shard_map_step(tx: optax.GradientTransformation, mesh, specs, *,
   (jax 0.10, CPU) copies every donated output instead, so a donated ``pmap``
   step pays copies that no training loop on ``jit`` pays.
   """
+
   def step(params, opt_state, x, y):
     grads = jax.grad(mlp_loss)(params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  return jax.jit(jax.shard_map(
-      step, mesh=mesh, in_specs=(P(AXIS), specs, P(AXIS), P(AXIS)),
-      out_specs=(P(AXIS), specs), check_vma=False),
-                 donate_argnums=(0, 1) if donate else ())
+  return jax.jit(
+    jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(P(AXIS), specs, P(AXIS), P(AXIS)),
+      out_specs=(P(AXIS), specs),
+      check_vma=False,
+    ),
+    donate_argnums=(0, 1) if donate else (),
+  )
 
 
 def place(tree: Any, mesh, spec=P()) -> Any:
   return jax.device_put(tree, NamedSharding(mesh, spec))
 
 
-def batch(key: jax.Array, n: int, per_replica: int, features: int,
-          classes: int) -> tuple[jax.Array, jax.Array]:
+def batch(
+  key: jax.Array, n: int, per_replica: int, features: int, classes: int
+) -> tuple[jax.Array, jax.Array]:
   """A random batch with a leading replica axis: ``(n, per_replica, ...)``."""
   kx, ky = jax.random.split(key)
   x = jax.random.normal(kx, (n, per_replica, features), jnp.float32)

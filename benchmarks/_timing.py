@@ -34,8 +34,14 @@ def _time_once(fn: Callable[[], Any], inner: int) -> float:
   return (time.perf_counter() - start) / inner
 
 
-def compare(candidates: Mapping[str, Callable[[], Any]], *, baseline: str,
-            repeats: int = 9, warmup: int = 2, inner: int = 1) -> dict:
+def compare(
+  candidates: Mapping[str, Callable[[], Any]],
+  *,
+  baseline: str,
+  repeats: int = 9,
+  warmup: int = 2,
+  inner: int = 1,
+) -> dict:
   """Times zero-argument callables interleaved and returns medians and ratios.
 
   Args:
@@ -57,8 +63,9 @@ def compare(candidates: Mapping[str, Callable[[], Any]], *, baseline: str,
   if repeats < MIN_REPEATS:
     raise ValueError(f"compare: repeats={repeats}; use at least {MIN_REPEATS}.")
   if baseline not in candidates:
-    raise ValueError(f"compare: baseline {baseline!r} is not one of"
-                     f" {list(candidates)}.")
+    raise ValueError(
+      f"compare: baseline {baseline!r} is not one of {list(candidates)}."
+    )
   names = list(candidates)
   for name in names:
     for _ in range(warmup):
@@ -76,16 +83,20 @@ def compare(candidates: Mapping[str, Callable[[], Any]], *, baseline: str,
     median = statistics.median(times)
     quartiles = statistics.quantiles(times, n=4)
     out[name] = {
-        "median_s": median,
-        "min_s": min(times),
-        "max_s": max(times),
-        "iqr_rel": (quartiles[2] - quartiles[0]) / median,
-        "ratio": median / base_median,
-        "paired_ratio": statistics.median(t / b for t, b in zip(times, base)),
-        "times_s": times,
+      "median_s": median,
+      "min_s": min(times),
+      "max_s": max(times),
+      "iqr_rel": (quartiles[2] - quartiles[0]) / median,
+      "ratio": median / base_median,
+      "paired_ratio": statistics.median(t / b for t, b in zip(times, base)),
+      "times_s": times,
     }
-  return {"baseline": baseline, "repeats": repeats, "inner": inner,
-          "candidates": out}
+  return {
+    "baseline": baseline,
+    "repeats": repeats,
+    "inner": inner,
+    "candidates": out,
+  }
 
 
 def ratio(result: dict, numerator: str, denominator: str) -> dict:
@@ -93,7 +104,8 @@ def ratio(result: dict, numerator: str, denominator: str) -> dict:
   a = result["candidates"][numerator]
   b = result["candidates"][denominator]
   return {
-      "ratio": a["median_s"] / b["median_s"],
-      "paired_ratio": statistics.median(
-          x / y for x, y in zip(a["times_s"], b["times_s"])),
+    "ratio": a["median_s"] / b["median_s"],
+    "paired_ratio": statistics.median(
+      x / y for x, y in zip(a["times_s"], b["times_s"])
+    ),
   }

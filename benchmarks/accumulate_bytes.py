@@ -15,8 +15,10 @@ from __future__ import annotations
 import os
 
 if __name__ == "__main__":  # before jax is imported
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8")
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+  )
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,7 @@ AXIS = "batch"
 
 def _step_bytes(tx, size: int, n: int) -> dict:
   """All-reduce-equivalent bytes of one compiled step, by context."""
+
   def step(w, state, g):
     updates, state = tx.update(g, state, w)
     return optax.apply_updates(w, updates), state
@@ -38,7 +41,8 @@ def _step_bytes(tx, size: int, n: int) -> dict:
   state = jax.pmap(tx.init, axis_name=AXIS)(w)
   text = jax.pmap(step, axis_name=AXIS).lower(w, state, w).compile().as_text()
   return hlo.summarize(hlo.compiled_collectives(text, num_devices=n))[
-      "allreduce_equivalent_bytes"]
+    "allreduce_equivalent_bytes"
+  ]
 
 
 def bytes_per_mini_step(sizes=(1 << 20,), ks=(1, 4, 16)) -> list[dict]:
@@ -49,14 +53,23 @@ def bytes_per_mini_step(sizes=(1 << 20,), ks=(1, 4, 16)) -> list[dict]:
     plain = _step_bytes(shardopt.cross_shard(optax.adam(1e-3), AXIS), size, n)
     per_step = plain.get("top", 0) + plain.get("conditional", 0)
     for k in ks:
-      acc = _step_bytes(shardopt.accumulate(
-          shardopt.cross_shard(optax.adam(1e-3), AXIS), k), size, n)
-      rows.append(dict(
-          param_bytes=4 * size, k=k, cross_shard_bytes_per_step=per_step,
+      acc = _step_bytes(
+        shardopt.accumulate(shardopt.cross_shard(optax.adam(1e-3), AXIS), k),
+        size,
+        n,
+      )
+      rows.append(
+        dict(
+          param_bytes=4 * size,
+          k=k,
+          cross_shard_bytes_per_step=per_step,
           accumulate_top_bytes=acc.get("top", 0),
           accumulate_emit_bytes=acc.get("conditional", 0),
           accumulate_bytes_per_mini_step=(
-              acc.get("top", 0) + acc.get("conditional", 0) / k)))
+            acc.get("top", 0) + acc.get("conditional", 0) / k
+          ),
+        )
+      )
   return rows
 
 

@@ -45,53 +45,124 @@ def _cases(n: int) -> list[dict]:
   adam = lambda: optax.adam(1e-3)
   half = [list(range(0, n // 2)), list(range(n // 2, n))]
   cases = [
-      dict(label="hand-written pmean + adam", mapping="pmap", tx=adam,
-           hand=True, period=1, minimum=1.0, quick=True),
-      dict(label="cross_shard(adam)", mapping="pmap",
-           tx=lambda: shardopt.cross_shard(adam(), axis), period=1, minimum=1.0,
-           quick=True),
-      dict(label="chain(cross_shard_mean, adam)", mapping="pmap",
-           tx=lambda: optax.chain(shardopt.cross_shard_mean(axis), adam()),
-           period=1, minimum=1.0),
-      dict(label="cross_shard(adam)", mapping="shard_map",
-           tx=lambda: shardopt.cross_shard(adam(), axis), period=1, minimum=1.0),
-      dict(label="cross_shard(adam), P() params, no pcast",
-           mapping="shard_map_invariant",
-           tx=lambda: shardopt.cross_shard(adam(), axis), period=1, minimum=1.0),
-      dict(label="cross_shard(adam, comm_dtype=bf16)", mapping="pmap",
-           tx=lambda: shardopt.cross_shard(adam(), axis, comm_dtype=jnp.bfloat16),
-           period=1, minimum=0.5, quick=True),
-      dict(label=f"cross_shard(adam, groups of {n // 2})", mapping="pmap",
-           tx=lambda: shardopt.cross_shard(adam(), axis, axis_index_groups=half),
-           period=1, minimum=1.0),
-      dict(label=f"cross_shard(adam, groups of {n // 2})", mapping="shard_map",
-           tx=lambda: shardopt.cross_shard(adam(), axis, axis_index_groups=half),
-           period=1, minimum=1.0, per_replica_out=True, quick=True),
+    dict(
+      label="hand-written pmean + adam",
+      mapping="pmap",
+      tx=adam,
+      hand=True,
+      period=1,
+      minimum=1.0,
+      quick=True,
+    ),
+    dict(
+      label="cross_shard(adam)",
+      mapping="pmap",
+      tx=lambda: shardopt.cross_shard(adam(), axis),
+      period=1,
+      minimum=1.0,
+      quick=True,
+    ),
+    dict(
+      label="chain(cross_shard_mean, adam)",
+      mapping="pmap",
+      tx=lambda: optax.chain(shardopt.cross_shard_mean(axis), adam()),
+      period=1,
+      minimum=1.0,
+    ),
+    dict(
+      label="cross_shard(adam)",
+      mapping="shard_map",
+      tx=lambda: shardopt.cross_shard(adam(), axis),
+      period=1,
+      minimum=1.0,
+    ),
+    dict(
+      label="cross_shard(adam), P() params, no pcast",
+      mapping="shard_map_invariant",
+      tx=lambda: shardopt.cross_shard(adam(), axis),
+      period=1,
+      minimum=1.0,
+    ),
+    dict(
+      label="cross_shard(adam, comm_dtype=bf16)",
+      mapping="pmap",
+      tx=lambda: shardopt.cross_shard(adam(), axis, comm_dtype=jnp.bfloat16),
+      period=1,
+      minimum=0.5,
+      quick=True,
+    ),
+    dict(
+      label=f"cross_shard(adam, groups of {n // 2})",
+      mapping="pmap",
+      tx=lambda: shardopt.cross_shard(adam(), axis, axis_index_groups=half),
+      period=1,
+      minimum=1.0,
+    ),
+    dict(
+      label=f"cross_shard(adam, groups of {n // 2})",
+      mapping="shard_map",
+      tx=lambda: shardopt.cross_shard(adam(), axis, axis_index_groups=half),
+      period=1,
+      minimum=1.0,
+      per_replica_out=True,
+      quick=True,
+    ),
   ]
   if _common.has("tower"):
-    cases.append(dict(label="tower(adam)", mapping="pmap",
-                      tx=lambda: shardopt.tower(adam(), axis), period=1,
-                      minimum=1.0, quick=True))
-    cases.append(dict(label="tower(adam, comm_dtype=bf16)", mapping="pmap",
-                      tx=lambda: shardopt.tower(adam(), axis,
-                                                comm_dtype=jnp.bfloat16),
-                      period=1, minimum=0.5))
+    cases.append(
+      dict(
+        label="tower(adam)",
+        mapping="pmap",
+        tx=lambda: shardopt.tower(adam(), axis),
+        period=1,
+        minimum=1.0,
+        quick=True,
+      )
+    )
+    cases.append(
+      dict(
+        label="tower(adam, comm_dtype=bf16)",
+        mapping="pmap",
+        tx=lambda: shardopt.tower(adam(), axis, comm_dtype=jnp.bfloat16),
+        period=1,
+        minimum=0.5,
+      )
+    )
   if _common.has("agn"):
     for period in (4, 16):
-      cases.append(dict(
-          label=f"agn(adam, T={period})", mapping="pmap",
-          tx=lambda p=period: shardopt.agn(adam(), axis, communication_period=p),
-          period=period, minimum=1.0 / period, quick=period == 16))
+      cases.append(
+        dict(
+          label=f"agn(adam, T={period})",
+          mapping="pmap",
+          tx=lambda p=period: shardopt.agn(
+            adam(), axis, communication_period=p
+          ),
+          period=period,
+          minimum=1.0 / period,
+          quick=period == 16,
+        )
+      )
   if _common.has("local_sgd"):
-    cases.append(dict(
-        label="local_sgd(adam, period=16)", mapping="pmap",
-        tx=lambda: shardopt.local_sgd(adam(), axis, period=16), period=16,
-        minimum=1.0 / 16))
+    cases.append(
+      dict(
+        label="local_sgd(adam, period=16)",
+        mapping="pmap",
+        tx=lambda: shardopt.local_sgd(adam(), axis, period=16),
+        period=16,
+        minimum=1.0 / 16,
+      )
+    )
   if _common.has("diloco"):
-    cases.append(dict(
-        label="diloco(adam, H=500)", mapping="pmap",
-        tx=lambda: shardopt.diloco(adam(), axis, sync_period=500), period=500,
-        minimum=1.0 / 500, quick=True))
+    cases.append(
+      dict(
+        label="diloco(adam, H=500)",
+        mapping="pmap",
+        tx=lambda: shardopt.diloco(adam(), axis, sync_period=500),
+        period=500,
+        minimum=1.0 / 500,
+        quick=True,
+      )
+    )
   return cases + _new_cases()
 
 
@@ -102,6 +173,7 @@ def _powersgd_minimum(rank: int) -> Callable:
   m)``, compressed iff ``ndim >= 2`` and ``r (n + m) * 2.0 < n m``
   (min_compression_rate 2, the default).
   """
+
   def fraction(params) -> float:
     total = moved = 0
     for leaf in jax.tree.leaves(params):
@@ -115,6 +187,7 @@ def _powersgd_minimum(rank: int) -> Callable:
           continue
       moved += size
     return moved / total
+
   return fraction
 
 
@@ -127,18 +200,26 @@ def _new_cases() -> list[dict]:
   """
   adam = lambda: optax.adam(1e-3)
   recipes = [
-      (methods.accumulate(4, quick=True, name="adam"), 0.25),
-      (methods.Method(
-          "apply_if_finite(cross_shard(adam))", ("apply_if_finite",),
-          lambda opt: shardopt.apply_if_finite(
-              shardopt.cross_shard(opt(), _common.AXIS), _common.AXIS,
-              max_consecutive_errors=5),
-          schedules.every(taken="max"), quick=True), 1.0),
-      (methods.powersgd(1, name="adam"), _powersgd_minimum(1)),
-      (methods.powersgd(2, quick=True, name="adam"), _powersgd_minimum(2)),
-      (methods.powersgd(4, name="adam"), _powersgd_minimum(4)),
-      (methods.hierarchical({4: 2, 16: 8}, quick=True, name="adam"), 0.25),
-      (methods.streaming_diloco(500, 4, quick=True, name="adam"), 1.0 / 500),
+    (methods.accumulate(4, quick=True, name="adam"), 0.25),
+    (
+      methods.Method(
+        "apply_if_finite(cross_shard(adam))",
+        ("apply_if_finite",),
+        lambda opt: shardopt.apply_if_finite(
+          shardopt.cross_shard(opt(), _common.AXIS),
+          _common.AXIS,
+          max_consecutive_errors=5,
+        ),
+        schedules.every(taken="max"),
+        quick=True,
+      ),
+      1.0,
+    ),
+    (methods.powersgd(1, name="adam"), _powersgd_minimum(1)),
+    (methods.powersgd(2, quick=True, name="adam"), _powersgd_minimum(2)),
+    (methods.powersgd(4, name="adam"), _powersgd_minimum(4)),
+    (methods.hierarchical({4: 2, 16: 8}, quick=True, name="adam"), 0.25),
+    (methods.streaming_diloco(500, 4, quick=True, name="adam"), 1.0 / 500),
   ]
   cases = []
   for method, minimum in recipes:
@@ -147,21 +228,35 @@ def _new_cases() -> list[dict]:
     if tx is None:
       cases.append(dict(label=label, unavailable=why))
       continue
-    cases.append(dict(label=label, mapping="pmap", tx=lambda t=tx: t,
-                      schedule=method.schedule, minimum=minimum,
-                      quick=method.quick))
+    cases.append(
+      dict(
+        label=label,
+        mapping="pmap",
+        tx=lambda t=tx: t,
+        schedule=method.schedule,
+        minimum=minimum,
+        quick=method.quick,
+      )
+    )
   return cases
 
 
 def _invariant_step(tx, mesh) -> Callable:
   """shard_map step WITHOUT the pcast: autodiff psums the gradient itself."""
+
   def step(params, opt_state, x, y):
     grads = jax.grad(_common.mlp_loss)(params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
-  return jax.jit(jax.shard_map(
-      step, mesh=mesh, in_specs=(_common.P(),) * 2 + (_common.P(_common.AXIS),) * 2,
-      out_specs=(_common.P(), _common.P())))
+
+  return jax.jit(
+    jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(_common.P(),) * 2 + (_common.P(_common.AXIS),) * 2,
+      out_specs=(_common.P(), _common.P()),
+    )
+  )
 
 
 def measure(quick: bool) -> dict:
@@ -175,7 +270,9 @@ def measure(quick: bool) -> dict:
   x, y = _common.batch(jax.random.key(1), n, per_replica, sizes[0], sizes[-1])
   p_params = _common.replicate(params, n)
   s_params = _common.place(params, mesh)
-  s_x = _common.place(x.reshape(n * per_replica, -1), mesh, _common.P(_common.AXIS))
+  s_x = _common.place(
+    x.reshape(n * per_replica, -1), mesh, _common.P(_common.AXIS)
+  )
   s_y = _common.place(y.reshape(-1), mesh, _common.P(_common.AXIS))
 
   results, unavailable = {}, {}
@@ -189,24 +286,34 @@ def measure(quick: bool) -> dict:
     hand = case.get("hand", False)
     if case["mapping"] == "pmap":
       step = _common.pmap_step(tx, hand_written=hand)
-      args = (p_params, jax.pmap(tx.init, axis_name=_common.AXIS)(p_params), x, y)
+      args = (
+        p_params,
+        jax.pmap(tx.init, axis_name=_common.AXIS)(p_params),
+        x,
+        y,
+      )
     elif case["mapping"] == "shard_map":
       step = _common.shard_map_step(
-          tx, mesh, hand_written=hand,
-          per_replica_out=case.get("per_replica_out", False))
+        tx,
+        mesh,
+        hand_written=hand,
+        per_replica_out=case.get("per_replica_out", False),
+      )
       args = (s_params, _common.place(tx.init(params), mesh), s_x, s_y)
     else:
       step = _invariant_step(tx, mesh)
       args = (s_params, _common.place(tx.init(params), mesh), s_x, s_y)
     lowered = step.lower(*args)
-    compiled_ops = hlo.compiled_collectives(lowered.compile().as_text(),
-                                            num_devices=n)
+    compiled_ops = hlo.compiled_collectives(
+      lowered.compile().as_text(), num_devices=n
+    )
     lowered_ops = hlo.lowered_collectives(lowered.as_text(), num_devices=n)
     compiled = hlo.summarize(compiled_ops)
     wire = hlo.summarize(lowered_ops)
     period = case.get("period", 1)
     schedule = case.get("schedule") or (
-        schedules.every() if period == 1 else schedules.periodic(period))
+      schedules.every() if period == 1 else schedules.periodic(period)
+    )
     steps = schedules.per_step(compiled_ops, schedule)
     compiled_total = sum(compiled["allreduce_equivalent_bytes"].values())
     wire_total = sum(wire["allreduce_equivalent_bytes"].values())
@@ -216,26 +323,36 @@ def measure(quick: bool) -> dict:
     minimum = (minimum(params) if callable(minimum) else minimum) * param_bytes
     key = f"{case['mapping'].replace('_invariant', '')} · {case['label']}"
     results[key] = {
-        "mapping": case["mapping"], "label": case["label"], "period": period,
-        "schedule": schedule.describe(), "param_bytes": param_bytes,
-        "compiled": compiled, "lowered": wire,
-        "compiled_bytes_per_step": steps["mean_bytes"],
-        "wire_bytes_per_step": wire_per_step,
-        "wire_peak_bytes_per_step": steps["peak_bytes"] * wire_factor,
-        "schedule_warning": steps["warning"],
-        "minimum_bytes_per_step": minimum,
-        "wire_over_minimum": wire_per_step / minimum,
-        "wire_over_param_bytes": wire_per_step / param_bytes,
+      "mapping": case["mapping"],
+      "label": case["label"],
+      "period": period,
+      "schedule": schedule.describe(),
+      "param_bytes": param_bytes,
+      "compiled": compiled,
+      "lowered": wire,
+      "compiled_bytes_per_step": steps["mean_bytes"],
+      "wire_bytes_per_step": wire_per_step,
+      "wire_peak_bytes_per_step": steps["peak_bytes"] * wire_factor,
+      "schedule_warning": steps["warning"],
+      "minimum_bytes_per_step": minimum,
+      "wire_over_minimum": wire_per_step / minimum,
+      "wire_over_param_bytes": wire_per_step / param_bytes,
     }
-  return {"sizes": list(sizes), "param_bytes": param_bytes, "cases": results,
-          "unavailable": unavailable}
+  return {
+    "sizes": list(sizes),
+    "param_bytes": param_bytes,
+    "cases": results,
+    "unavailable": unavailable,
+  }
 
 
 def _counts(summary: dict) -> str:
   parts = []
   for context in sorted(summary["count"]):
-    kinds = ", ".join(f"{count} {kind}" for kind, count in
-                      sorted(summary["count"][context].items()))
+    kinds = ", ".join(
+      f"{count} {kind}"
+      for kind, count in sorted(summary["count"][context].items())
+    )
     parts.append(f"{context}: {kinds}")
   return "; ".join(parts) or "none"
 
@@ -246,66 +363,103 @@ def run(quick: bool) -> dict:
   rows = []
   for key, m in measured["cases"].items():
     ok = m["wire_over_minimum"] <= 1.01
-    rows.append([
-        key, _counts(m["compiled"]),
+    rows.append(
+      [
+        key,
+        _counts(m["compiled"]),
         ", ".join(m["lowered"]["dtypes"]) or "-",
         f"{m['compiled_bytes_per_step'] / 1e3:,.1f}",
         f"{m['wire_bytes_per_step'] / 1e3:,.1f}",
         f"{m['wire_peak_bytes_per_step'] / 1e3:,.1f}",
         f"{m['minimum_bytes_per_step'] / 1e3:,.1f}",
         f"{m['wire_over_minimum']:.3f}" + ("" if ok else " (above)"),
-    ])
-  missing = [name for name in ("tower", "agn", "local_sgd", "diloco")
-             if not _common.has(name)]
+      ]
+    )
+  missing = [
+    name
+    for name in ("tower", "agn", "local_sgd", "diloco")
+    if not _common.has(name)
+  ]
   missing += list(measured.get("unavailable", {}))
   notes = [
-      f"MLP {measured['sizes']}: parameter bytes P = {measured['param_bytes']:,}"
-      f" (float32), {jax.device_count()} replicas; one training step compiled"
-      " per row, XLA CPU backend.",
-      "Counts come from the compiled HLO: `top` runs every step, `conditional`"
-      " only in a branch of a `lax.cond`/`lax.switch`. kB per step are"
-      " all-reduce-equivalent (reduce-scatter and all-gather count half their"
-      " full buffer each); each branch's bytes count on the steps the"
-      " transform's schedule takes it (benchmarks/schedules.py): kB/step is"
-      " the mean over a cycle, peak the largest single step (a sync step).",
-      "Wire kB/step uses the dtype of the lowered StableHLO; the compiled CPU"
-      " HLO shows bf16 all-reduces widened to f32, so compiled and wire"
-      " differ only for bf16 rows.",
+    f"MLP {measured['sizes']}: parameter bytes P = {measured['param_bytes']:,}"
+    f" (float32), {jax.device_count()} replicas; one training step compiled"
+    " per row, XLA CPU backend.",
+    "Counts come from the compiled HLO: `top` runs every step, `conditional`"
+    " only in a branch of a `lax.cond`/`lax.switch`. kB per step are"
+    " all-reduce-equivalent (reduce-scatter and all-gather count half their"
+    " full buffer each); each branch's bytes count on the steps the"
+    " transform's schedule takes it (benchmarks/schedules.py): kB/step is"
+    " the mean over a cycle, peak the largest single step (a sync step).",
+    "Wire kB/step uses the dtype of the lowered StableHLO; the compiled CPU"
+    " HLO shows bf16 all-reduces widened to f32, so compiled and wire"
+    " differ only for bf16 rows.",
   ]
-  if any(m["mapping"] == "shard_map_invariant" for m in measured["cases"].values()):
-    notes.append("The shard_map `P() params, no pcast` row has its all-reduce"
-                 " inside autodiff (`psum_invariant` in the transpose);"
-                 " cross_shard then only divides by n.")
-  if any(m["label"].startswith("chain(powersgd") for m in measured["cases"].values()):
-    notes.append("PowerSGD minimum: rank x (rows + cols) float32 per leaf it"
-                 " compresses (leaf viewed as shape[0] x rest, compressed iff"
-                 " r (n + m) x 2 < n m), the other leaves in full.")
-  warnings = [f"{k}: {m['schedule_warning']}" for k, m in measured["cases"].items()
-              if m.get("schedule_warning")]
+  if any(
+    m["mapping"] == "shard_map_invariant" for m in measured["cases"].values()
+  ):
+    notes.append(
+      "The shard_map `P() params, no pcast` row has its all-reduce"
+      " inside autodiff (`psum_invariant` in the transpose);"
+      " cross_shard then only divides by n."
+    )
+  if any(
+    m["label"].startswith("chain(powersgd") for m in measured["cases"].values()
+  ):
+    notes.append(
+      "PowerSGD minimum: rank x (rows + cols) float32 per leaf it"
+      " compresses (leaf viewed as shape[0] x rest, compressed iff"
+      " r (n + m) x 2 < n m), the other leaves in full."
+    )
+  warnings = [
+    f"{k}: {m['schedule_warning']}"
+    for k, m in measured["cases"].items()
+    if m.get("schedule_warning")
+  ]
   if warnings:
-    notes.append("HLO does not match the schedule (check): " + "; ".join(warnings))
+    notes.append(
+      "HLO does not match the schedule (check): " + "; ".join(warnings)
+    )
   if missing:
-    notes.append("Not yet measured (not yet in shardopt when this ran): "
-                 + ", ".join(missing) + ".")
+    notes.append(
+      "Not yet measured (not yet in shardopt when this ran): "
+      + ", ".join(missing)
+      + "."
+    )
   return {
-      "title": "3. Communication per step, from the compiled HLO",
-      "table": {"columns": ["step", "collectives (compiled HLO)", "wire dtype",
-                            "compiled kB/step", "wire kB/step",
-                            "peak wire kB/step", "minimum kB/step",
-                            "wire / minimum"],
-                "rows": rows},
-      "notes": notes,
-      "data": measured,
+    "title": "3. Communication per step, from the compiled HLO",
+    "table": {
+      "columns": [
+        "step",
+        "collectives (compiled HLO)",
+        "wire dtype",
+        "compiled kB/step",
+        "wire kB/step",
+        "peak wire kB/step",
+        "minimum kB/step",
+        "wire / minimum",
+      ],
+      "rows": rows,
+    },
+    "notes": notes,
+    "data": measured,
   }
 
 
 def plot(result: dict, directory: str) -> list[str]:
   """Writes ``communication.png``: wire bytes per step / parameter bytes."""
   from benchmarks import _plots
+
   cases = result["data"]["cases"]
-  return [_plots.bars(
-      f"{directory}/communication.png", list(cases),
+  return [
+    _plots.bars(
+      f"{directory}/communication.png",
+      list(cases),
       [c["wire_over_param_bytes"] for c in cases.values()],
       title="Wire bytes per step (all-reduce-equivalent) / parameter bytes",
-      xlabel="fraction of parameter bytes (log)", reference=1.0,
-      reference_label="parameter bytes", log=True)]
+      xlabel="fraction of parameter bytes (log)",
+      reference=1.0,
+      reference_label="parameter bytes",
+      log=True,
+    )
+  ]

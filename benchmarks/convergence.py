@@ -38,6 +38,7 @@ TARGET = 0.95
 
 def _digits(replicas: int):
   from sklearn.datasets import load_digits  # bundled with scikit-learn
+
   data = load_digits()
   x = (data.data / 16.0).astype(np.float32)
   y = data.target.astype(np.int32)
@@ -45,32 +46,43 @@ def _digits(replicas: int):
   test_count = len(x) // 5
   test, train = order[:test_count], order[test_count:]
   per_replica = len(train) // replicas
-  train = train[:per_replica * replicas]
-  return (x[train].reshape(replicas, per_replica, -1),
-          y[train].reshape(replicas, per_replica), x[test], y[test])
+  train = train[: per_replica * replicas]
+  return (
+    x[train].reshape(replicas, per_replica, -1),
+    y[train].reshape(replicas, per_replica),
+    x[test],
+    y[test],
+  )
 
 
 def _methods(quick: bool = False) -> dict:
   axis = _common.AXIS
   adam = lambda: optax.adam(LEARNING_RATE)
-  methods = {"cross_shard(adam) [sync]": (
-      lambda: shardopt.cross_shard(adam(), axis), 1)}
+  methods = {
+    "cross_shard(adam) [sync]": (lambda: shardopt.cross_shard(adam(), axis), 1)
+  }
   if _common.has("agn"):
     for period in (4,) if quick else (4, 16):  # smoke run: one agn
       methods[f"agn(adam, T={period})"] = (
-          lambda p=period: shardopt.agn(adam(), axis, communication_period=p),
-          period)
+        lambda p=period: shardopt.agn(adam(), axis, communication_period=p),
+        period,
+      )
   if _common.has("local_sgd"):
     methods["local_sgd(adam, period=8)"] = (
-        lambda: shardopt.local_sgd(adam(), axis, period=8), 8)
+      lambda: shardopt.local_sgd(adam(), axis, period=8),
+      8,
+    )
   if _common.has("diloco"):
     methods["diloco(adam, H=16)"] = (
-        lambda: shardopt.diloco(adam(), axis, sync_period=16), 16)
+      lambda: shardopt.diloco(adam(), axis, sync_period=16),
+      16,
+    )
   return methods
 
 
 def _train_chunk(tx, steps: int, batch_size: int):
   """pmap-ed: ``steps`` local steps from ``first_step``, returns params/state."""
+
   def chunk(params, state, x, y, key, first_step):
     replica = jax.lax.axis_index(_common.AXIS)
 
@@ -82,13 +94,15 @@ def _train_chunk(tx, steps: int, batch_size: int):
       updates, state = tx.update(grads, state, params)
       return (optax.apply_updates(params, updates), state), None
 
-    (params, state), _ = jax.lax.scan(one, (params, state),
-                                      first_step + jnp.arange(steps))
+    (params, state), _ = jax.lax.scan(
+      one, (params, state), first_step + jnp.arange(steps)
+    )
     divergence = shardopt.replica_divergence(params, _common.AXIS)
     return params, state, divergence
 
-  return jax.pmap(chunk, axis_name=_common.AXIS,
-                  in_axes=(0, 0, 0, 0, None, None))
+  return jax.pmap(
+    chunk, axis_name=_common.AXIS, in_axes=(0, 0, 0, 0, None, None)
+  )
 
 
 def train(tx, seeds, total_steps: int, batch_size: int = 16):
@@ -103,8 +117,9 @@ def train(tx, seeds, total_steps: int, batch_size: int = 16):
   train_x, train_y, test_x, test_y = _digits(n)
   identity = jax.pmap(lambda t: t)
   train_x, train_y = identity((train_x, train_y))
-  accuracy = jax.jit(lambda p: jnp.mean(
-      jnp.argmax(_common.mlp_apply(p, test_x), -1) == test_y))
+  accuracy = jax.jit(
+    lambda p: jnp.mean(jnp.argmax(_common.mlp_apply(p, test_x), -1) == test_y)
+  )
   chunk = _train_chunk(tx, EVAL_EVERY, batch_size)
   per_seed, final_divergence = [], 0.0
   for seed in seeds:
@@ -115,7 +130,8 @@ def train(tx, seeds, total_steps: int, batch_size: int = 16):
     acc = [float(accuracy(params))]
     for first in range(0, total_steps, EVAL_EVERY):
       p_params, state, divergence = chunk(  # first as an array: no retrace
-          p_params, state, train_x, train_y, key, jnp.int32(first))
+        p_params, state, train_x, train_y, key, jnp.int32(first)
+      )
       acc.append(float(accuracy(jax.tree.map(lambda a: a[0], p_params))))
     final_divergence = max(final_divergence, float(divergence[0]))
     per_seed.append(acc)
@@ -132,13 +148,17 @@ def run(quick: bool) -> dict:
 
   curves, final_divergence = {}, {}
   for name, (make_tx, period) in _methods(quick).items():
-    per_seed, final_divergence[name] = train(make_tx(), seeds, total_steps,
-                                             batch_size)
+    per_seed, final_divergence[name] = train(
+      make_tx(), seeds, total_steps, batch_size
+    )
     steps = list(range(0, total_steps + 1, EVAL_EVERY))
-    curves[name] = {"period": period, "steps": steps,
-                    "rounds": [s // period for s in steps],
-                    "accuracy_mean": np.mean(per_seed, 0).tolist(),
-                    "accuracy_std": np.std(per_seed, 0).tolist()}
+    curves[name] = {
+      "period": period,
+      "steps": steps,
+      "rounds": [s // period for s in steps],
+      "accuracy_mean": np.mean(per_seed, 0).tolist(),
+      "accuracy_std": np.std(per_seed, 0).tolist(),
+    }
 
   round_budget = total_steps // 16  # what agn T=16 spends in the whole run
   rows, summary = [], {}
@@ -147,22 +167,27 @@ def run(quick: bool) -> dict:
     reach = next((i for i, a in enumerate(acc) if a >= TARGET), None)
     at_budget = max(i for i, r in enumerate(c["rounds"]) if r <= round_budget)
     summary[name] = {
-        "final_accuracy": float(acc[-1]),
-        "final_accuracy_std": float(c["accuracy_std"][-1]),
-        "rounds_total": c["rounds"][-1],
-        "steps_to_target": None if reach is None else c["steps"][reach],
-        "rounds_to_target": None if reach is None else c["rounds"][reach],
-        "accuracy_at_round_budget": float(acc[at_budget]),
-        "final_replica_divergence": final_divergence[name],
+      "final_accuracy": float(acc[-1]),
+      "final_accuracy_std": float(c["accuracy_std"][-1]),
+      "rounds_total": c["rounds"][-1],
+      "steps_to_target": None if reach is None else c["steps"][reach],
+      "rounds_to_target": None if reach is None else c["rounds"][reach],
+      "accuracy_at_round_budget": float(acc[at_budget]),
+      "final_replica_divergence": final_divergence[name],
     }
     s = summary[name]
-    rows.append([
-        name, f"{s['rounds_total']}",
+    rows.append(
+      [
+        name,
+        f"{s['rounds_total']}",
         f"{s['final_accuracy']:.3f} ± {s['final_accuracy_std']:.3f}",
         "never" if s["steps_to_target"] is None else f"{s['steps_to_target']}",
-        "never" if s["rounds_to_target"] is None else f"{s['rounds_to_target']}",
+        "never"
+        if s["rounds_to_target"] is None
+        else f"{s['rounds_to_target']}",
         f"{s['accuracy_at_round_budget']:.3f}",
-    ])
+      ]
+    )
 
   base = summary["cross_shard(adam) [sync]"]
   verdicts = []
@@ -171,62 +196,92 @@ def run(quick: bool) -> dict:
       continue
     per_step = s["final_accuracy"] - base["final_accuracy"]
     slower = base["steps_to_target"] is not None and (
-        s["steps_to_target"] is None
-        or s["steps_to_target"] > base["steps_to_target"])
+      s["steps_to_target"] is None
+      or s["steps_to_target"] > base["steps_to_target"]
+    )
     per_round = s["accuracy_at_round_budget"] - base["accuracy_at_round_budget"]
-    parts = [f"**{name}**: final accuracy {s['final_accuracy']:.3f} vs sync"
-             f" {base['final_accuracy']:.3f} ({per_step:+.3f}) after"
-             f" {total_steps} steps with {s['rounds_total']} rounds instead of"
-             f" {base['rounds_total']}"]
+    parts = [
+      f"**{name}**: final accuracy {s['final_accuracy']:.3f} vs sync"
+      f" {base['final_accuracy']:.3f} ({per_step:+.3f}) after"
+      f" {total_steps} steps with {s['rounds_total']} rounds instead of"
+      f" {base['rounds_total']}"
+    ]
     if per_step < -0.005 or slower:
       if base["steps_to_target"] is None:
         parts.append("it LOSES per step")
       else:
-        reach = ("never reaches" if s["steps_to_target"] is None else
-                 f"needs {s['steps_to_target']} steps to reach")
-        parts.append(f"it LOSES per step ({reach} {TARGET:.0%}; sync needs"
-                     f" {base['steps_to_target']})")
+        reach = (
+          "never reaches"
+          if s["steps_to_target"] is None
+          else f"needs {s['steps_to_target']} steps to reach"
+        )
+        parts.append(
+          f"it LOSES per step ({reach} {TARGET:.0%}; sync needs"
+          f" {base['steps_to_target']})"
+        )
     else:
       parts.append("it does not lose per step")
     parts.append(
-        f"at an equal budget of {round_budget} rounds it scores"
-        f" {s['accuracy_at_round_budget']:.3f} vs sync's"
-        f" {base['accuracy_at_round_budget']:.3f}"
-        + (" (LOSES per round too)" if per_round < -0.005 else " (wins per round)"
-           if per_round > 0.005 else " (a tie per round)"))
+      f"at an equal budget of {round_budget} rounds it scores"
+      f" {s['accuracy_at_round_budget']:.3f} vs sync's"
+      f" {base['accuracy_at_round_budget']:.3f}"
+      + (
+        " (LOSES per round too)"
+        if per_round < -0.005
+        else " (wins per round)"
+        if per_round > 0.005
+        else " (a tie per round)"
+      )
+    )
     verdicts.append("; ".join(parts) + ".")
   missing = [m for m in ("agn", "local_sgd", "diloco") if not _common.has(m)]
   notes = [
-      f"{n} replicas, {total_steps} steps of {batch_size} examples per replica,"
-      f" MLP {list(SIZES)}, Adam lr {LEARNING_RATE}, mean of {len(seeds)}"
-      f" seed(s) (± = std); test set: {test_count} held-out digits. Rounds ="
-      " steps / period (one all-reduce of gradients or params each).",
-      f"Columns: steps/rounds to reach {TARGET:.0%} test accuracy;"
-      f" 'acc @ {round_budget} rounds' = accuracy when each method has used"
-      f" {round_budget} communication rounds (what agn T=16 uses in the whole"
-      " run).",
+    f"{n} replicas, {total_steps} steps of {batch_size} examples per replica,"
+    f" MLP {list(SIZES)}, Adam lr {LEARNING_RATE}, mean of {len(seeds)}"
+    f" seed(s) (± = std); test set: {test_count} held-out digits. Rounds ="
+    " steps / period (one all-reduce of gradients or params each).",
+    f"Columns: steps/rounds to reach {TARGET:.0%} test accuracy;"
+    f" 'acc @ {round_budget} rounds' = accuracy when each method has used"
+    f" {round_budget} communication rounds (what agn T=16 uses in the whole"
+    " run).",
   ] + verdicts
   if missing:
-    notes.append("Not yet in shardopt when this ran: " + ", ".join(missing) + ".")
+    notes.append(
+      "Not yet in shardopt when this ran: " + ", ".join(missing) + "."
+    )
   return {
-      "title": "5. Convergence: digits, 8 replicas, accuracy vs steps and rounds",
-      "table": {"columns": ["method", "rounds", "final test acc",
-                            f"steps to {TARGET:.0%}", f"rounds to {TARGET:.0%}",
-                            f"acc @ {round_budget} rounds"],
-                "rows": rows},
-      "notes": notes,
-      "data": {"total_steps": total_steps, "seeds": list(seeds),
-               "batch_per_replica": batch_size, "target": TARGET,
-               "round_budget": round_budget, "curves": curves,
-               "summary": summary},
+    "title": "5. Convergence: digits, 8 replicas, accuracy vs steps and rounds",
+    "table": {
+      "columns": [
+        "method",
+        "rounds",
+        "final test acc",
+        f"steps to {TARGET:.0%}",
+        f"rounds to {TARGET:.0%}",
+        f"acc @ {round_budget} rounds",
+      ],
+      "rows": rows,
+    },
+    "notes": notes,
+    "data": {
+      "total_steps": total_steps,
+      "seeds": list(seeds),
+      "batch_per_replica": batch_size,
+      "target": TARGET,
+      "round_budget": round_budget,
+      "curves": curves,
+      "summary": summary,
+    },
   }
 
 
 def plot(result: dict, directory: str) -> list[str]:
   """Writes ``convergence.png`` (accuracy vs steps and vs rounds)."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   curves = result["data"]["curves"]
   fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
   for name, c in curves.items():
@@ -236,10 +291,19 @@ def plot(result: dict, directory: str) -> list[str]:
     left.fill_between(c["steps"], mean - std, mean + std, alpha=0.15)
     rounds = np.maximum(np.asarray(c["rounds"]), 0.5)  # log axis: step 0 at 0.5
     right.plot(rounds, mean, label=name)
-  left.set(xlabel="training steps", ylabel="test accuracy",
-           title="Accuracy vs steps", ylim=(0, 1))
-  right.set(xlabel="communication rounds (log)", ylabel="test accuracy",
-            title="Accuracy vs communication rounds", xscale="log", ylim=(0, 1))
+  left.set(
+    xlabel="training steps",
+    ylabel="test accuracy",
+    title="Accuracy vs steps",
+    ylim=(0, 1),
+  )
+  right.set(
+    xlabel="communication rounds (log)",
+    ylabel="test accuracy",
+    title="Accuracy vs communication rounds",
+    xscale="log",
+    ylim=(0, 1),
+  )
   left.grid(alpha=0.3)
   right.grid(alpha=0.3)
   right.legend(loc="lower right", fontsize=8)
@@ -248,4 +312,3 @@ def plot(result: dict, directory: str) -> list[str]:
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return [path]
-

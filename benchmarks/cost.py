@@ -76,21 +76,31 @@ def _adam():
 
 def _bare_add_step(mesh, donate: bool):
   """Hand-written accumulation: ``acc += grads``, params untouched."""
+
   def step(params, acc, x, y):
     grads = jax.grad(_common.mlp_loss)(params, x, y)
     return params, jax.tree.map(lambda a, g: a + g, acc, grads)
+
   if not donate:
     return jax.pmap(step, axis_name=_common.AXIS)
-  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(_common.AXIS),
-                               out_specs=P(_common.AXIS), check_vma=False),
-                 donate_argnums=(0, 1))
+  return jax.jit(
+    jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=P(_common.AXIS),
+      out_specs=P(_common.AXIS),
+      check_vma=False,
+    ),
+    donate_argnums=(0, 1),
+  )
 
 
 class _Runner:
   """A zero-argument callable running one step; fixed inputs or threaded."""
 
-  def __init__(self, step, params, state, batch, donate: bool,
-               replicas: int = 0):
+  def __init__(
+    self, step, params, state, batch, donate: bool, replicas: int = 0
+  ):
     self.step, self.params, self.state = step, params, state
     self.batch, self.donate = batch, donate
     self.replicas = replicas  # > 0: params are unstacked (replica blocks)
@@ -103,17 +113,25 @@ class _Runner:
 
   def copied(self) -> dict:
     """:func:`benchmarks.hlo.copied_bytes` of this step's compiled HLO."""
-    return hlo.copied_bytes(self.step.lower(
-        self.params, self.state, *self.batch).compile().as_text())
+    return hlo.copied_bytes(
+      self.step.lower(self.params, self.state, *self.batch).compile().as_text()
+    )
 
   def final_params(self) -> np.ndarray:
     """Replica 0's params after one call (fixed) or after every call so far."""
-    params = self.params if self.donate else self.step(
-        self.params, self.state, *self.batch)[0]
-    first = (lambda a: a.reshape((self.replicas, -1) + a.shape[1:])[0]) if (
-        self.replicas) else (lambda a: a[0])
-    return np.concatenate([np.ravel(first(np.asarray(leaf)))
-                           for leaf in jax.tree.leaves(params)])
+    params = (
+      self.params
+      if self.donate
+      else self.step(self.params, self.state, *self.batch)[0]
+    )
+    first = (
+      (lambda a: a.reshape((self.replicas, -1) + a.shape[1:])[0])
+      if (self.replicas)
+      else (lambda a: a[0])
+    )
+    return np.concatenate(
+      [np.ravel(first(np.asarray(leaf))) for leaf in jax.tree.leaves(params)]
+    )
 
 
 class _Bench:
@@ -131,9 +149,15 @@ class _Bench:
     self._identity = jax.pmap(lambda t: t)
     self.mesh = jax.make_mesh((self.n,), (_common.AXIS,))
     self.params = self.fresh_params()
-    self.batch = self._identity(_common.batch(
-        jax.random.key(1), self.n, self.per_replica, self.sizes[0],
-        self.sizes[-1]))
+    self.batch = self._identity(
+      _common.batch(
+        jax.random.key(1),
+        self.n,
+        self.per_replica,
+        self.sizes[0],
+        self.sizes[-1],
+      )
+    )
 
   def fresh_params(self):
     """New device buffers of the replicated params (donation consumes them)."""
@@ -141,12 +165,23 @@ class _Bench:
 
   def _donated(self, step, params, state) -> _Runner:
     """A donated runner on jit + shard_map (:func:`_common.unstack` layout)."""
+
     def on_mesh(tree):  # reshaped on the host: no device op on pmap arrays
       tree = _common.unstack(jax.tree.map(np.asarray, tree))
-      return jax.tree.map(lambda a, spec: _common.place(a, self.mesh, spec),
-                          tree, _common.concat_specs(tree))
-    return _Runner(step, on_mesh(params), on_mesh(state), on_mesh(self.batch),
-                   donate=True, replicas=self.n)
+      return jax.tree.map(
+        lambda a, spec: _common.place(a, self.mesh, spec),
+        tree,
+        _common.concat_specs(tree),
+      )
+
+    return _Runner(
+      step,
+      on_mesh(params),
+      on_mesh(state),
+      on_mesh(self.batch),
+      donate=True,
+      replicas=self.n,
+    )
 
   def runner(self, tx, donate: bool, *, warm_steps: int = 0) -> _Runner:
     """``tx``'s step from ``tx.init``, after ``warm_steps`` untimed steps.
@@ -158,12 +193,15 @@ class _Bench:
     params = self.fresh_params() if donate else self.params
     for _ in range(warm_steps):  # fixed params: only the state moves
       _, state = jax.block_until_ready(
-          _common.pmap_step(tx)(params, state, *self.batch))
+        _common.pmap_step(tx)(params, state, *self.batch)
+      )
     if donate:
       specs = _common.concat_specs(_common.unstack(state))
       return self._donated(
-          _common.concat_shard_map_step(tx, self.mesh, specs, donate=True),
-          params, state)
+        _common.concat_shard_map_step(tx, self.mesh, specs, donate=True),
+        params,
+        state,
+      )
     return _Runner(_common.pmap_step(tx), params, state, self.batch, donate)
 
   def bare_add(self, donate: bool) -> _Runner:
@@ -175,54 +213,80 @@ class _Bench:
 
   def hlo_bytes(self, tx, schedule) -> dict:
     state = jax.pmap(tx.init, axis_name=_common.AXIS)(self.params)
-    text = _common.pmap_step(tx).lower(self.params, state, *self.batch
-                                       ).compile().as_text()
-    return schedules.per_step(hlo.compiled_collectives(text, num_devices=self.n),
-                              schedule)
+    text = (
+      _common.pmap_step(tx)
+      .lower(self.params, state, *self.batch)
+      .compile()
+      .as_text()
+    )
+    return schedules.per_step(
+      hlo.compiled_collectives(text, num_devices=self.n), schedule
+    )
 
   def compare(self, runners: dict, baseline: str) -> dict:
-    return _timing.compare(runners, baseline=baseline,
-                           repeats=7 if self.quick else 21,
-                           inner=1 if self.quick else 2)
+    return _timing.compare(
+      runners,
+      baseline=baseline,
+      repeats=7 if self.quick else 21,
+      inner=1 if self.quick else 2,
+    )
 
 
 def _periodic_methods(donate: bool) -> list:
   """The periodic transforms; with donation, periods no call reaches."""
   if donate:
     h = HUGE_PERIOD
-    return [methods.agn(h, name="adam"), methods.local_sgd(h, name="adam"),
-            methods.diloco(h, name="adam"),
-            methods.streaming_diloco(h, 4, name="adam"),
-            methods.hierarchical({h: 2, 4 * h: 8}, name="adam")]
-  return [methods.agn(8, name="adam"), methods.local_sgd(16, name="adam"),
-          methods.diloco(16, name="adam"),
-          methods.streaming_diloco(64, 4, name="adam"),
-          methods.hierarchical({4: 2, 16: 8}, name="adam")]
+    return [
+      methods.agn(h, name="adam"),
+      methods.local_sgd(h, name="adam"),
+      methods.diloco(h, name="adam"),
+      methods.streaming_diloco(h, 4, name="adam"),
+      methods.hierarchical({h: 2, 4 * h: 8}, name="adam"),
+    ]
+  return [
+    methods.agn(8, name="adam"),
+    methods.local_sgd(16, name="adam"),
+    methods.diloco(16, name="adam"),
+    methods.streaming_diloco(64, 4, name="adam"),
+    methods.hierarchical({4: 2, 16: 8}, name="adam"),
+  ]
 
 
 def _apply_if_finite() -> methods.Method:
   return methods.Method(
-      "apply_if_finite(cross_shard(adam))", ("apply_if_finite",),
-      lambda opt: shardopt.apply_if_finite(
-          shardopt.cross_shard(opt(), _common.AXIS), _common.AXIS,
-          max_consecutive_errors=5), schedules.every())
+    "apply_if_finite(cross_shard(adam))",
+    ("apply_if_finite",),
+    lambda opt: shardopt.apply_if_finite(
+      shardopt.cross_shard(opt(), _common.AXIS),
+      _common.AXIS,
+      max_consecutive_errors=5,
+    ),
+    schedules.every(),
+  )
 
 
-def _powersgd_projection(bench: _Bench, timing: dict, mean: str, name: str,
-                         rank: int) -> dict:
+def _powersgd_projection(
+  bench: _Bench, timing: dict, mean: str, name: str, rank: int
+) -> dict:
   """Bytes from the HLO, extra compute from ``timing``; seconds per link."""
   base_bytes = bench.param_bytes
   tx, _ = methods.build(methods.powersgd(rank, name="adam"), _adam)
   moved = bench.hlo_bytes(tx, schedules.every(taken="min"))["mean_bytes"]
-  extra = (timing["candidates"][name]["median_s"]
-           - timing["candidates"][mean]["median_s"])
+  extra = (
+    timing["candidates"][name]["median_s"]
+    - timing["candidates"][mean]["median_s"]
+  )
   links = {}
   for link in POWERSGD_LINKS:
     bandwidth = projection.LINKS[link]
-    saved = (projection.ring_allreduce_seconds(base_bytes, bandwidth, bench.n)
-             - projection.ring_allreduce_seconds(moved, bandwidth, bench.n))
-    links[link] = {"saved_s": saved, "net_s": saved - extra,
-                   "pays_off": saved > 0 and saved > extra}
+    saved = projection.ring_allreduce_seconds(
+      base_bytes, bandwidth, bench.n
+    ) - projection.ring_allreduce_seconds(moved, bandwidth, bench.n)
+    links[link] = {
+      "saved_s": saved,
+      "net_s": saved - extra,
+      "pays_off": saved > 0 and saved > extra,
+    }
   ring = 2 * (bench.n - 1) / bench.n
   if moved >= base_bytes:
     break_even = None  # saves nothing: never pays off
@@ -230,9 +294,13 @@ def _powersgd_projection(bench: _Bench, timing: dict, mean: str, name: str,
     break_even = float("inf")  # no measurable extra compute: any link
   else:
     break_even = ring * (base_bytes - moved) / extra
-  return {"bytes_per_step": moved, "cross_shard_bytes_per_step": base_bytes,
-          "extra_compute_s": extra, "links": links,
-          "break_even_bandwidth": break_even}
+  return {
+    "bytes_per_step": moved,
+    "cross_shard_bytes_per_step": base_bytes,
+    "extra_compute_s": extra,
+    "links": links,
+    "break_even_bandwidth": break_even,
+  }
 
 
 def _break_even_text(bandwidth) -> str:
@@ -240,17 +308,23 @@ def _break_even_text(bandwidth) -> str:
     return "never pays off (moves no fewer bytes)"
   if bandwidth == float("inf"):
     return "pays off on any link (no measurable extra compute here)"
-  return (f"break-even link {bandwidth / 1e9:,.3f} GB/s (pays off on slower"
-          " links)")
+  return (
+    f"break-even link {bandwidth / 1e9:,.3f} GB/s (pays off on slower links)"
+  )
 
 
 def _copies_text(copies: dict) -> str:
   """``top MB`` plus ``[branch MB / ...]`` when some copies sit in branches."""
   text = f"{copies['top'] / 1e6:.1f}"
   if copies["conditional"]:
-    text += " + [" + ", ".join(
+    text += (
+      " + ["
+      + ", ".join(
         f"branch {b.rsplit('#', 1)[-1]}: {copies['conditional'][b] / 1e6:.1f}"
-        for b in sorted(copies["conditional"])) + "]"
+        for b in sorted(copies["conditional"])
+      )
+      + "]"
+    )
   return text
 
 
@@ -265,30 +339,48 @@ def run(quick: bool) -> dict:
       skipped.setdefault(why, method.label)
     return tx
 
-  def record(group, name, baseline, runners, timing, donate, goal=None,
-             expect_same=False):
+  def record(
+    group, name, baseline, runners, timing, donate, goal=None, expect_same=False
+  ):
     r = _timing.ratio(timing, name, baseline)
     c = timing["candidates"][name]
-    diff = float(np.max(np.abs(runners[name].final_params()
-                               - runners[baseline].final_params())))
+    diff = float(
+      np.max(
+        np.abs(runners[name].final_params() - runners[baseline].final_params())
+      )
+    )
     met = None if goal is None else r["ratio"] <= goal
     copies = runners[name].copied()
     base_copies = runners[baseline].copied()
     comparisons[name] = {
-        "copied_bytes": copies, "baseline_copied_bytes": base_copies,
-        "group": group, "baseline": baseline, "donated": donate,
-        "median_ms": c["median_s"] * 1e3,
-        "baseline_median_ms": timing["candidates"][baseline]["median_s"] * 1e3,
-        "ratio": r["ratio"], "paired_ratio": r["paired_ratio"],
-        "iqr_rel": c["iqr_rel"], "goal": goal, "goal_met": met,
-        "max_abs_param_diff": diff, "expect_same_params": expect_same}
-    rows.append([
-        name, baseline, f"{c['median_s'] * 1e3:.2f}",
+      "copied_bytes": copies,
+      "baseline_copied_bytes": base_copies,
+      "group": group,
+      "baseline": baseline,
+      "donated": donate,
+      "median_ms": c["median_s"] * 1e3,
+      "baseline_median_ms": timing["candidates"][baseline]["median_s"] * 1e3,
+      "ratio": r["ratio"],
+      "paired_ratio": r["paired_ratio"],
+      "iqr_rel": c["iqr_rel"],
+      "goal": goal,
+      "goal_met": met,
+      "max_abs_param_diff": diff,
+      "expect_same_params": expect_same,
+    }
+    rows.append(
+      [
+        name,
+        baseline,
+        f"{c['median_s'] * 1e3:.2f}",
         f"{r['ratio']:.3f} (paired {r['paired_ratio']:.3f})",
         f"±{c['iqr_rel'] * 50:.1f}%",
         "-" if goal is None else f"<= {goal}",
         "-" if goal is None else ("met" if met else "NOT met"),
-        f"{diff:.1e}", f"{_copies_text(copies)} (vs {_copies_text(base_copies)})"])
+        f"{diff:.1e}",
+        f"{_copies_text(copies)} (vs {_copies_text(base_copies)})",
+      ]
+    )
 
   # The smoke run times the no-donation pass only (it checks that the code runs).
   passes = (False,) if quick else (False, True)
@@ -300,17 +392,28 @@ def run(quick: bool) -> dict:
     for method in _periodic_methods(donate):
       tx = available(method)
       if tx is not None:
-        runners[f"{method.label}: non-sync step{tag}"] = bench.runner(tx, donate)
+        runners[f"{method.label}: non-sync step{tag}"] = bench.runner(
+          tx, donate
+        )
     if len(runners) > 1:
       timing = bench.compare(runners, local)
       for name in list(runners)[1:]:
-        record("non-sync", name, local, runners, timing, donate,
-               GOALS["non-sync"], True)
+        record(
+          "non-sync",
+          name,
+          local,
+          runners,
+          timing,
+          donate,
+          GOALS["non-sync"],
+          True,
+        )
 
     # 2-3. accumulate (mid, emit) and apply_if_finite vs their baselines.
     sync = f"cross_shard(adam){tag}"
-    runners = {sync: bench.runner(shardopt.cross_shard(_adam(), _common.AXIS),
-                                  donate)}
+    runners = {
+      sync: bench.runner(shardopt.cross_shard(_adam(), _common.AXIS), donate)
+    }
     pairs = []
     k_mid = HUGE_PERIOD if donate else ACCUMULATE_K
     mid_tx = available(methods.accumulate(k_mid, name="adam"))
@@ -322,8 +425,7 @@ def run(quick: bool) -> dict:
       pairs.append(("accumulate", mid, bare, True))
       if not donate:
         emit = f"accumulate(cross_shard(adam), {ACCUMULATE_K}): emit step"
-        runners[emit] = bench.runner(mid_tx, False,
-                                     warm_steps=ACCUMULATE_K - 1)
+        runners[emit] = bench.runner(mid_tx, False, warm_steps=ACCUMULATE_K - 1)
         pairs.append(("accumulate", emit, sync, False))
     guarded = available(_apply_if_finite())
     if guarded is not None:
@@ -333,13 +435,17 @@ def run(quick: bool) -> dict:
     if pairs:
       timing = bench.compare(runners, sync)
       for group, name, baseline, same in pairs:
-        record(group, name, baseline, runners, timing, donate, GOALS[group],
-               same)
+        record(
+          group, name, baseline, runners, timing, donate, GOALS[group], same
+        )
 
     # 4. PowerSGD vs cross_shard_mean.
     mean = f"chain(cross_shard_mean, adam){tag}"
-    runners = {mean: bench.runner(optax.chain(
-        shardopt.cross_shard_mean(_common.AXIS), _adam()), donate)}
+    runners = {
+      mean: bench.runner(
+        optax.chain(shardopt.cross_shard_mean(_common.AXIS), _adam()), donate
+      )
+    }
     ranks = {}
     for rank in (1, 2, 4):
       method = methods.powersgd(rank, name="adam")
@@ -355,76 +461,108 @@ def run(quick: bool) -> dict:
           powersgd[name] = _powersgd_projection(bench, timing, mean, name, rank)
 
   notes = [
-      f"MLP {list(bench.sizes)} = {bench.param_count:,} params"
-      f" (P = {bench.param_bytes:,} bytes), Adam lr 1e-3,"
-      f" {bench.per_replica} examples per replica, {bench.n} replicas under"
-      f" pmap; median of {7 if quick else 21} interleaved rounds"
-      f" ({1 if quick else 2} step(s) per sample) within each group, warm-up"
-      " excluded. Ratio = median / median of the baseline in the same group;"
-      " paired = median of per-round ratios; ± = half the interquartile range.",
-      "No donation: every call restarts from the same params and state"
-      " (periodic methods from tx.init: local step 1, never a sync step;"
-      f" accumulate's emit step from the state after {ACCUMULATE_K - 1}"
-      " mini-steps). Donated: params and state donated and threaded from call"
-      f" to call, periods {HUGE_PERIOD:,} so that no timed call syncs.",
-      "copied MB/step: bytes of `copy` instructions in the step's compiled"
-      " HLO (memory traffic, no communication), entry computation + [each"
-      " conditional branch, by branch index; a step runs one], vs the"
-      " baseline's. A non-sync step takes the no-sync branch.",
-      "max |Δparam|: params after one call (no donation) or after the same"
-      " number of calls (donated) vs the baseline's; equal up to float"
-      " rounding expected for the non-sync steps, the mid step and"
-      " apply_if_finite.",
+    f"MLP {list(bench.sizes)} = {bench.param_count:,} params"
+    f" (P = {bench.param_bytes:,} bytes), Adam lr 1e-3,"
+    f" {bench.per_replica} examples per replica, {bench.n} replicas under"
+    f" pmap; median of {7 if quick else 21} interleaved rounds"
+    f" ({1 if quick else 2} step(s) per sample) within each group, warm-up"
+    " excluded. Ratio = median / median of the baseline in the same group;"
+    " paired = median of per-round ratios; ± = half the interquartile range.",
+    "No donation: every call restarts from the same params and state"
+    " (periodic methods from tx.init: local step 1, never a sync step;"
+    f" accumulate's emit step from the state after {ACCUMULATE_K - 1}"
+    " mini-steps). Donated: params and state donated and threaded from call"
+    f" to call, periods {HUGE_PERIOD:,} so that no timed call syncs.",
+    "copied MB/step: bytes of `copy` instructions in the step's compiled"
+    " HLO (memory traffic, no communication), entry computation + [each"
+    " conditional branch, by branch index; a step runs one], vs the"
+    " baseline's. A non-sync step takes the no-sync branch.",
+    "max |Δparam|: params after one call (no donation) or after the same"
+    " number of calls (donated) vs the baseline's; equal up to float"
+    " rounding expected for the non-sync steps, the mid step and"
+    " apply_if_finite.",
   ]
   for group, goal in GOALS.items():
     for donate in (False, True):
-      group_rows = {k: v for k, v in comparisons.items()
-                    if v["group"] == group and v["donated"] == donate}
+      group_rows = {
+        k: v
+        for k, v in comparisons.items()
+        if v["group"] == group and v["donated"] == donate
+      }
       if group_rows:
         worst = max(group_rows, key=lambda k: group_rows[k]["ratio"])
         notes.append(
-            f"Goal {group} <= {goal}, {'donated' if donate else 'no donation'}:"
-            f" worst `{worst}` at {group_rows[worst]['ratio']:.3f} (paired"
-            f" {group_rows[worst]['paired_ratio']:.3f}) -> "
-            + ("met" if group_rows[worst]["ratio"] <= goal else "NOT met") + ".")
+          f"Goal {group} <= {goal}, {'donated' if donate else 'no donation'}:"
+          f" worst `{worst}` at {group_rows[worst]['ratio']:.3f} (paired"
+          f" {group_rows[worst]['paired_ratio']:.3f}) -> "
+          + ("met" if group_rows[worst]["ratio"] <= goal else "NOT met")
+          + "."
+        )
   for name, p in powersgd.items():
     link_text = "; ".join(
-        f"{link.split(' (')[0]}: saves {v['saved_s'] * 1e3:,.2f} ms of"
-        f" communication -> {'pays off' if v['pays_off'] else 'does not pay off'}"
-        for link, v in p["links"].items())
+      f"{link.split(' (')[0]}: saves {v['saved_s'] * 1e3:,.2f} ms of"
+      f" communication -> {'pays off' if v['pays_off'] else 'does not pay off'}"
+      for link, v in p["links"].items()
+    )
     notes.append(
-        f"**{name}**: {p['bytes_per_step'] / 1e3:,.1f} kB/step vs"
-        f" {p['cross_shard_bytes_per_step'] / 1e3:,.1f} kB"
-        f" ({p['bytes_per_step'] / p['cross_shard_bytes_per_step']:.3f} of"
-        f" it), {p['extra_compute_s'] * 1e3:+,.2f} ms of step time here;"
-        f" {link_text}; {_break_even_text(p['break_even_bandwidth'])}."
-        " The break-even bandwidth stays the same if bytes and"
-        " compute both grow linearly with the model; the compute term is"
-        " this CPU's.")
+      f"**{name}**: {p['bytes_per_step'] / 1e3:,.1f} kB/step vs"
+      f" {p['cross_shard_bytes_per_step'] / 1e3:,.1f} kB"
+      f" ({p['bytes_per_step'] / p['cross_shard_bytes_per_step']:.3f} of"
+      f" it), {p['extra_compute_s'] * 1e3:+,.2f} ms of step time here;"
+      f" {link_text}; {_break_even_text(p['break_even_bandwidth'])}."
+      " The break-even bandwidth stays the same if bytes and"
+      " compute both grow linearly with the model; the compute term is"
+      " this CPU's."
+    )
   if skipped:
-    notes.append("Skipped, not available in this shardopt: "
-                 + "; ".join(f"{v} ({k})" for k, v in skipped.items()) + ".")
+    notes.append(
+      "Skipped, not available in this shardopt: "
+      + "; ".join(f"{v} ({k})" for k, v in skipped.items())
+      + "."
+    )
   return {
-      "title": "9. Cost of every new path: step time vs what it replaces",
-      "table": {"columns": ["step", "compared with", "median ms",
-                            "ratio", "spread", "goal", "verdict",
-                            "max |Δparam|", "copied MB/step (HLO)"],
-                "rows": rows},
-      "notes": notes,
-      "data": {"sizes": list(bench.sizes), "params": bench.param_count,
-               "param_bytes": bench.param_bytes, "goals": GOALS,
-               "huge_period": HUGE_PERIOD, "skipped": skipped,
-               "comparisons": comparisons, "powersgd_projection": powersgd},
+    "title": "9. Cost of every new path: step time vs what it replaces",
+    "table": {
+      "columns": [
+        "step",
+        "compared with",
+        "median ms",
+        "ratio",
+        "spread",
+        "goal",
+        "verdict",
+        "max |Δparam|",
+        "copied MB/step (HLO)",
+      ],
+      "rows": rows,
+    },
+    "notes": notes,
+    "data": {
+      "sizes": list(bench.sizes),
+      "params": bench.param_count,
+      "param_bytes": bench.param_bytes,
+      "goals": GOALS,
+      "huge_period": HUGE_PERIOD,
+      "skipped": skipped,
+      "comparisons": comparisons,
+      "powersgd_projection": powersgd,
+    },
   }
 
 
 def plot(result: dict, directory: str) -> list[str]:
   """Writes ``cost.png``: every ratio, with the goal of its group."""
   from benchmarks import _plots
+
   rows = result["data"]["comparisons"]
-  return [_plots.bars(
-      f"{directory}/cost.png", [f"{k} / {v['baseline']}" for k, v in rows.items()],
+  return [
+    _plots.bars(
+      f"{directory}/cost.png",
+      [f"{k} / {v['baseline']}" for k, v in rows.items()],
       [v["ratio"] for v in rows.values()],
       title="Step time / baseline step time (interleaved medians)",
-      xlabel="ratio", reference=GOALS["non-sync"],
-      reference_label=f"goal {GOALS['non-sync']} (non-sync), 1.02 (others)")]
+      xlabel="ratio",
+      reference=GOALS["non-sync"],
+      reference_label=f"goal {GOALS['non-sync']} (non-sync), 1.02 (others)",
+    )
+  ]

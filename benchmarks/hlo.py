@@ -44,25 +44,57 @@ import re
 from collections import defaultdict
 
 DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
-    "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8,
-    "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1,
-    "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1, "i1": 1, "i8": 1, "i16": 2, "i32": 4,
-    "i64": 8, "ui8": 1, "ui16": 2, "ui32": 4, "ui64": 8,
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "s32": 4,
+  "u32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f16": 2,
+  "bf16": 2,
+  "f32": 4,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+  "f8e4m3": 1,
+  "f8e5m2fnuz": 1,
+  "f8e4m3fnuz": 1,
+  "f8e4m3b11fnuz": 1,
+  "i1": 1,
+  "i8": 1,
+  "i16": 2,
+  "i32": 4,
+  "i64": 8,
+  "ui8": 1,
+  "ui16": 2,
+  "ui32": 4,
+  "ui64": 8,
 }
 
 # Compiled-HLO opcodes that move data between devices. "-done" halves of
 # async pairs are skipped: the "-start" carries the shape.
-COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather",
-                    "collective-permute", "all-to-all")
+COLLECTIVE_KINDS = (
+  "all-reduce",
+  "reduce-scatter",
+  "all-gather",
+  "collective-permute",
+  "all-to-all",
+)
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+  r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$"
+)
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _SINGLE_REF = re.compile(
-    r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
-    r"=%([\w.\-]+)")
+  r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
+  r"=%([\w.\-]+)"
+)
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
@@ -90,6 +122,7 @@ class Collective:
       conditional. Collectives of the same branch run together, on the steps
       that take it: see :func:`by_branch`.
   """
+
   kind: str
   context: str
   dtypes: tuple
@@ -125,18 +158,24 @@ def _group_size(attrs: str, default: int) -> int:
   return default
 
 
-def _buffer_bytes(kind: str, result_bytes: int, sizes: list, group: int,
-                  is_start: bool) -> int:
-  if is_start and kind in ("all-gather", "collective-permute") and len(sizes) >= 2:
+def _buffer_bytes(
+  kind: str, result_bytes: int, sizes: list, group: int, is_start: bool
+) -> int:
+  if (
+    is_start
+    and kind in ("all-gather", "collective-permute")
+    and len(sizes) >= 2
+  ):
     # Async start ops return (operands..., results...): keep the results.
-    result_bytes = sum(sizes[len(sizes) // 2:])
+    result_bytes = sum(sizes[len(sizes) // 2 :])
   if kind == "reduce-scatter":
     return result_bytes * max(group, 1)
   return result_bytes
 
 
-def _computations(hlo_text: str, caller: str
-                  ) -> tuple[dict[str, list[str]], str]:
+def _computations(
+  hlo_text: str, caller: str
+) -> tuple[dict[str, list[str]], str]:
   """``({computation name: instruction lines}, entry name)`` of compiled HLO."""
   computations: dict[str, list[str]] = {}
   entry = None
@@ -155,8 +194,10 @@ def _computations(hlo_text: str, caller: str
       else:
         computations[current].append(line)
   if entry is None:
-    raise ValueError(f"{caller}: no ENTRY computation in the text;"
-                     " pass Compiled.as_text(), not the lowered StableHLO.")
+    raise ValueError(
+      f"{caller}: no ENTRY computation in the text;"
+      " pass Compiled.as_text(), not the lowered StableHLO."
+    )
   return computations, entry
 
 
@@ -172,11 +213,16 @@ def _edges(computations: dict) -> dict:
       inst = _INSTRUCTION.match(line)
       inst_name = inst.group(1) if inst else "?"
       for key, target in _SINGLE_REF.findall(line):
-        marker = {"body": "loop", "condition": "loop",
-                  "true_computation": "conditional",
-                  "false_computation": "conditional"}.get(key)
-        label = {"true_computation": f"{inst_name}#1",
-                 "false_computation": f"{inst_name}#0"}.get(key, "")
+        marker = {
+          "body": "loop",
+          "condition": "loop",
+          "true_computation": "conditional",
+          "false_computation": "conditional",
+        }.get(key)
+        label = {
+          "true_computation": f"{inst_name}#1",
+          "false_computation": f"{inst_name}#0",
+        }.get(key, "")
         edges[name].append((target, marker, label))
       for group in _BRANCHES.findall(line):
         for index, target in enumerate(re.findall(r"%([\w.\-]+)", group)):
@@ -207,37 +253,52 @@ def _walk(hlo_text: str, caller: str) -> list[tuple[str, str, list[str]]]:
     contexts[name].add(key)
     branches[name].add(branch)
     for target, marker, label in edges.get(name, ()):
-      nxt = markers if marker is None or marker in markers else markers + (marker,)
+      nxt = (
+        markers if marker is None or marker in markers else markers + (marker,)
+      )
       stack.append((target, nxt, branch or label))
 
-  return [("|".join(sorted(contexts[name])),
-           "|".join(sorted(b for b in branches[name] if b)), lines)
-          for name, lines in computations.items() if name in contexts]
+  return [
+    (
+      "|".join(sorted(contexts[name])),
+      "|".join(sorted(b for b in branches[name] if b)),
+      lines,
+    )
+    for name, lines in computations.items()
+    if name in contexts
+  ]
 
 
-def _collective(line: str, context: str, num_devices: int, branch: str = ""
-                ) -> Collective | None:
+def _collective(
+  line: str, context: str, num_devices: int, branch: str = ""
+) -> Collective | None:
   """The :class:`Collective` an HLO instruction line runs, or None."""
   inst = _INSTRUCTION.match(line)
   if not inst:
     return None
   opcode = inst.group(3)
   is_start = opcode.endswith("-start")
-  kind = opcode[:-len("-start")] if is_start else opcode
+  kind = opcode[: -len("-start")] if is_start else opcode
   if kind not in COLLECTIVE_KINDS:
     return None
   result_bytes, dtypes, sizes = _array_bytes(inst.group(2))
   group = _group_size(inst.group(4), num_devices)
   op_name = _OP_NAME.search(line)
   return Collective(
-      kind=kind, context=context, dtypes=dtypes, result_bytes=result_bytes,
-      buffer_bytes=_buffer_bytes(kind, result_bytes, sizes, group, is_start),
-      group_size=group, op_name=op_name.group(1) if op_name else "",
-      branch=branch)
+    kind=kind,
+    context=context,
+    dtypes=dtypes,
+    result_bytes=result_bytes,
+    buffer_bytes=_buffer_bytes(kind, result_bytes, sizes, group, is_start),
+    group_size=group,
+    op_name=op_name.group(1) if op_name else "",
+    branch=branch,
+  )
 
 
-def compiled_collectives(hlo_text: str, *, num_devices: int = 0
-                         ) -> list[Collective]:
+def compiled_collectives(
+  hlo_text: str, *, num_devices: int = 0
+) -> list[Collective]:
   """Lists the collectives in compiled HLO text, with their context and bytes.
 
   Args:
@@ -256,8 +317,9 @@ def compiled_collectives(hlo_text: str, *, num_devices: int = 0
   return found
 
 
-def branch_collectives(hlo_text: str, *, num_devices: int = 0
-                       ) -> list[list[list[Collective]]]:
+def branch_collectives(
+  hlo_text: str, *, num_devices: int = 0
+) -> list[list[list[Collective]]]:
   """The collectives of every branch of every ``conditional``, in text order.
 
   ``lax.cond``/``lax.switch`` compile to a ``conditional`` whose branches are
@@ -290,12 +352,17 @@ def branch_collectives(hlo_text: str, *, num_devices: int = 0
     for line in lines:
       listed = _BRANCHES.search(line)
       if listed:
-        out.append([reachable(b) for b in
-                    re.findall(r"%([\w.\-]+)", listed.group(1))])
+        out.append(
+          [reachable(b) for b in re.findall(r"%([\w.\-]+)", listed.group(1))]
+        )
       elif " conditional(" in line:
         refs = dict(_SINGLE_REF.findall(line))
-        out.append([reachable(refs["false_computation"]),
-                    reachable(refs["true_computation"])])
+        out.append(
+          [
+            reachable(refs["false_computation"]),
+            reachable(refs["true_computation"]),
+          ]
+        )
   return out
 
 
@@ -326,10 +393,13 @@ def copied_bytes(hlo_text: str) -> dict:
 
 
 _MLIR_OP = re.compile(
-    r'"?stablehlo\.(all_reduce|reduce_scatter|all_gather|collective_permute|'
-    r'all_to_all|collective_broadcast)"?')
+  r'"?stablehlo\.(all_reduce|reduce_scatter|all_gather|collective_permute|'
+  r'all_to_all|collective_broadcast)"?'
+)
 _MLIR_SIGNATURE = re.compile(r":\s*\((tensor<[^)]*)\)\s*->\s*([^\n]*)")
-_MLIR_GROUPS = re.compile(r"replica_groups\s*=\s*dense<[^>]*>\s*:\s*tensor<(\d+)x(\d+)x")
+_MLIR_GROUPS = re.compile(
+  r"replica_groups\s*=\s*dense<[^>]*>\s*:\s*tensor<(\d+)x(\d+)x"
+)
 _MLIR_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z][a-z0-9]*)>")
 
 
@@ -342,13 +412,17 @@ def _mlir_bytes(types_text: str) -> tuple[int, tuple, list]:
     for d in filter(None, dims.split("x")):
       count *= int(d)
     sizes.append(count * DTYPE_BYTES[dtype])
-    dtypes.append({"i1": "pred", "i8": "s8", "i16": "s16", "i32": "s32",
-                   "i64": "s64"}.get(dtype, dtype))
+    dtypes.append(
+      {"i1": "pred", "i8": "s8", "i16": "s16", "i32": "s32", "i64": "s64"}.get(
+        dtype, dtype
+      )
+    )
   return sum(sizes), tuple(sorted(set(dtypes))), sizes
 
 
-def lowered_collectives(stablehlo_text: str, *, num_devices: int = 0
-                        ) -> list[Collective]:
+def lowered_collectives(
+  stablehlo_text: str, *, num_devices: int = 0
+) -> list[Collective]:
   """Lists the collectives in lowered StableHLO text, with their wire dtypes.
 
   The context is always ``"lowered"`` (this reader does not follow regions);
@@ -375,18 +449,31 @@ def lowered_collectives(stablehlo_text: str, *, num_devices: int = 0
     result_bytes, _, _ = _mlir_bytes(signature.group(2))
     groups = _MLIR_GROUPS.search(stablehlo_text, match.end(), signature.start())
     group = int(groups.group(2)) if groups else num_devices
-    buffer = operand_bytes if kind in ("all-reduce", "reduce-scatter") else (
-        result_bytes)
-    found.append(Collective(kind=kind, context="lowered", dtypes=dtypes,
-                            result_bytes=result_bytes, buffer_bytes=buffer,
-                            group_size=group))
+    buffer = (
+      operand_bytes
+      if kind in ("all-reduce", "reduce-scatter")
+      else (result_bytes)
+    )
+    found.append(
+      Collective(
+        kind=kind,
+        context="lowered",
+        dtypes=dtypes,
+        result_bytes=result_bytes,
+        buffer_bytes=buffer,
+        group_size=group,
+      )
+    )
   return found
 
 
 def allreduce_equivalent_bytes(op: Collective) -> float:
   """``op``'s buffer in all-reduce-equivalent bytes (see the module docstring)."""
-  weight = 1.0 if op.kind in ("all-reduce", "collective-permute",
-                              "all-to-all") else 0.5
+  weight = (
+    1.0
+    if op.kind in ("all-reduce", "collective-permute", "all-to-all")
+    else 0.5
+  )
   return weight * op.buffer_bytes
 
 
@@ -410,14 +497,23 @@ def by_branch(collectives: list[Collective]) -> dict:
     if not op.branch:
       top += allreduce_equivalent_bytes(op)
       continue
-    entry = branches.setdefault(op.branch, {"bytes": 0.0, "group_sizes": set(),
-                                            "count": defaultdict(int)})
+    entry = branches.setdefault(
+      op.branch, {"bytes": 0.0, "group_sizes": set(), "count": defaultdict(int)}
+    )
     entry["bytes"] += allreduce_equivalent_bytes(op)
     entry["group_sizes"].add(op.group_size)
     entry["count"][op.kind] += 1
-  return {"top": top, "branches": {
-      label: {"bytes": e["bytes"], "group_sizes": sorted(e["group_sizes"]),
-              "count": dict(e["count"])} for label, e in branches.items()}}
+  return {
+    "top": top,
+    "branches": {
+      label: {
+        "bytes": e["bytes"],
+        "group_sizes": sorted(e["group_sizes"]),
+        "count": dict(e["count"]),
+      }
+      for label, e in branches.items()
+    },
+  }
 
 
 def summarize(collectives: list[Collective]) -> dict:
@@ -437,10 +533,10 @@ def summarize(collectives: list[Collective]) -> dict:
     equivalent[op.context] += allreduce_equivalent_bytes(op)
     dtypes.update(op.dtypes)
   return {
-      "count": {c: dict(k) for c, k in count.items()},
-      "buffer_bytes": {c: dict(k) for c, k in buffer.items()},
-      "allreduce_equivalent_bytes": {c: int(b) for c, b in equivalent.items()},
-      "dtypes": sorted(dtypes),
+    "count": {c: dict(k) for c, k in count.items()},
+    "buffer_bytes": {c: dict(k) for c, k in buffer.items()},
+    "allreduce_equivalent_bytes": {c: int(b) for c, b in equivalent.items()},
+    "dtypes": sorted(dtypes),
   }
 
 
@@ -453,8 +549,13 @@ def instruction_mix(hlo_text: str) -> dict:
   mix: dict = defaultdict(int)
   for line in hlo_text.splitlines():
     inst = _INSTRUCTION.match(line)
-    if inst and inst.group(3) not in ("parameter", "get-tuple-element", "tuple",
-                                      "bitcast", "copy"):
+    if inst and inst.group(3) not in (
+      "parameter",
+      "get-tuple-element",
+      "tuple",
+      "bitcast",
+      "copy",
+    ):
       shape = re.sub(r"\{[\d,]*\}", "", inst.group(2))  # drop layouts
       mix[f"{inst.group(3)} {shape}"] += 1
   return dict(mix)

@@ -35,9 +35,13 @@ from __future__ import annotations
 import os
 
 if __name__ == "__main__":  # standalone: 8 CPU devices before jax is imported
-  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8")
+  if "xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""
+  ):
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "")
+      + " --xla_force_host_platform_device_count=8"
+    )
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses  # noqa: E402
@@ -63,6 +67,7 @@ VOCAB = 256
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Sizes of the model, the run and the evaluation."""
+
   context: int = 64
   width: int = 64
   depth: int = 2
@@ -77,15 +82,26 @@ class Config:
 
 
 FULL = Config()
-QUICK = Config(context=16, width=16, depth=1, heads=2, batch_per_replica=2,
-               steps=64, eval_every=32, val_windows=16)
+QUICK = Config(
+  context=16,
+  width=16,
+  depth=1,
+  heads=2,
+  batch_per_replica=2,
+  steps=64,
+  eval_every=32,
+  val_windows=16,
+)
 
 
 # ----------------------------------------------------------------- data
 
+
 def stdlib_files() -> list[str]:
   """The interpreter's top-level stdlib ``*.py`` files, sorted by name."""
-  return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+  return sorted(
+    glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))
+  )
 
 
 def is_validation(path: str, every: int) -> bool:
@@ -105,29 +121,35 @@ def corpus(config: Config = FULL) -> dict:
     else:
       train.append(data)
       train_files.append(os.path.basename(path))
-  return {"train": np.frombuffer(b"".join(train), np.uint8),
-          "validation": np.frombuffer(b"".join(val), np.uint8),
-          "train_files": train_files, "validation_files": val_files,
-          "stdlib": sysconfig.get_paths()["stdlib"]}
+  return {
+    "train": np.frombuffer(b"".join(train), np.uint8),
+    "validation": np.frombuffer(b"".join(val), np.uint8),
+    "train_files": train_files,
+    "validation_files": val_files,
+    "stdlib": sysconfig.get_paths()["stdlib"],
+  }
 
 
 def shards(train: np.ndarray, replicas: int) -> np.ndarray:
   """``(replicas, shard_len)``: contiguous equal shards of the training bytes."""
   length = len(train) // replicas
-  return train[:length * replicas].reshape(replicas, length)
+  return train[: length * replicas].reshape(replicas, length)
 
 
 def validation_windows(validation: np.ndarray, config: Config) -> np.ndarray:
   """``(val_windows, context + 1)`` windows evenly spread over the text."""
-  starts = np.linspace(0, len(validation) - config.context - 1,
-                       config.val_windows).astype(np.int64)
-  return np.stack([validation[s:s + config.context + 1] for s in starts])
+  starts = np.linspace(
+    0, len(validation) - config.context - 1, config.val_windows
+  ).astype(np.int64)
+  return np.stack([validation[s : s + config.context + 1] for s in starts])
 
 
 # ----------------------------------------------------------------- model
 
+
 class Block(nn.Module):
   """Pre-LayerNorm block: causal self-attention, then a GELU MLP."""
+
   width: int
   heads: int
 
@@ -136,32 +158,40 @@ class Block(nn.Module):
     batch, length, width = x.shape
     head = width // self.heads
     qkv = nn.Dense(3 * width, use_bias=False, name="qkv")(
-        nn.LayerNorm(name="ln_attention")(x))
-    q, k, v = (a.reshape(batch, length, self.heads, head)
-               for a in jnp.split(qkv, 3, axis=-1))
+      nn.LayerNorm(name="ln_attention")(x)
+    )
+    q, k, v = (
+      a.reshape(batch, length, self.heads, head)
+      for a in jnp.split(qkv, 3, axis=-1)
+    )
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head)
     causal = jnp.tril(jnp.ones((length, length), bool))
     scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
     attended = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v)
     x = x + nn.Dense(width, use_bias=False, name="out")(
-        attended.reshape(batch, length, width))
-    hidden = nn.gelu(nn.Dense(4 * width, name="up")(
-        nn.LayerNorm(name="ln_mlp")(x)))
+      attended.reshape(batch, length, width)
+    )
+    hidden = nn.gelu(
+      nn.Dense(4 * width, name="up")(nn.LayerNorm(name="ln_mlp")(x))
+    )
     return x + nn.Dense(width, name="down")(hidden)
 
 
 class ByteTransformer(nn.Module):
   """Decoder-only byte-level transformer; logits over the next byte."""
+
   config: Config
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     c = self.config
-    embed = nn.Embed(VOCAB, c.width, name="embed",
-                     embedding_init=nn.initializers.normal(0.02))
-    position = self.param("position", nn.initializers.normal(0.02),
-                          (c.context, c.width))
-    x = embed(tokens) + position[:tokens.shape[1]]
+    embed = nn.Embed(
+      VOCAB, c.width, name="embed", embedding_init=nn.initializers.normal(0.02)
+    )
+    position = self.param(
+      "position", nn.initializers.normal(0.02), (c.context, c.width)
+    )
+    x = embed(tokens) + position[: tokens.shape[1]]
     for i in range(c.depth):
       x = Block(c.width, c.heads, name=f"block{i}")(x)
     return embed.attend(nn.LayerNorm(name="ln_final")(x))
@@ -178,7 +208,8 @@ def loss_fn(params: Any, windows: jax.Array, config: Config) -> jax.Array:
   tokens = windows.astype(jnp.int32)
   logits = ByteTransformer(config).apply({"params": params}, tokens[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits, tokens[:, 1:]).mean()
+    logits, tokens[:, 1:]
+  ).mean()
 
 
 def bits_per_byte(nats: float) -> float:
@@ -187,26 +218,32 @@ def bits_per_byte(nats: float) -> float:
 
 def adamw(config: Config):
   """The optimizer factory every method wraps."""
-  return lambda: optax.adamw(config.learning_rate,
-                             weight_decay=config.weight_decay)
+  return lambda: optax.adamw(
+    config.learning_rate, weight_decay=config.weight_decay
+  )
 
 
 # ----------------------------------------------------------------- training
 
+
 def sample(shard: jax.Array, key: jax.Array, config: Config) -> jax.Array:
   """``batch_per_replica`` random windows of ``context + 1`` bytes."""
-  starts = jax.random.randint(key, (config.batch_per_replica,), 0,
-                              shard.shape[0] - config.context - 1)
-  return jax.vmap(lambda s: jax.lax.dynamic_slice(
-      shard, (s,), (config.context + 1,)))(starts)
+  starts = jax.random.randint(
+    key, (config.batch_per_replica,), 0, shard.shape[0] - config.context - 1
+  )
+  return jax.vmap(
+    lambda s: jax.lax.dynamic_slice(shard, (s,), (config.context + 1,))
+  )(starts)
 
 
 def train_step(tx: optax.GradientTransformation, config: Config):
   """One step ``(params, state, windows) -> (params, state, loss)`` (per replica)."""
+
   def step(params, state, windows):
     loss, grads = jax.value_and_grad(loss_fn)(params, windows, config)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
+
   return step
 
 
@@ -229,11 +266,13 @@ def train_chunk(tx: optax.GradientTransformation, config: Config):
       return (params, state), loss
 
     (params, state), losses = jax.lax.scan(
-        one, (params, state), first_step + jnp.arange(config.eval_every))
+      one, (params, state), first_step + jnp.arange(config.eval_every)
+    )
     return params, state, losses
 
-  return jax.pmap(chunk, axis_name=AXIS, in_axes=(0, 0, 0, None, None),
-                  donate_argnums=(0, 1))
+  return jax.pmap(
+    chunk, axis_name=AXIS, in_axes=(0, 0, 0, None, None), donate_argnums=(0, 1)
+  )
 
 
 class Workload:
@@ -244,14 +283,16 @@ class Workload:
     self.replicas = jax.device_count()
     data = corpus(config)
     self.info = {
-        "stdlib": data["stdlib"],
-        "train_files": len(data["train_files"]),
-        "validation_files": len(data["validation_files"]),
-        "train_bytes": int(len(data["train"])),
-        "validation_bytes": int(len(data["validation"])),
+      "stdlib": data["stdlib"],
+      "train_files": len(data["train_files"]),
+      "validation_files": len(data["validation_files"]),
+      "train_bytes": int(len(data["train"])),
+      "validation_bytes": int(len(data["validation"])),
     }
     self.shards = jax.pmap(lambda s: s)(shards(data["train"], self.replicas))
-    self.validation = jnp.asarray(validation_windows(data["validation"], config))
+    self.validation = jnp.asarray(
+      validation_windows(data["validation"], config)
+    )
     self.info["validation_windows"] = list(self.validation.shape)
     self._val_loss = jax.jit(lambda p: loss_fn(p, self.validation, config))
 
@@ -269,8 +310,11 @@ class Workload:
     conditional branch.
     """
     p_params, state = self.initial(tx, 0)
-    compiled = train_chunk(tx, self.config).lower(
-        p_params, state, self.shards, jax.random.key(0), jnp.int32(0)).compile()
+    compiled = (
+      train_chunk(tx, self.config)
+      .lower(p_params, state, self.shards, jax.random.key(0), jnp.int32(0))
+      .compile()
+    )
     return compiled, compiled.as_text()
 
   def validation_bits_per_byte(self, replicated_params: Any) -> float:
@@ -278,8 +322,9 @@ class Workload:
     mean = jax.tree.map(lambda a: jnp.mean(a, 0), replicated_params)
     return bits_per_byte(float(self._val_loss(mean)))
 
-  def train(self, tx: optax.GradientTransformation, seed: int, *,
-            chunk=None) -> dict:
+  def train(
+    self, tx: optax.GradientTransformation, seed: int, *, chunk=None
+  ) -> dict:
     """Trains from ``seed`` and returns the validation and training curves.
 
     Args:
@@ -300,39 +345,52 @@ class Workload:
     start = time.perf_counter()
     steps, val, train = [0], [self.validation_bits_per_byte(p_params)], []
     for first in range(0, c.steps, c.eval_every):
-      p_params, state, losses = chunk(p_params, state, self.shards, key,
-                                      jnp.int32(first))
+      p_params, state, losses = chunk(
+        p_params, state, self.shards, key, jnp.int32(first)
+      )
       losses = np.asarray(losses)  # (replicas, eval_every): blocks
       train.extend(bits_per_byte(x) for x in losses.mean(0))
       steps.append(first + c.eval_every)
       val.append(self.validation_bits_per_byte(p_params))
-    divergence = max(float(jnp.max(jnp.abs(a - a[0:1])))
-                     for a in jax.tree.leaves(p_params))
-    return {"steps": steps, "val_bpb": val, "train_bpb": train,
-            "divergence": divergence, "seconds": time.perf_counter() - start}
+    divergence = max(
+      float(jnp.max(jnp.abs(a - a[0:1]))) for a in jax.tree.leaves(p_params)
+    )
+    return {
+      "steps": steps,
+      "val_bpb": val,
+      "train_bpb": train,
+      "divergence": divergence,
+      "seconds": time.perf_counter() - start,
+    }
 
 
 def main(argv=None) -> int:
   import argparse
+
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
   import shardopt
+
   config = QUICK if args.quick else FULL
   if args.steps:
     config = dataclasses.replace(config, steps=args.steps)
   workload = Workload(config)
   params = init_params(config, 0)
-  print(f"[lm] {workload.info}; params {_common.count_params(params):,}"
-        f" ({_common.tree_bytes(params):,} bytes); {config}")
+  print(
+    f"[lm] {workload.info}; params {_common.count_params(params):,}"
+    f" ({_common.tree_bytes(params):,} bytes); {config}"
+  )
   tx = shardopt.cross_shard(adamw(config)(), AXIS)
   t0 = time.perf_counter()
   chunk = train_chunk(tx, config)
   result = workload.train(tx, args.seed, chunk=chunk)
-  print(f"[lm] sync: {time.perf_counter() - t0:.1f} s in all,"
-        f" {result['seconds']:.1f} s after the first call")
+  print(
+    f"[lm] sync: {time.perf_counter() - t0:.1f} s in all,"
+    f" {result['seconds']:.1f} s after the first call"
+  )
   for s, v in zip(result["steps"], result["val_bpb"]):
     print(f"  step {s:5d}  val {v:.3f} bits/byte")
   return 0

@@ -42,67 +42,102 @@ def run(quick: bool) -> dict:
     devices = jax.devices()[:n]
     identity = jax.pmap(lambda t: t, devices=devices)
     p_params = identity(_common.replicate(params, n))
-    x, y = identity(_common.batch(jax.random.key(n), n, per_replica, sizes[0],
-                                  sizes[-1]))
-    transforms = {"cross_shard(adam)": shardopt.cross_shard(optax.adam(1e-3),
-                                                            _common.AXIS)}
+    x, y = identity(
+      _common.batch(jax.random.key(n), n, per_replica, sizes[0], sizes[-1])
+    )
+    transforms = {
+      "cross_shard(adam)": shardopt.cross_shard(optax.adam(1e-3), _common.AXIS)
+    }
     if have_tower:
       transforms["tower(adam)"] = shardopt.tower(optax.adam(1e-3), _common.AXIS)
     candidates, state_bytes = {}, {}
     for name, tx in transforms.items():
-      state = jax.pmap(tx.init, axis_name=_common.AXIS, devices=devices)(p_params)
+      state = jax.pmap(tx.init, axis_name=_common.AXIS, devices=devices)(
+        p_params
+      )
       state_bytes[name] = _state_bytes_on_first_device(state)
       step = _common.pmap_step(tx, devices=devices)
       candidates[name] = lambda s=step, st=state: s(p_params, st, x, y)
-    timing = _timing.compare(candidates, baseline="cross_shard(adam)",
-                             repeats=repeats, inner=inner)
-    entry = {"state_bytes_per_replica": state_bytes,
-             "state_over_param_bytes": {k: v / param_bytes
-                                        for k, v in state_bytes.items()}}
+    timing = _timing.compare(
+      candidates, baseline="cross_shard(adam)", repeats=repeats, inner=inner
+    )
+    entry = {
+      "state_bytes_per_replica": state_bytes,
+      "state_over_param_bytes": {
+        k: v / param_bytes for k, v in state_bytes.items()
+      },
+    }
     if have_tower:
       ratio = timing["candidates"]["tower(adam)"]
       entry["tower_over_cross_shard_step_time"] = ratio["ratio"]
       entry["tower_over_cross_shard_paired"] = ratio["paired_ratio"]
       entry["tower_over_cross_shard_state"] = (
-          state_bytes["tower(adam)"] / state_bytes["cross_shard(adam)"])
+        state_bytes["tower(adam)"] / state_bytes["cross_shard(adam)"]
+      )
     data[n] = entry
-    rows.append([
-        f"{n}", f"{state_bytes['cross_shard(adam)'] / 1e6:,.3f}",
-        f"{state_bytes['tower(adam)'] / 1e6:,.3f}" if have_tower else "not yet landed",
+    rows.append(
+      [
+        f"{n}",
+        f"{state_bytes['cross_shard(adam)'] / 1e6:,.3f}",
+        f"{state_bytes['tower(adam)'] / 1e6:,.3f}"
+        if have_tower
+        else "not yet landed",
         f"{entry['tower_over_cross_shard_state']:.3f} (ideal {1 / n:.3f})"
-        if have_tower else "-",
+        if have_tower
+        else "-",
         f"{entry['tower_over_cross_shard_step_time']:.3f}"
         f" (paired {entry['tower_over_cross_shard_paired']:.3f})"
-        if have_tower else "-",
-    ])
+        if have_tower
+        else "-",
+      ]
+    )
   notes = [
-      f"MLP {list(sizes)}: P = {param_bytes / 1e6:,.3f} MB of float32 params;"
-      " state bytes are what one device holds after `jax.pmap(tx.init)`"
-      f" (Adam: count + mu + nu). Step-time ratio: median of {repeats}"
-      " interleaved rounds, warm-up excluded, pmap over the first n devices.",
+    f"MLP {list(sizes)}: P = {param_bytes / 1e6:,.3f} MB of float32 params;"
+    " state bytes are what one device holds after `jax.pmap(tx.init)`"
+    f" (Adam: count + mu + nu). Step-time ratio: median of {repeats}"
+    " interleaved rounds, warm-up excluded, pmap over the first n devices.",
   ]
   if not have_tower:
-    notes.append("shardopt.tower is not in shardopt yet: only cross_shard measured.")
+    notes.append(
+      "shardopt.tower is not in shardopt yet: only cross_shard measured."
+    )
   return {
-      "title": "4. Memory: optimizer state per replica, tower vs cross_shard",
-      "table": {"columns": ["replicas n", "cross_shard(adam) MB/replica",
-                            "tower(adam) MB/replica", "tower / cross_shard state",
-                            "tower / cross_shard step time"],
-                "rows": rows},
-      "notes": notes,
-      "data": {"sizes": list(sizes), "param_bytes": param_bytes,
-               "repeats": repeats, "by_replicas": data},
+    "title": "4. Memory: optimizer state per replica, tower vs cross_shard",
+    "table": {
+      "columns": [
+        "replicas n",
+        "cross_shard(adam) MB/replica",
+        "tower(adam) MB/replica",
+        "tower / cross_shard state",
+        "tower / cross_shard step time",
+      ],
+      "rows": rows,
+    },
+    "notes": notes,
+    "data": {
+      "sizes": list(sizes),
+      "param_bytes": param_bytes,
+      "repeats": repeats,
+      "by_replicas": data,
+    },
   }
 
 
 def plot(result: dict, directory: str) -> list[str]:
   """Writes ``memory.png``: optimizer-state MB per replica for each n."""
   from benchmarks import _plots
+
   labels, values = [], []
   for n, entry in result["data"]["by_replicas"].items():
     for name, count in entry["state_bytes_per_replica"].items():
       labels.append(f"n={n} · {name}")
       values.append(count / 1e6)
-  return [_plots.bars(
-      f"{directory}/memory.png", labels, values,
-      title="Optimizer state per replica", xlabel="MB")]
+  return [
+    _plots.bars(
+      f"{directory}/memory.png",
+      labels,
+      values,
+      title="Optimizer state per replica",
+      xlabel="MB",
+    )
+  ]

@@ -43,15 +43,21 @@ def run(quick: bool) -> dict:
   transforms = {"hand-written pmean + adam": (adam, True)}
   if not quick:  # the smoke run compiles one shardopt variant per mapping
     transforms["chain(cross_shard_mean, adam)"] = (
-        optax.chain(shardopt.cross_shard_mean(_common.AXIS), adam), False)
-  transforms["cross_shard(adam)"] = (shardopt.cross_shard(adam, _common.AXIS),
-                                     False)
+      optax.chain(shardopt.cross_shard_mean(_common.AXIS), adam),
+      False,
+    )
+  transforms["cross_shard(adam)"] = (
+    shardopt.cross_shard(adam, _common.AXIS),
+    False,
+  )
   steps, args, texts = {}, {}, {}
   identity = jax.pmap(lambda t: t)
   p_params = identity(_common.replicate(params, n))
   p_batch = identity((x, y))
   s_params = _common.place(params, mesh)
-  s_x = _common.place(x.reshape(n * per_replica, -1), mesh, _common.P(_common.AXIS))
+  s_x = _common.place(
+    x.reshape(n * per_replica, -1), mesh, _common.P(_common.AXIS)
+  )
   s_y = _common.place(y.reshape(-1), mesh, _common.P(_common.AXIS))
   for label, (tx, hand) in transforms.items():
     name = f"pmap · {label}"
@@ -67,7 +73,9 @@ def run(quick: bool) -> dict:
   baseline = "pmap · hand-written pmean + adam"
   shard_baseline = "shard_map · hand-written pmean + adam"
   # Same numbers: one step of every variant against the baseline.
-  reference = np.asarray(jax.tree.leaves(steps[baseline](*args[baseline])[0])[0][0])
+  reference = np.asarray(
+    jax.tree.leaves(steps[baseline](*args[baseline])[0])[0][0]
+  )
   max_diff = {}
   for name, step in steps.items():
     leaf = np.asarray(jax.tree.leaves(step(*args[name])[0])[0])
@@ -75,85 +83,124 @@ def run(quick: bool) -> dict:
     max_diff[name] = float(np.max(np.abs(leaf - reference)))
 
   timing = _timing.compare(
-      {name: (lambda s=step, a=args[name]: s(*a)) for name, step in steps.items()},
-      baseline=baseline, repeats=repeats, inner=inner)
+    {
+      name: (lambda s=step, a=args[name]: s(*a)) for name, step in steps.items()
+    },
+    baseline=baseline,
+    repeats=repeats,
+    inner=inner,
+  )
 
   mixes = {name: hlo.instruction_mix(text) for name, text in texts.items()}
   rows, data = [], {}
   for name in steps:
     own = baseline if name.startswith("pmap") else shard_baseline
     vs_own = _timing.ratio(timing, name, own)
-    collectives = hlo.summarize(hlo.compiled_collectives(texts[name], num_devices=n))
+    collectives = hlo.summarize(
+      hlo.compiled_collectives(texts[name], num_devices=n)
+    )
     row = {
-        "median_ms": timing["candidates"][name]["median_s"] * 1e3,
-        "ratio_vs_pmap_hand": timing["candidates"][name]["ratio"],
-        "paired_ratio_vs_pmap_hand": timing["candidates"][name]["paired_ratio"],
-        "ratio_vs_same_mapping_hand": vs_own["ratio"],
-        "paired_ratio_vs_same_mapping_hand": vs_own["paired_ratio"],
-        "iqr_rel": timing["candidates"][name]["iqr_rel"],
-        "instruction_mix_difference_vs_hand": hlo.mix_difference(
-            mixes[name], mixes[own]),
-        "collectives": collectives["count"],
-        "max_abs_param_diff_vs_baseline": max_diff[name],
+      "median_ms": timing["candidates"][name]["median_s"] * 1e3,
+      "ratio_vs_pmap_hand": timing["candidates"][name]["ratio"],
+      "paired_ratio_vs_pmap_hand": timing["candidates"][name]["paired_ratio"],
+      "ratio_vs_same_mapping_hand": vs_own["ratio"],
+      "paired_ratio_vs_same_mapping_hand": vs_own["paired_ratio"],
+      "iqr_rel": timing["candidates"][name]["iqr_rel"],
+      "instruction_mix_difference_vs_hand": hlo.mix_difference(
+        mixes[name], mixes[own]
+      ),
+      "collectives": collectives["count"],
+      "max_abs_param_diff_vs_baseline": max_diff[name],
     }
     data[name] = row
-    rows.append([
-        name, f"{row['median_ms']:.2f}", f"{row['ratio_vs_pmap_hand']:.3f}",
+    rows.append(
+      [
+        name,
+        f"{row['median_ms']:.2f}",
+        f"{row['ratio_vs_pmap_hand']:.3f}",
         f"{row['ratio_vs_same_mapping_hand']:.3f}"
         f" (paired {row['paired_ratio_vs_same_mapping_hand']:.3f})",
         f"±{row['iqr_rel'] * 50:.1f}%",
-        "identical" if row["instruction_mix_difference_vs_hand"] == 0 else
-        f"{row['instruction_mix_difference_vs_hand']} instr. differ",
+        "identical"
+        if row["instruction_mix_difference_vs_hand"] == 0
+        else f"{row['instruction_mix_difference_vs_hand']} instr. differ",
         f"{row['max_abs_param_diff_vs_baseline']:.1e}",
-    ])
+      ]
+    )
 
   shardopt_rows = {k: v for k, v in data.items() if "hand-written" not in k}
-  worst = max(shardopt_rows, key=lambda k: shardopt_rows[k]["ratio_vs_same_mapping_hand"])
+  worst = max(
+    shardopt_rows, key=lambda k: shardopt_rows[k]["ratio_vs_same_mapping_hand"]
+  )
   worst_ratio = shardopt_rows[worst]["ratio_vs_same_mapping_hand"]
-  identical = all(v["instruction_mix_difference_vs_hand"] == 0
-                  for v in shardopt_rows.values())
+  identical = all(
+    v["instruction_mix_difference_vs_hand"] == 0 for v in shardopt_rows.values()
+  )
   notes = [
-      f"MLP {list(sizes)} = {_common.count_params(params):,} params, Adam,"
-      f" {per_replica} examples per replica, {n} replicas; median of {repeats}"
-      f" interleaved rounds ({inner} step(s) per sample), warm-up excluded.",
-      "Ratio columns: median time / median time of the hand-written"
-      " `pmean` + `optax.adam` step (under pmap, and under the same mapping);"
-      " `paired` is the median of per-round ratios. `±` is half the"
-      " interquartile range of this row's samples, relative to its median.",
-      f"Goal ratio <= {GOAL}: worst shardopt row `{worst}` at"
-      f" {worst_ratio:.3f} -> {'met' if worst_ratio <= GOAL else 'NOT met'}.",
-      "Compiled instruction mix of every shardopt step vs its hand-written"
-      f" twin: {'identical (same program)' if identical else 'differs'}.",
+    f"MLP {list(sizes)} = {_common.count_params(params):,} params, Adam,"
+    f" {per_replica} examples per replica, {n} replicas; median of {repeats}"
+    f" interleaved rounds ({inner} step(s) per sample), warm-up excluded.",
+    "Ratio columns: median time / median time of the hand-written"
+    " `pmean` + `optax.adam` step (under pmap, and under the same mapping);"
+    " `paired` is the median of per-round ratios. `±` is half the"
+    " interquartile range of this row's samples, relative to its median.",
+    f"Goal ratio <= {GOAL}: worst shardopt row `{worst}` at"
+    f" {worst_ratio:.3f} -> {'met' if worst_ratio <= GOAL else 'NOT met'}.",
+    "Compiled instruction mix of every shardopt step vs its hand-written"
+    f" twin: {'identical (same program)' if identical else 'differs'}.",
   ]
   if worst_ratio > GOAL and identical:
     notes.append(
-        f"Why the goal reads as not met: {worst} compiles to the same"
-        " instructions as its hand-written twin, so its"
-        f" {(worst_ratio - 1) * 100:.1f}% is clock noise on this shared"
-        f" machine (that row's spread is ±{shardopt_rows[worst]['iqr_rel'] * 50:.1f}%),"
-        " not shardopt overhead.")
+      f"Why the goal reads as not met: {worst} compiles to the same"
+      " instructions as its hand-written twin, so its"
+      f" {(worst_ratio - 1) * 100:.1f}% is clock noise on this shared"
+      f" machine (that row's spread is ±{shardopt_rows[worst]['iqr_rel'] * 50:.1f}%),"
+      " not shardopt overhead."
+    )
   return {
-      "title": "1. Overhead: one Adam step, shardopt vs hand-written pmean",
-      "table": {"columns": ["step", "median ms", "ratio vs pmap hand",
-                            "ratio vs same-mapping hand", "spread",
-                            "compiled mix vs hand", "max |Δparam|"],
-                "rows": rows},
-      "notes": notes,
-      "data": {"params": _common.count_params(params), "sizes": list(sizes),
-               "per_replica_batch": per_replica, "repeats": repeats,
-               "inner": inner, "goal": GOAL, "worst": worst,
-               "worst_ratio": worst_ratio, "goal_met": worst_ratio <= GOAL,
-               "same_program": identical, "rows": data},
+    "title": "1. Overhead: one Adam step, shardopt vs hand-written pmean",
+    "table": {
+      "columns": [
+        "step",
+        "median ms",
+        "ratio vs pmap hand",
+        "ratio vs same-mapping hand",
+        "spread",
+        "compiled mix vs hand",
+        "max |Δparam|",
+      ],
+      "rows": rows,
+    },
+    "notes": notes,
+    "data": {
+      "params": _common.count_params(params),
+      "sizes": list(sizes),
+      "per_replica_batch": per_replica,
+      "repeats": repeats,
+      "inner": inner,
+      "goal": GOAL,
+      "worst": worst,
+      "worst_ratio": worst_ratio,
+      "goal_met": worst_ratio <= GOAL,
+      "same_program": identical,
+      "rows": data,
+    },
   }
 
 
 def plot(result: dict, directory: str) -> list[str]:
   """Writes ``overhead.png``: each step's time relative to its hand-written twin."""
   from benchmarks import _plots
+
   rows = result["data"]["rows"]
-  return [_plots.bars(
-      f"{directory}/overhead.png", list(rows),
+  return [
+    _plots.bars(
+      f"{directory}/overhead.png",
+      list(rows),
       [r["ratio_vs_same_mapping_hand"] for r in rows.values()],
       title="Step time / hand-written pmean + adam (same mapping)",
-      xlabel="ratio (median of interleaved rounds)", reference=GOAL,
-      reference_label=f"goal {GOAL}")]
+      xlabel="ratio (median of interleaved rounds)",
+      reference=GOAL,
+      reference_label=f"goal {GOAL}",
+    )
+  ]

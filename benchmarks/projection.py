@@ -22,21 +22,22 @@ PARAMS = 1_000_000_000
 BYTES_PER_PARAM = 4
 REPLICAS = 8
 LINKS = {  # name -> bytes per second
-    "TPU-class interconnect, 100 GB/s": 100e9,
-    "100 Gb/s Ethernet (12.5 GB/s)": 12.5e9,
-    "1 Gb/s WAN (0.125 GB/s)": 0.125e9,
+  "TPU-class interconnect, 100 GB/s": 100e9,
+  "100 Gb/s Ethernet (12.5 GB/s)": 12.5e9,
+  "1 Gb/s WAN (0.125 GB/s)": 0.125e9,
 }
 METHODS = {  # row label -> key in communication's results
-    "cross_shard(adam)": "pmap · cross_shard(adam)",
-    "cross_shard(adam, comm_dtype=bf16)": "pmap · cross_shard(adam, comm_dtype=bf16)",
-    "agn(adam, T=16)": "pmap · agn(adam, T=16)",
-    "diloco(adam, H=500)": "pmap · diloco(adam, H=500)",
+  "cross_shard(adam)": "pmap · cross_shard(adam)",
+  "cross_shard(adam, comm_dtype=bf16)": "pmap · cross_shard(adam, comm_dtype=bf16)",
+  "agn(adam, T=16)": "pmap · agn(adam, T=16)",
+  "diloco(adam, H=500)": "pmap · diloco(adam, H=500)",
 }
 FORMULA = "t = 2 (n - 1) / n * bytes_per_step / bandwidth, n = 8"
 
 
-def ring_allreduce_seconds(num_bytes: float, bandwidth: float,
-                           replicas: int = REPLICAS) -> float:
+def ring_allreduce_seconds(
+  num_bytes: float, bandwidth: float, replicas: int = REPLICAS
+) -> float:
   """Bandwidth term of a ring all-reduce of ``num_bytes`` over ``replicas``."""
   return 2 * (replicas - 1) / replicas * num_bytes / bandwidth
 
@@ -67,38 +68,59 @@ def run(quick: bool, measured: dict | None = None) -> dict:
       continue
     fraction = case["wire_over_param_bytes"]
     per_step = fraction * model_bytes
-    times = {link: ring_allreduce_seconds(per_step, bw) for link, bw in LINKS.items()}
-    data[label] = {"fraction_of_param_bytes": fraction,
-                   "bytes_per_step": per_step, "seconds_per_step": times}
-    rows.append([label, f"{fraction:.4g} × P = {per_step / 1e9:,.3f} GB"]
-                + [_format_seconds(t) for t in times.values()])
+    times = {
+      link: ring_allreduce_seconds(per_step, bw) for link, bw in LINKS.items()
+    }
+    data[label] = {
+      "fraction_of_param_bytes": fraction,
+      "bytes_per_step": per_step,
+      "seconds_per_step": times,
+    }
+    rows.append(
+      [label, f"{fraction:.4g} × P = {per_step / 1e9:,.3f} GB"]
+      + [_format_seconds(t) for t in times.values()]
+    )
   notes = [
-      f"Formula: {FORMULA} (bandwidth term only; latency 2 (n - 1) α per"
-      " all-reduce not included). Model: 1e9 float32 params, P = 4 GB.",
-      "Bytes per step: section 3's measured wire bytes per step as a fraction"
-      " of parameter bytes, times 4 GB. Periodic methods amortise one full"
-      " all-reduce over T (agn) or H (diloco) steps; on a sync step itself"
-      " they pay the full cross_shard time.",
+    f"Formula: {FORMULA} (bandwidth term only; latency 2 (n - 1) α per"
+    " all-reduce not included). Model: 1e9 float32 params, P = 4 GB.",
+    "Bytes per step: section 3's measured wire bytes per step as a fraction"
+    " of parameter bytes, times 4 GB. Periodic methods amortise one full"
+    " all-reduce over T (agn) or H (diloco) steps; on a sync step itself"
+    " they pay the full cross_shard time.",
   ]
   return {
-      "title": "6. Projection: communication time per step, 1B params, ring all-reduce",
-      "table": {"columns": ["method", "bytes per step"] + list(LINKS),
-                "rows": rows},
-      "notes": notes,
-      "data": {"formula": FORMULA, "params": PARAMS, "replicas": REPLICAS,
-               "links_bytes_per_s": LINKS, "methods": data},
+    "title": "6. Projection: communication time per step, 1B params, ring all-reduce",
+    "table": {
+      "columns": ["method", "bytes per step"] + list(LINKS),
+      "rows": rows,
+    },
+    "notes": notes,
+    "data": {
+      "formula": FORMULA,
+      "params": PARAMS,
+      "replicas": REPLICAS,
+      "links_bytes_per_s": LINKS,
+      "methods": data,
+    },
   }
 
 
 def plot(result: dict, directory: str) -> list[str]:
   """Writes ``projection.png``: seconds per step for each method and link."""
   from benchmarks import _plots
+
   labels, values = [], []
   for method, entry in result["data"]["methods"].items():
     for link, seconds in entry["seconds_per_step"].items():
       labels.append(f"{method} · {link.split(',')[0].split(' (')[0]}")
       values.append(seconds)
-  return [_plots.bars(
-      f"{directory}/projection.png", labels, values,
+  return [
+    _plots.bars(
+      f"{directory}/projection.png",
+      labels,
+      values,
       title="Projected communication time per step, 1B params, ring, n=8",
-      xlabel="seconds per step (log)", log=True)]
+      xlabel="seconds per step (log)",
+      log=True,
+    )
+  ]

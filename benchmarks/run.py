@@ -17,17 +17,25 @@ from __future__ import annotations
 import os
 import sys
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+if "xla_force_host_platform_device_count" not in os.environ.get(
+  "XLA_FLAGS", ""
+):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+  ).strip()
 if "xla_cpu_collective_timeout_seconds" not in os.environ["XLA_FLAGS"]:
   # As in tests/conftest.py: on a loaded 2-core machine 8 device threads can
   # take longer than XLA CPU's default to all reach a rendezvous, and XLA then
   # aborts the process instead of waiting.
-  os.environ["XLA_FLAGS"] += (" --xla_cpu_collective_timeout_seconds=900"
-                              " --xla_cpu_collective_call_terminate_timeout_seconds=900")
-if "--quick" in sys.argv[1:] and "xla_backend_optimization_level" not in (
-    os.environ["XLA_FLAGS"]):
+  os.environ["XLA_FLAGS"] += (
+    " --xla_cpu_collective_timeout_seconds=900"
+    " --xla_cpu_collective_call_terminate_timeout_seconds=900"
+  )
+if (
+  "--quick" in sys.argv[1:]
+  and "xla_backend_optimization_level" not in (os.environ["XLA_FLAGS"])
+):
   # The smoke run checks that the suite runs, not how fast: compile faster.
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -43,12 +51,23 @@ import traceback  # noqa: E402
 
 import jax  # noqa: E402
 
-SECTIONS = ("overhead", "groups", "communication", "memory", "convergence",
-            "projection", "powersgd", "quality_per_byte", "cost")
+SECTIONS = (
+  "overhead",
+  "groups",
+  "communication",
+  "memory",
+  "convergence",
+  "projection",
+  "powersgd",
+  "quality_per_byte",
+  "cost",
+)
 HERE = os.path.dirname(os.path.abspath(__file__))
-GPU_NOTE = ("No GPU figure exists yet: no accelerator was available to this run,"
-            " so sections 1 and 3 have not been repeated as a single-device GPU"
-            " sanity run.")
+GPU_NOTE = (
+  "No GPU figure exists yet: no accelerator was available to this run,"
+  " so sections 1 and 3 have not been repeated as a single-device GPU"
+  " sanity run."
+)
 
 
 def _cpu_model() -> str:
@@ -64,9 +83,16 @@ def _cpu_model() -> str:
 
 def _git_commit() -> str:
   try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                          capture_output=True, text=True, timeout=10
-                          ).stdout.strip() or "unknown"
+    return (
+      subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=10,
+      ).stdout.strip()
+      or "unknown"
+    )
   except (OSError, subprocess.SubprocessError):
     return "unknown"
 
@@ -76,27 +102,29 @@ def machine() -> dict:
   import jaxlib
   import numpy
   import optax
+
   devices = jax.devices()
   return {
-      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-          timespec="seconds"),
-      "platform": devices[0].platform,
-      "device_kind": devices[0].device_kind,
-      "device_count": len(devices),
-      "devices": [str(d) for d in devices],
-      "cpu_model": _cpu_model(),
-      "cpu_count": os.cpu_count(),
-      "load_average_at_start": list(os.getloadavg()),
-      "python": platform.python_version(),
-      "os": platform.platform(),
-      "jax": jax.__version__,
-      "jaxlib": jaxlib.__version__,
-      "optax": optax.__version__,
-      "numpy": numpy.__version__,
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "git_commit": _git_commit(),
-      "gpu": None,
-      "gpu_note": GPU_NOTE,
+    "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds"
+    ),
+    "platform": devices[0].platform,
+    "device_kind": devices[0].device_kind,
+    "device_count": len(devices),
+    "devices": [str(d) for d in devices],
+    "cpu_model": _cpu_model(),
+    "cpu_count": os.cpu_count(),
+    "load_average_at_start": list(os.getloadavg()),
+    "python": platform.python_version(),
+    "os": platform.platform(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "optax": optax.__version__,
+    "numpy": numpy.__version__,
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "git_commit": _git_commit(),
+    "gpu": None,
+    "gpu_note": GPU_NOTE,
   }
 
 
@@ -104,20 +132,21 @@ def _cell(value) -> str:
   return str(value).replace("|", "\\|")
 
 
-def markdown(results: dict, *, image_prefix: str = "",
-             heading: str = "#") -> str:
+def markdown(
+  results: dict, *, image_prefix: str = "", heading: str = "#"
+) -> str:
   """The whole report as Markdown: machine line, then one table per section."""
   m = results["machine"]
   lines = [
-      f"{heading} shardopt benchmarks"
-      + (" (quick smoke run)" if results["quick"] else ""),
-      "",
-      f"Ran {m['date_utc']} on {m['device_count']} forced {m['platform']} devices"
-      f" ({m['cpu_model']}, {m['cpu_count']} cores, load average at start"
-      f" {m['load_average_at_start'][0]:.1f}); jax {m['jax']}, optax"
-      f" {m['optax']}, commit {m['git_commit']}. Command: `{results['command']}`.",
-      "",
-      m["gpu_note"],
+    f"{heading} shardopt benchmarks"
+    + (" (quick smoke run)" if results["quick"] else ""),
+    "",
+    f"Ran {m['date_utc']} on {m['device_count']} forced {m['platform']} devices"
+    f" ({m['cpu_model']}, {m['cpu_count']} cores, load average at start"
+    f" {m['load_average_at_start'][0]:.1f}); jax {m['jax']}, optax"
+    f" {m['optax']}, commit {m['git_commit']}. Command: `{results['command']}`.",
+    "",
+    m["gpu_note"],
   ]
   for name in SECTIONS:
     section = results["sections"].get(name)
@@ -139,9 +168,10 @@ def markdown(results: dict, *, image_prefix: str = "",
     lines.append("")
     ran = section.get("ran_on", m)
     lines.append(
-        f"_Ran on {ran['device_count']} {ran['platform']} devices"
-        f" ({ran['cpu_model']}), {ran['date_utc']}, commit {ran['git_commit']};"
-        f" wall time {section['seconds']:.0f} s._")
+      f"_Ran on {ran['device_count']} {ran['platform']} devices"
+      f" ({ran['cpu_model']}), {ran['date_utc']}, commit {ran['git_commit']};"
+      f" wall time {section['seconds']:.0f} s._"
+    )
   return "\n".join(lines).rstrip() + "\n"
 
 
@@ -168,10 +198,18 @@ def update_readme(results: dict) -> bool:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny sizes for the CI smoke run (writes results/quick/)")
-  parser.add_argument("--only", action="append", choices=SECTIONS,
-                      metavar="NAME", help=f"run only NAME (one of {SECTIONS})")
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="tiny sizes for the CI smoke run (writes results/quick/)",
+  )
+  parser.add_argument(
+    "--only",
+    action="append",
+    choices=SECTIONS,
+    metavar="NAME",
+    help=f"run only NAME (one of {SECTIONS})",
+  )
   parser.add_argument("--out", default=None, help="output directory")
   args = parser.parse_args(argv)
   out = args.out or os.path.join(HERE, "results", "quick" if args.quick else "")
@@ -184,8 +222,11 @@ def main(argv=None) -> int:
   if args.only and os.path.exists(json_path):
     with open(json_path) as f:
       results = json.load(f)
-  command = "python -m benchmarks.run" + (" --quick" if args.quick else "") + "".join(
-      f" --only {n}" for n in args.only or [])
+  command = (
+    "python -m benchmarks.run"
+    + (" --quick" if args.quick else "")
+    + "".join(f" --only {n}" for n in args.only or [])
+  )
   results.update(quick=args.quick, command=command, machine=machine())
 
   failed = []
@@ -200,19 +241,31 @@ def main(argv=None) -> int:
       if name == "projection":
         measured = results["sections"].get("communication", {}).get("data")
         fresh = "communication" in names and measured is not None
-        section = module.run(args.quick, measured if fresh or args.only else None)
+        section = module.run(
+          args.quick, measured if fresh or args.only else None
+        )
       else:
         section = module.run(args.quick)
       if hasattr(module, "plot"):
-        section["plots"] = [os.path.relpath(p, out)
-                            for p in module.plot(section, out)]
+        section["plots"] = [
+          os.path.relpath(p, out) for p in module.plot(section, out)
+        ]
     except Exception:  # noqa: BLE001  (recorded, and the run exits non-zero)
       failed.append(name)
       section = {"title": name, "error": traceback.format_exc()}
     section["seconds"] = time.perf_counter() - t0
-    section["ran_on"] = {k: results["machine"][k] for k in (
-        "date_utc", "platform", "device_kind", "device_count", "cpu_model",
-        "cpu_count", "git_commit")}
+    section["ran_on"] = {
+      k: results["machine"][k]
+      for k in (
+        "date_utc",
+        "platform",
+        "device_kind",
+        "device_count",
+        "cpu_model",
+        "cpu_count",
+        "git_commit",
+      )
+    }
     section["ran_on"]["load_average_at_end"] = list(os.getloadavg())
     results["sections"][name] = section
     print(f"[benchmarks] {name} done in {section['seconds']:.0f} s", flush=True)
@@ -225,8 +278,10 @@ def main(argv=None) -> int:
   with open(os.path.join(out, "latest.md"), "w") as f:
     f.write(text)
   print(text)
-  print(f"[benchmarks] wrote {json_path} and latest.md in"
-        f" {results['total_seconds']:.0f} s")
+  print(
+    f"[benchmarks] wrote {json_path} and latest.md in"
+    f" {results['total_seconds']:.0f} s"
+  )
   if not args.quick and out == os.path.join(HERE, "results"):
     if update_readme(results):
       print("[benchmarks] updated the results block of benchmarks/README.md")

@@ -42,6 +42,7 @@ from benchmarks import hlo
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """Which conditional branches a step takes; see the module docstring."""
+
   kind: str
   period: int = 1
   num_fragments: int = 1
@@ -54,10 +55,12 @@ class Schedule:
     if self.kind == "periodic":
       return f"once per {self.period} steps"
     if self.kind == "fragments":
-      return (f"{self.num_fragments} fragments, each once per {self.period}"
-              " steps")
-    return "levels " + ", ".join(f"every {p}: groups of {g}"
-                                 for p, g in self.levels)
+      return (
+        f"{self.num_fragments} fragments, each once per {self.period} steps"
+      )
+    return "levels " + ", ".join(
+      f"every {p}: groups of {g}" for p, g in self.levels
+    )
 
 
 def every(taken: str = "max") -> Schedule:
@@ -73,8 +76,11 @@ def fragments(period: int, num_fragments: int) -> Schedule:
 
 
 def levels(period_group_sizes: Mapping[int, int]) -> Schedule:
-  return Schedule("levels", levels=tuple(period_group_sizes.items()),
-                  period=math.lcm(*period_group_sizes))
+  return Schedule(
+    "levels",
+    levels=tuple(period_group_sizes.items()),
+    period=math.lcm(*period_group_sizes),
+  )
 
 
 def _main_group_size(collectives: list, label: str) -> int:
@@ -115,9 +121,13 @@ def per_step(collectives: list, schedule: Schedule) -> dict:
       per_fragment = [sizes[label] for label in sorted(sizes)]
     else:
       total = sum(sizes.values())
-      per_fragment = [total] * count if len(sizes) == 1 else [total / count] * count
-      warning = (f"expected {count} branches with collectives (one per"
-                 f" fragment), found {len(sizes)}")
+      per_fragment = (
+        [total] * count if len(sizes) == 1 else [total / count] * count
+      )
+      warning = (
+        f"expected {count} branches with collectives (one per"
+        f" fragment), found {len(sizes)}"
+      )
     for offset, value in zip(offsets, per_fragment):
       cycle[(offset - 1) % period] += value  # step t sits at index t - 1
   elif schedule.kind == "levels":
@@ -131,10 +141,17 @@ def per_step(collectives: list, schedule: Schedule) -> dict:
       cycle.append(top + (by_size.get(max(due)[1], 0.0) if due else 0.0))
     expected = {g for _, g in schedule.levels}
     if set(by_size) != expected:
-      warning = (f"expected branches in groups of {sorted(expected)}, found"
-                 f" {sorted(by_size)}")
+      warning = (
+        f"expected branches in groups of {sorted(expected)}, found"
+        f" {sorted(by_size)}"
+      )
   else:
     raise ValueError(f"per_step: unknown schedule kind {schedule.kind!r}.")
-  return {"mean_bytes": sum(cycle) / len(cycle), "peak_bytes": max(cycle),
-          "top_bytes": top, "cycle": cycle, "branches": branches,
-          "warning": warning}
+  return {
+    "mean_bytes": sum(cycle) / len(cycle),
+    "peak_bytes": max(cycle),
+    "top_bytes": top,
+    "cycle": cycle,
+    "branches": branches,
+    "warning": warning,
+  }

@@ -112,6 +112,7 @@ def batches(steps, *lead):
 def loss_fn(params, x, y):
   return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
 
+
 # %% [markdown]
 # ## 1. Hierarchical local SGD
 #
@@ -123,8 +124,9 @@ def loss_fn(params, x, y):
 # PyTorch counts from 0, so start its `step` at 1 to get the same schedule).
 
 # %%
-tx = shardopt.hierarchical_local_sgd(optax.sgd(0.05), "batch",
-                                     period_group_sizes={2: 2, 4: 4, 8: 8})
+tx = shardopt.hierarchical_local_sgd(
+  optax.sgd(0.05), "batch", period_group_sizes={2: 2, 4: 4, 8: 8}
+)
 
 
 def train_step(params, state, x, y):
@@ -143,8 +145,10 @@ x, y = batches(8, n)
 for t in range(8):
   params, state, gathered = train_step(params, state, x[t], y[t])
   groups = len(np.unique(np.round(np.asarray(gathered[0]), 5)))
-  print(f"after step {t + 1}: {groups} distinct replica values,"
-        f" syncs so far {int(state.sync_count[0])}")
+  print(
+    f"after step {t + 1}: {groups} distinct replica values,"
+    f" syncs so far {int(state.sync_count[0])}"
+  )
 
 # %% [markdown]
 # Each level's collectives run within its groups only. The compiled HLO of the
@@ -158,8 +162,10 @@ for level, ops in enumerate(branches):
   sizes = sorted({op.group_size for op in ops if op.kind == "all-reduce"})
   print(f"branch {level}: {len(ops)} collectives, group sizes {sizes}")
 outside = [op for op in hlo.compiled_collectives(text) if op.context == "top"]
-print(f"outside the switch: {[op.kind for op in outside]}"
-      " (the all-gather above is this notebook's own diagnostic)")
+print(
+  f"outside the switch: {[op.kind for op in outside]}"
+  " (the all-gather above is this notebook's own diagnostic)"
+)
 
 # %% [markdown]
 # ## 2. DiLoCo across islands
@@ -173,39 +179,53 @@ print(f"outside the switch: {[op.kind for op in outside]}"
 # %%
 ISLANDS, DATA, H = 2, n // 2, 4
 mesh = jax.make_mesh((ISLANDS, DATA), ("island", "data"), devices=DEVICES)
-tx = shardopt.diloco(shardopt.cross_shard(optax.adamw(0.05), "data"), "island",
-                     sync_period=H)
-params = {"w": np.zeros((ISLANDS, 16), np.float32),
-          "b": np.zeros((ISLANDS,), np.float32)}
-specs = jax.tree.map(lambda v: P() if np.ndim(v) == 0 else P("island"),
-                     jax.eval_shape(tx.init, {"w": jnp.zeros((1, 16)),
-                                              "b": jnp.zeros((1,))}))
+tx = shardopt.diloco(
+  shardopt.cross_shard(optax.adamw(0.05), "data"), "island", sync_period=H
+)
+params = {
+  "w": np.zeros((ISLANDS, 16), np.float32),
+  "b": np.zeros((ISLANDS,), np.float32),
+}
+specs = jax.tree.map(
+  lambda v: P() if np.ndim(v) == 0 else P("island"),
+  jax.eval_shape(tx.init, {"w": jnp.zeros((1, 16)), "b": jnp.zeros((1,))}),
+)
 
 
 def island_step(params, state, x, y):  # params: this island's copy, (1, ...)
-  grads = jax.grad(lambda p: loss_fn(jax.tree.map(lambda v: v[0], p),
-                                     x[0, 0], y[0, 0]))(params)
+  grads = jax.grad(
+    lambda p: loss_fn(jax.tree.map(lambda v: v[0], p), x[0, 0], y[0, 0])
+  )(params)
   updates, state = tx.update(grads, state, params)
   return optax.apply_updates(params, updates), state
 
 
 data_spec = P("island", "data")
-init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P("island"),
-                             out_specs=specs))
-island_step = jax.jit(jax.shard_map(
-    island_step, mesh=mesh, in_specs=(P("island"), specs, data_spec, data_spec),
-    out_specs=(P("island"), specs)))
+init = jax.jit(
+  jax.shard_map(tx.init, mesh=mesh, in_specs=P("island"), out_specs=specs)
+)
+island_step = jax.jit(
+  jax.shard_map(
+    island_step,
+    mesh=mesh,
+    in_specs=(P("island"), specs, data_spec, data_spec),
+    out_specs=(P("island"), specs),
+  )
+)
 put = lambda v, s: jax.device_put(v, NamedSharding(mesh, s))
 params = put(params, P("island"))
 state = init(params)
 x, y = batches(3 * H, ISLANDS, DATA)
 for t in range(3 * H):
-  params, state = island_step(params, state, put(x[t], data_spec),
-                              put(y[t], data_spec))
+  params, state = island_step(
+    params, state, put(x[t], data_spec), put(y[t], data_spec)
+  )
   jax.block_until_ready(params)
 island0 = jax.tree.map(lambda v: np.asarray(v)[0], params)
 loss = float(loss_fn(island0, x.reshape(-1, 16), y.reshape(-1)))
-print(f"after {3 * H} steps: {int(state.sync_count)} outer steps, loss {loss:.4f}")
+print(
+  f"after {3 * H} steps: {int(state.sync_count)} outer steps, loss {loss:.4f}"
+)
 
 # %% [markdown]
 # Bytes per step over each axis, read from the compiled HLO: the all-reduce
@@ -213,8 +233,11 @@ print(f"after {3 * H} steps: {int(state.sync_count)} outer steps, loss {loss:.4f
 # over `"island"` (groups of 2) runs inside the sync branch, once every H steps.
 
 # %%
-text = island_step.lower(params, state, put(x[0], data_spec),
-                         put(y[0], data_spec)).compile().as_text()
+text = (
+  island_step.lower(params, state, put(x[0], data_spec), put(y[0], data_spec))
+  .compile()
+  .as_text()
+)
 param_bytes = sum(v.size * 4 for v in jax.tree.leaves(params)) // ISLANDS
 per_axis = {}
 for op in hlo.compiled_collectives(text):
@@ -223,9 +246,11 @@ for op in hlo.compiled_collectives(text):
   per_axis.setdefault(axis, []).append((op.kind, op.buffer_bytes, every))
 for axis, ops in per_axis.items():
   per_step = sum(b / every for _, b, every in ops)
-  print(f'over "{axis}": {[(k, b) for k, b, _ in ops]}, every'
-        f" {ops[0][2]} step(s): {per_step:.0f} bytes per step on average"
-        f" ({param_bytes} param bytes)")
+  print(
+    f'over "{axis}": {[(k, b) for k, b, _ in ops]}, every'
+    f" {ops[0][2]} step(s): {per_step:.0f} bytes per step on average"
+    f" ({param_bytes} param bytes)"
+  )
 
 # %% [markdown]
 # `local_sgd` nests the same way. `agn` accumulates the gradients it is
@@ -240,13 +265,18 @@ for axis, ops in per_axis.items():
 # steps t with `t % H == (f * H) // F`. Each sync all-reduces one fragment, so
 # the peak bytes of a step drop to about 1/F of DiLoCo's.
 
+
 # %%
 def mlp_init(key):
   sizes = [16, 48, 48, 48, 48, 48, 1]
   keys = jax.random.split(key, len(sizes) - 1)
-  return {f"layer{i}": {"w": jax.random.normal(k, (a, b)) / np.sqrt(a),
-                        "b": jnp.zeros(b)}
-          for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))}
+  return {
+    f"layer{i}": {
+      "w": jax.random.normal(k, (a, b)) / np.sqrt(a),
+      "b": jnp.zeros(b),
+    }
+    for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))
+  }
 
 
 def mlp_loss(params, x, y):
@@ -261,8 +291,9 @@ H = 8
 x, y = batches(64, n)
 results = {}
 for fragments in (1, 4):
-  tx = shardopt.diloco(optax.adam(3e-3), "batch", sync_period=H,
-                       num_fragments=fragments)
+  tx = shardopt.diloco(
+    optax.adam(3e-3), "batch", sync_period=H, num_fragments=fragments
+  )
 
   def step(params, state, x, y):
     grads = jax.grad(mlp_loss)(params, x, y)
@@ -281,9 +312,11 @@ for fragments in (1, 4):
   center = jax.tree.map(lambda v: v[0], state.center)
   loss = float(mlp_loss(center, x.reshape(-1, 16), y.reshape(-1)))
   results[fragments] = (per_sync, loss)
-  print(f"F={fragments}: bytes per sync branch {per_sync}; peak"
-        f" {max(per_sync)} bytes, mean {sum(per_sync) / H:.0f} bytes per step;"
-        f" loss of the center after {len(x)} steps {loss:.4f}")
+  print(
+    f"F={fragments}: bytes per sync branch {per_sync}; peak"
+    f" {max(per_sync)} bytes, mean {sum(per_sync) / H:.0f} bytes per step;"
+    f" loss of the center after {len(x)} steps {loss:.4f}"
+  )
 
 peak_ratio = max(results[4][0]) / max(results[1][0])
 print(f"peak bytes, F=4 / F=1: {peak_ratio:.2f}")

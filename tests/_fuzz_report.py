@@ -43,57 +43,72 @@ class FuzzReport:
   @pytest.hookimpl(hookwrapper=True)
   def pytest_runtest_call(self, item):
     from hypothesis.statistics import collector
+
     runs = []
     with collector.with_value(runs.append):
       yield
     if runs:
-      cases = [case for run in runs
-               for case in run.get("generate-phase", {}).get("test-cases", [])]
+      cases = [
+        case
+        for run in runs
+        for case in run.get("generate-phase", {}).get("test-cases", [])
+      ]
       statuses = [case["status"] for case in cases]
-      item.user_properties.append((_KEY, {
-          "examples": sum(s in ("valid", "interesting") for s in statuses),
-          "discarded": sum(s in ("invalid", "overrun") for s in statuses),
-          "failures": sum(s == "interesting" for s in statuses),
-          "stopped": "; ".join(sorted({run.get("stopped-because", "")
-                                       for run in runs} - {""})),
-      }))
+      item.user_properties.append(
+        (
+          _KEY,
+          {
+            "examples": sum(s in ("valid", "interesting") for s in statuses),
+            "discarded": sum(s in ("invalid", "overrun") for s in statuses),
+            "failures": sum(s == "interesting" for s in statuses),
+            "stopped": "; ".join(
+              sorted({run.get("stopped-because", "") for run in runs} - {""})
+            ),
+          },
+        )
+      )
 
   def pytest_runtest_logreport(self, report):
     if report.when != "call":
       return
     for key, figures in report.user_properties:
       if key == _KEY:
-        self.rows[report.nodeid] = dict(figures, outcome=report.outcome,
-                                        seconds=report.duration)
+        self.rows[report.nodeid] = dict(
+          figures, outcome=report.outcome, seconds=report.duration
+        )
 
   def pytest_sessionfinish(self, session):
     if hasattr(session.config, "workerinput"):  # an xdist worker
       return
     from hypothesis import settings
+
     profile = settings.get_current_profile_name()
     examples = settings.default.max_examples
     rows = sorted(self.rows.items())
     total_s = time.time() - self.started
     lines = [
-        f"# Fuzz results (hypothesis profile `{profile}`,"
-        f" max_examples {examples})",
-        "",
-        f"{datetime.datetime.now().isoformat(timespec='seconds')},"
-        f" {platform.node()}, {os.cpu_count()} CPUs;"
-        f" {len(rows)} properties, {sum(r['examples'] for _, r in rows)}"
-        f" examples, {sum(r['failures'] for _, r in rows)} failures,"
-        f" wall {total_s:.0f} s.",
-        "",
-        "| Property | Examples | Discarded | Failures | Time (s) | Outcome |"
-        " Stopped because |",
-        "|---|---:|---:|---:|---:|---|---|",
+      f"# Fuzz results (hypothesis profile `{profile}`,"
+      f" max_examples {examples})",
+      "",
+      f"{datetime.datetime.now().isoformat(timespec='seconds')},"
+      f" {platform.node()}, {os.cpu_count()} CPUs;"
+      f" {len(rows)} properties, {sum(r['examples'] for _, r in rows)}"
+      f" examples, {sum(r['failures'] for _, r in rows)} failures,"
+      f" wall {total_s:.0f} s.",
+      "",
+      "| Property | Examples | Discarded | Failures | Time (s) | Outcome |"
+      " Stopped because |",
+      "|---|---:|---:|---:|---:|---|---|",
     ]
     for nodeid, r in rows:
-      lines.append(f"| `{nodeid}` | {r['examples']} | {r['discarded']} |"
-                   f" {r['failures']} | {r['seconds']:.1f} | {r['outcome']} |"
-                   f" {r['stopped'] or '-'} |")
+      lines.append(
+        f"| `{nodeid}` | {r['examples']} | {r['discarded']} |"
+        f" {r['failures']} | {r['seconds']:.1f} | {r['outcome']} |"
+        f" {r['stopped'] or '-'} |"
+      )
     os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
     with open(self.path, "w") as f:
       f.write("\n".join(lines) + "\n")
     session.config.get_terminal_writer().line(
-        f"\nfuzz report ({len(rows)} properties) written to {self.path}")
+      f"\nfuzz report ({len(rows)} properties) written to {self.path}"
+    )

@@ -34,19 +34,19 @@ THOROUGH_EXAMPLES = 500
 ENV_VAR = "HYPOTHESIS_PROFILE"
 
 _COMMON = dict(
-    deadline=None,                     # the first example of a shape compiles
-    database=None,
-    phases=[Phase.explicit, Phase.generate],
-    suppress_health_check=[HealthCheck.too_slow,
-                           HealthCheck.differing_executors],
-    print_blob=True,
+  deadline=None,  # the first example of a shape compiles
+  database=None,
+  phases=[Phase.explicit, Phase.generate],
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
+  print_blob=True,
 )
 
 # max_examples of ``ci`` is only the default for a property that does not
 # size itself with ``settings_for``: keep such properties cheap too.
 settings.register_profile(CI, max_examples=10, derandomize=True, **_COMMON)
-settings.register_profile(THOROUGH, max_examples=THOROUGH_EXAMPLES,
-                          derandomize=False, **_COMMON)
+settings.register_profile(
+  THOROUGH, max_examples=THOROUGH_EXAMPLES, derandomize=False, **_COMMON
+)
 settings.load_profile(os.environ.get(ENV_VAR, CI))
 
 

@@ -6,9 +6,9 @@ import os
 # machine, 8 device threads can take longer than the default to all reach a
 # rendezvous, and XLA then aborts the process instead of waiting.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    " --xla_cpu_collective_timeout_seconds=900"
-    " --xla_cpu_collective_call_terminate_timeout_seconds=900"
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  " --xla_cpu_collective_timeout_seconds=900"
+  " --xla_cpu_collective_call_terminate_timeout_seconds=900"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -26,9 +26,10 @@ def pytest_configure(config):
   path = os.environ.get("FUZZ_REPORT")
   if path:
     import _fuzz_report
+
     config.pluginmanager.register(
-        _fuzz_report.FuzzReport(path),
-        "shardopt_fuzz_report")
+      _fuzz_report.FuzzReport(path), "shardopt_fuzz_report"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -25,8 +25,10 @@ R = 8
 
 
 def _tree(rng, dtypes=(jnp.float32, jnp.float32), lead=()):
-  return {"w": jnp.asarray(rng.normal(size=lead + (3, 4)), dtypes[0]),
-          "b": jnp.asarray(rng.normal(size=lead + (5,)), dtypes[1])}
+  return {
+    "w": jnp.asarray(rng.normal(size=lead + (3, 4)), dtypes[0]),
+    "b": jnp.asarray(rng.normal(size=lead + (5,)), dtypes[1]),
+  }
 
 
 def _adam():
@@ -36,15 +38,18 @@ def _adam():
 # --- Same numbers as optax.MultiSteps. ---------------------------------------
 
 CASES = [  # (every_k_steps, use_grad_mean, dtypes, inner, seed)
-    (1, True, (jnp.float32, jnp.float32), "sgd", 0),
-    (3, True, (jnp.float32, jnp.float32), "adam", 1),
-    (4, False, (jnp.float32, jnp.float32), "momentum", 2),
-    (2, True, (jnp.bfloat16, jnp.bfloat16), "sgd", 3),
-    (5, False, (jnp.float16, jnp.float32), "momentum", 4),
-    (3, True, (jnp.float32, jnp.bfloat16), "adam", 5),
+  (1, True, (jnp.float32, jnp.float32), "sgd", 0),
+  (3, True, (jnp.float32, jnp.float32), "adam", 1),
+  (4, False, (jnp.float32, jnp.float32), "momentum", 2),
+  (2, True, (jnp.bfloat16, jnp.bfloat16), "sgd", 3),
+  (5, False, (jnp.float16, jnp.float32), "momentum", 4),
+  (3, True, (jnp.float32, jnp.bfloat16), "adam", 5),
 ]
-INNERS = {"sgd": lambda: optax.sgd(0.1), "adam": _adam,
-          "momentum": lambda: optax.sgd(0.1, momentum=0.9)}
+INNERS = {
+  "sgd": lambda: optax.sgd(0.1),
+  "adam": _adam,
+  "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+}
 
 
 @pytest.mark.parametrize("k, mean, dtypes, inner, seed", CASES)
@@ -55,11 +60,15 @@ def test_same_numbers_as_optax_multisteps(k, mean, dtypes, inner, seed):
   ref = optax.MultiSteps(INNERS[inner](), k, use_grad_mean=mean)
   state, ref_state = tx.init(params), ref.init(params)
   for p, a in zip(jax.tree.leaves(params), jax.tree.leaves(state.acc_grads)):
-    assert a.dtype == jnp.promote_types(p.dtype, jnp.float32)  # f32 for bf16/f16
+    assert a.dtype == jnp.promote_types(
+      p.dtype, jnp.float32
+    )  # f32 for bf16/f16
   update, ref_update = jax.jit(tx.update), jax.jit(ref.update)
   # The adam cases differ from optax by at most an ulp or two (XLA fuses the
   # branch differently); sgd and momentum are bit-identical.
-  tol = {"rtol": 0, "atol": 0} if inner != "adam" else {"rtol": 1e-6, "atol": 1e-7}
+  tol = (
+    {"rtol": 0, "atol": 0} if inner != "adam" else {"rtol": 1e-6, "atol": 1e-7}
+  )
   for step in range(2 * k + 1):
     grads = _tree(rng, dtypes)
     updates, state = update(grads, state, params)
@@ -67,10 +76,18 @@ def test_same_numbers_as_optax_multisteps(k, mean, dtypes, inner, seed):
     chex.assert_trees_all_close(updates, want, **tol)
     chex.assert_trees_all_equal_dtypes(updates, want)
     assert int(state.mini_step) == int(ref_state.mini_step) == (step + 1) % k
-    assert int(state.gradient_step) == int(ref_state.gradient_step) == (step + 1) // k
-    if int(state.mini_step):  # after an update optax zeroes, shardopt ignores it
+    assert (
+      int(state.gradient_step)
+      == int(ref_state.gradient_step)
+      == (step + 1) // k
+    )
+    if int(
+      state.mini_step
+    ):  # after an update optax zeroes, shardopt ignores it
       chex.assert_trees_all_equal(state.acc_grads, ref_state.acc_grads)
-    chex.assert_trees_all_close(state.inner_state, ref_state.inner_opt_state, **tol)
+    chex.assert_trees_all_close(
+      state.inner_state, ref_state.inner_opt_state, **tol
+    )
 
 
 def test_accumulated_mean_matches_numpy_and_sum_is_k_times_it():
@@ -88,26 +105,32 @@ def test_accumulated_mean_matches_numpy_and_sum_is_k_times_it():
 
 # --- Under pmap: per-replica gradients, communicating inner transforms. ------
 
+
 def _pmap_run(tx, params, grads):
   """grads (steps, R, ...): every step in one pmapped scan; returns params per step."""
+
   def run(params, grads):
     def step(carry, g):
       params, state = carry
       updates, state = tx.update(g, state, params)
       params = optax.apply_updates(params, updates)
       return (params, state), params
+
     return jax.lax.scan(step, (params, tx.init(params)), grads)[1]
+
   stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (R,) + p.shape), params)
-  out = jax.pmap(run, axis_name=AXIS)(stacked, jax.tree.map(
-      lambda g: jnp.swapaxes(g, 0, 1), grads))
+  out = jax.pmap(run, axis_name=AXIS)(
+    stacked, jax.tree.map(lambda g: jnp.swapaxes(g, 0, 1), grads)
+  )
   return jax.tree.map(lambda v: np.swapaxes(np.asarray(v), 0, 1), out)
 
 
 INNER_COMMUNICATING = {
-    "cross_shard(adam)": lambda: shardopt.cross_shard(_adam(), AXIS),
-    "tower(adam)": lambda: shardopt.tower(_adam(), AXIS),
-    "chain(clip, cross_shard_mean, adam)": lambda: optax.chain(
-        optax.clip_by_global_norm(1.0), shardopt.cross_shard_mean(AXIS), _adam()),
+  "cross_shard(adam)": lambda: shardopt.cross_shard(_adam(), AXIS),
+  "tower(adam)": lambda: shardopt.tower(_adam(), AXIS),
+  "chain(clip, cross_shard_mean, adam)": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0), shardopt.cross_shard_mean(AXIS), _adam()
+  ),
 }
 
 
@@ -117,13 +140,16 @@ def test_per_replica_gradients_match_multisteps_and_stay_in_sync(inner):
   rng = np.random.default_rng(6)
   params = _tree(rng)
   grads = _tree(rng, lead=(steps, R))  # a different gradient on every replica
-  got = _pmap_run(shardopt.accumulate(INNER_COMMUNICATING[inner](), k), params,
-                  grads)
+  got = _pmap_run(
+    shardopt.accumulate(INNER_COMMUNICATING[inner](), k), params, grads
+  )
   # tower equals cross_shard for an elementwise inner transform.
   ref_inner = INNER_COMMUNICATING[
-      "cross_shard(adam)" if inner == "tower(adam)" else inner]()
-  want = _pmap_run(optax.MultiSteps(ref_inner, k).gradient_transformation(),
-                   params, grads)
+    "cross_shard(adam)" if inner == "tower(adam)" else inner
+  ]()
+  want = _pmap_run(
+    optax.MultiSteps(ref_inner, k).gradient_transformation(), params, grads
+  )
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
   for leaf in jax.tree.leaves(got):  # bit-identical on every replica
     chex.assert_trees_all_equal(*[leaf[:, r] for r in range(R)])
@@ -135,6 +161,7 @@ def test_per_replica_gradients_match_multisteps_and_stay_in_sync(inner):
 
 
 # --- HLO: where the collectives sit. -----------------------------------------
+
 
 def _mesh():
   return jax.make_mesh((R,), (AXIS,))
@@ -152,14 +179,22 @@ def _state_specs(tx, mesh, w, g_spec):
     state = tx.init(w)
     new_state = tx.update(g, state, w)[1]
     specs["state"] = jax.tree.map(
-        lambda a, b: P(AXIS) if _axes.varying_axes(a) | _axes.varying_axes(b)
-        else P(), state, new_state)
+      lambda a, b: (
+        P(AXIS) if _axes.varying_axes(a) | _axes.varying_axes(b) else P()
+      ),
+      state,
+      new_state,
+    )
     return jnp.zeros([])
 
-  g = jax.ShapeDtypeStruct((R * w.shape[0],) if g_spec != P() else w.shape,
-                           w.dtype, sharding=NamedSharding(mesh, g_spec))
-  jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(P(), g_spec),
-                               out_specs=P()), w, g)
+  g = jax.ShapeDtypeStruct(
+    (R * w.shape[0],) if g_spec != P() else w.shape,
+    w.dtype,
+    sharding=NamedSharding(mesh, g_spec),
+  )
+  jax.eval_shape(
+    jax.shard_map(probe, mesh=mesh, in_specs=(P(), g_spec), out_specs=P()), w, g
+  )
   return specs["state"]
 
 
@@ -176,11 +211,17 @@ def _compiled_update(tx, spelling, size=4096):
   # typed invariant). "varying": P() params cast to varying before jax.grad.
   g_spec = P() if spelling == "invariant" else P(AXIS)
   specs = _state_specs(tx, mesh, w, g_spec)
-  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
-                                out_specs=specs))(w)
-  f = jax.jit(jax.shard_map(lambda g, s, w: tx.update(g, s, w), mesh=mesh,
-                            in_specs=(g_spec, specs, P()),
-                            out_specs=(P(), specs)))
+  state = jax.jit(
+    jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+  )(w)
+  f = jax.jit(
+    jax.shard_map(
+      lambda g, s, w: tx.update(g, s, w),
+      mesh=mesh,
+      in_specs=(g_spec, specs, P()),
+      out_specs=(P(), specs),
+    )
+  )
   g = _put(mesh, jnp.zeros([R * size] if g_spec != P() else [size]), g_spec)
   return f.lower(g, state, _put(mesh, w, P())).compile().as_text()
 
@@ -190,18 +231,23 @@ def _contexts(text):
 
 
 HLO_CASES = [
-    ("pmap", "cross_shard(adam)"), ("pmap", "tower(adam)"),
-    ("pmap", "chain(clip, cross_shard_mean, adam)"),
-    ("invariant", "tower(adam)"),
-    ("varying", "cross_shard(adam)"), ("varying", "tower(adam)"),
-    ("varying", "chain(clip, cross_shard_mean, adam)"),
+  ("pmap", "cross_shard(adam)"),
+  ("pmap", "tower(adam)"),
+  ("pmap", "chain(clip, cross_shard_mean, adam)"),
+  ("invariant", "tower(adam)"),
+  ("varying", "cross_shard(adam)"),
+  ("varying", "tower(adam)"),
+  ("varying", "chain(clip, cross_shard_mean, adam)"),
 ]
 
 
 @pytest.mark.parametrize("spelling, inner", HLO_CASES)
-def test_every_collective_of_the_update_sits_in_the_emit_branch(spelling, inner):
-  text = _compiled_update(shardopt.accumulate(INNER_COMMUNICATING[inner](), 4),
-                          spelling)
+def test_every_collective_of_the_update_sits_in_the_emit_branch(
+  spelling, inner
+):
+  text = _compiled_update(
+    shardopt.accumulate(INNER_COMMUNICATING[inner](), 4), spelling
+  )
   counts = _contexts(text)
   print(f"\n[hlo] accumulate({inner}, 4).update, {spelling}: {counts}")
   assert set(counts) == {"conditional"}, counts  # none at the top level
@@ -209,11 +255,16 @@ def test_every_collective_of_the_update_sits_in_the_emit_branch(spelling, inner)
 
 
 def test_optax_multisteps_communicates_outside_any_branch():
-  text = _compiled_update(optax.MultiSteps(
-      INNER_COMMUNICATING["cross_shard(adam)"](), 4).gradient_transformation(),
-                          "pmap")
+  text = _compiled_update(
+    optax.MultiSteps(
+      INNER_COMMUNICATING["cross_shard(adam)"](), 4
+    ).gradient_transformation(),
+    "pmap",
+  )
   counts = _contexts(text)
-  print(f"\n[hlo] optax.MultiSteps(cross_shard(adam), 4).update, pmap: {counts}")
+  print(
+    f"\n[hlo] optax.MultiSteps(cross_shard(adam), 4).update, pmap: {counts}"
+  )
   assert counts.get("top", {}).get("all-reduce", 0) >= 1
 
 
@@ -235,10 +286,14 @@ def _whole_step_collectives(cast_to_varying):
     updates, state = tx.update(grads, state, w)
     return optax.apply_updates(w, updates), state
 
-  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
-                                out_specs=specs))(w)
-  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS)),
-                            out_specs=(P(), specs)))
+  state = jax.jit(
+    jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+  )(w)
+  f = jax.jit(
+    jax.shard_map(
+      step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)
+    )
+  )
   x = _put(mesh, jnp.ones([R * size]), P(AXIS))
   counts = _contexts(f.lower(_put(mesh, w, P()), state, x).compile().as_text())
   top = sum(counts.get("top", {}).values())
@@ -248,27 +303,35 @@ def _whole_step_collectives(cast_to_varying):
 
 def test_replicated_params_all_reduce_in_autodiff_on_every_mini_step():
   top, branch = _whole_step_collectives(cast_to_varying=False)
-  print(f"\n[hlo] whole step, P() params, jax.grad(params): {top} collective(s)"
-        f" on every mini-step, {branch} in the emit branch")
+  print(
+    f"\n[hlo] whole step, P() params, jax.grad(params): {top} collective(s)"
+    f" on every mini-step, {branch} in the emit branch"
+  )
   assert top >= 1  # autodiff's psum: no optimizer can remove it
 
 
 def test_params_cast_to_varying_communicate_once_per_period():
   top, branch = _whole_step_collectives(cast_to_varying=True)
-  print(f"\n[hlo] whole step, P() params cast to varying before jax.grad: {top}"
-        f" collective(s) on every mini-step, {branch} in the emit branch")
+  print(
+    f"\n[hlo] whole step, P() params cast to varying before jax.grad: {top}"
+    f" collective(s) on every mini-step, {branch} in the emit branch"
+  )
   assert top == 0 and branch >= 1
 
 
 # --- HLO: a mini-step copies no more than a bare gradient add. ----------------
+
 
 def _copies(text):
   """Copy instructions of a buffer with more than one element."""
   found = []
   for line in text.splitlines():
     match = re.search(r"=\s*(\w+)\[([\d,]*)\][^ ]*\s+copy\(", line)
-    if match and int(np.prod([int(d) for d in match.group(2).split(",") if d]
-                             or [1])) > 1:
+    if (
+      match
+      and int(np.prod([int(d) for d in match.group(2).split(",") if d] or [1]))
+      > 1
+    ):
       found.append(line.strip())
   return found
 
@@ -279,10 +342,13 @@ def _bare_step(k):
 
   def update(grads, state, params):
     return jax.tree.map(jnp.zeros_like, params), state._replace(
-        mini_step=state.mini_step + 1,
-        acc_grads=jax.tree.map(lambda a, g: a + g, state.acc_grads, grads))
+      mini_step=state.mini_step + 1,
+      acc_grads=jax.tree.map(lambda a, g: a + g, state.acc_grads, grads),
+    )
 
-  return optax.GradientTransformation(shardopt.accumulate(inner, k).init, update)
+  return optax.GradientTransformation(
+    shardopt.accumulate(inner, k).init, update
+  )
 
 
 @pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
@@ -293,6 +359,7 @@ def test_mini_step_copies_no_buffer_a_bare_gradient_add_does_not(mapping):
     def step(w, state, g):
       updates, state = tx.update(g, state, w)
       return optax.apply_updates(w, updates), state
+
     if mapping == "pmap":
       w = jnp.zeros([R, size])
       f = jax.pmap(step, axis_name=AXIS, donate_argnums=(0, 1))
@@ -300,17 +367,31 @@ def test_mini_step_copies_no_buffer_a_bare_gradient_add_does_not(mapping):
     mesh = _mesh()
     w = jnp.zeros([size])
     specs = _state_specs(tx, mesh, w, P(AXIS))
-    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
-                                  out_specs=specs))(w)
-    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS)),
-                              out_specs=(P(), specs)), donate_argnums=(0, 1))
-    return f.lower(_put(mesh, w, P()), state,
-                   _put(mesh, jnp.zeros([R * size]), P(AXIS))).compile().as_text()
+    state = jax.jit(
+      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+    )(w)
+    f = jax.jit(
+      jax.shard_map(
+        step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)
+      ),
+      donate_argnums=(0, 1),
+    )
+    return (
+      f.lower(
+        _put(mesh, w, P()), state, _put(mesh, jnp.zeros([R * size]), P(AXIS))
+      )
+      .compile()
+      .as_text()
+    )
 
-  got = _copies(compiled(shardopt.accumulate(shardopt.cross_shard(_adam(), AXIS), 4)))
+  got = _copies(
+    compiled(shardopt.accumulate(shardopt.cross_shard(_adam(), AXIS), 4))
+  )
   bare = _copies(compiled(_bare_step(4)))
-  print(f"\n[hlo] whole step, donated, {mapping}: accumulate copies"
-        f" {len(got)} array buffer(s), a bare gradient add {len(bare)}")
+  print(
+    f"\n[hlo] whole step, donated, {mapping}: accumulate copies"
+    f" {len(got)} array buffer(s), a bare gradient add {len(bare)}"
+  )
   # Under shard_map a mini-step copies nothing a bare add does not (the
   # scalar counter's 4-byte copy aside). Under pmap, whose per-device
   # (1, n) buffers XLA bitcasts around the cond, it copies the accumulator
@@ -320,6 +401,7 @@ def test_mini_step_copies_no_buffer_a_bare_gradient_add_does_not(mapping):
 
 
 # --- Counters typed varying, or stacked with the rest of the state. -----------
+
 
 @pytest.mark.parametrize("inner", ["cross_shard(adam)", "tower(adam)"])
 def test_whole_state_under_p_axis_matches_pmap(inner):
@@ -338,16 +420,21 @@ def test_whole_state_under_p_axis_matches_pmap(inner):
     updates, state = tx.update(g, state, params)
     return optax.apply_updates(params, updates), state
 
-  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(AXIS),
-                            out_specs=P(AXIS)))
+  f = jax.jit(
+    jax.shard_map(step, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+  )
   params, state = _put(mesh, (stacked, state), P(AXIS))
   for t in range(steps):
-    params, state = f(params, state,
-                      _put(mesh, jax.tree.map(lambda g: g[t], grads), P(AXIS)))
+    params, state = f(
+      params, state, _put(mesh, jax.tree.map(lambda g: g[t], grads), P(AXIS))
+    )
     jax.block_until_ready(params)
-    chex.assert_trees_all_close(jax.tree.map(np.asarray, params),
-                                jax.tree.map(lambda v: v[t], want),
-                                rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(
+      jax.tree.map(np.asarray, params),
+      jax.tree.map(lambda v: v[t], want),
+      rtol=1e-6,
+      atol=1e-7,
+    )
   assert state.mini_step.shape == (R,)
   np.testing.assert_array_equal(np.asarray(state.gradient_step), steps // k)
 
@@ -360,16 +447,18 @@ def test_scalar_counter_typed_varying_keeps_replicated_params_replicated():
 
   def run(w, g):
     state = tx.init(w)
-    state = state._replace(mini_step=jax.lax.pcast(state.mini_step, AXIS,
-                                                   to="varying"))
+    state = state._replace(
+      mini_step=jax.lax.pcast(state.mini_step, AXIS, to="varying")
+    )
     for t in range(k):
       updates, state = tx.update(g[t], state, w)
       w = optax.apply_updates(w, updates)
     assert not _axes.varying_axes(w)  # P() params stay P()
     return w
 
-  f = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(P(), P(None, AXIS)),
-                            out_specs=P()))
+  f = jax.jit(
+    jax.shard_map(run, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=P())
+  )
   w = f(jnp.zeros(3), _put(mesh, grads.reshape(k, R * 3), P(None, AXIS)))
   np.testing.assert_allclose(w, -lr * grads.mean(axis=(0, 1)), rtol=1e-6)
 
@@ -377,8 +466,11 @@ def test_scalar_counter_typed_varying_keeps_replicated_params_replicated():
 def test_a_counter_with_more_than_one_element_is_an_error_with_the_specs():
   tx = shardopt.accumulate(optax.sgd(0.1), 2)
   state = tx.init(jnp.zeros(3))._replace(mini_step=jnp.zeros([2], jnp.int32))
-  with pytest.raises(ValueError, match=r"shardopt.accumulate: state.mini_step has"
-                     r" shape \(2,\).*spec P\(\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"shardopt.accumulate: state.mini_step has"
+    r" shape \(2,\).*spec P\(\)",
+  ):
     tx.update(jnp.zeros(3), state)
 
 
@@ -390,9 +482,14 @@ def test_every_k_steps_must_be_a_positive_integer(bad):
 
 # --- Benchmark figure: bytes per mini-step. ----------------------------------
 
+
 def test_bytes_per_mini_step_are_one_kth_of_cross_shard():
   from benchmarks import accumulate_bytes
+
   rows = accumulate_bytes.bytes_per_mini_step(sizes=(1 << 14,), ks=(4,))
   for row in rows:
     print(f"\n[bench] {row}")
-    assert row["accumulate_bytes_per_mini_step"] * row["k"] == row["cross_shard_bytes_per_step"]
+    assert (
+      row["accumulate_bytes_per_mini_step"] * row["k"]
+      == row["cross_shard_bytes_per_step"]
+    )

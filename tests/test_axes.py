@@ -23,18 +23,24 @@ def _shard(mesh, tree, spec):
 # validate_groups: the one place every caller's groups are checked.
 
 
-@pytest.mark.parametrize("groups, expected", [
+@pytest.mark.parametrize(
+  "groups, expected",
+  [
     ([[0, 1, 2, 3], [4, 5, 6, 7]], ((0, 1, 2, 3), (4, 5, 6, 7))),
     ([[0, 2, 4, 6], [1, 3, 5, 7]], ((0, 2, 4, 6), (1, 3, 5, 7))),
     ([[0, 1], [2, 3], [4, 5], [6, 7]], ((0, 1), (2, 3), (4, 5), (6, 7))),
     ([[7, 6, 5, 4, 3, 2, 1, 0]], ((7, 6, 5, 4, 3, 2, 1, 0),)),
     (((0, 1, 2, 3), (4, 5, 6, 7)), ((0, 1, 2, 3), (4, 5, 6, 7))),
     (np.arange(8).reshape(2, 4), ((0, 1, 2, 3), (4, 5, 6, 7))),
-    ([[np.int32(0), np.int64(1)], [2, 3], [4, 5], [6, 7]],
-     ((0, 1), (2, 3), (4, 5), (6, 7))),
-])
+    (
+      [[np.int32(0), np.int64(1)], [2, 3], [4, 5], [6, 7]],
+      ((0, 1), (2, 3), (4, 5), (6, 7)),
+    ),
+  ],
+)
 def test_validate_groups_accepts_partitions_and_returns_tuples_of_ints(
-    groups, expected):
+  groups, expected
+):
   got = _axes.validate_groups(groups, N, "t", AXIS)
   assert got == expected
   assert all(type(i) is int for group in got for i in group)
@@ -44,15 +50,27 @@ def test_validate_groups_of_none_is_none():
   assert _axes.validate_groups(None, N, "t", AXIS) is None
 
 
-@pytest.mark.parametrize("groups, fragments", [
-    ([[0, 1, 2, 3], [3, 4, 5, 6]],
-     ["index 3 appears more than once", "[0, 1, 2, 3]", "[3, 4, 5, 6]",
-      "of size 8"]),
+@pytest.mark.parametrize(
+  "groups, fragments",
+  [
+    (
+      [[0, 1, 2, 3], [3, 4, 5, 6]],
+      [
+        "index 3 appears more than once",
+        "[0, 1, 2, 3]",
+        "[3, 4, 5, 6]",
+        "of size 8",
+      ],
+    ),
     ([[0, 1, 2], [3, 4, 5]], ["indices [6, 7] are in no group", "of size 8"]),
-    ([[0, 1, 2], [3, 4, 5, 6, 7]], ["different sizes [3, 5]", "[0, 1, 2]",
-                                    "[3, 4, 5, 6, 7]"]),
-    ([[0, 1, 2, 3], [4, 5, 6, 8]], ["index 8", "outside range(0, 8)",
-                                    "[4, 5, 6, 8]"]),
+    (
+      [[0, 1, 2], [3, 4, 5, 6, 7]],
+      ["different sizes [3, 5]", "[0, 1, 2]", "[3, 4, 5, 6, 7]"],
+    ),
+    (
+      [[0, 1, 2, 3], [4, 5, 6, 8]],
+      ["index 8", "outside range(0, 8)", "[4, 5, 6, 8]"],
+    ),
     ([[0, 1, 2, 3], [4, 5, 6, -1]], ["index -1", "outside range(0, 8)"]),
     ([[0, 1.0, 2, 3], [4, 5, 6, 7]], ["holds 1.0", "not an integer"]),
     ([[True, 1, 2, 3], [4, 5, 6, 7]], ["holds True", "not an integer"]),
@@ -60,15 +78,21 @@ def test_validate_groups_of_none_is_none():
     ([[0, 1, 2, 3], []], ["group [] is not a non-empty list"]),
     ([], ["non-empty list of lists", "got []"]),
     ("01234567", ["non-empty list of lists", "'01234567'"]),
-    ([[0, 1, 2, 3], [4, 5, 6, 7]][:1], ["indices [4, 5, 6, 7] are in no group"]),
-])
+    (
+      [[0, 1, 2, 3], [4, 5, 6, 7]][:1],
+      ["indices [4, 5, 6, 7] are in no group"],
+    ),
+  ],
+)
 def test_validate_groups_rejects_bad_groups_naming_group_and_axis(
-    groups, fragments):
+  groups, fragments
+):
   with pytest.raises(ValueError) as info:
     _axes.validate_groups(groups, N, "shardopt.reduce", AXIS)
   message = str(info.value)
   assert message.startswith(
-      "shardopt.reduce: axis_index_groups for axis 'batch' of size 8"), message
+    "shardopt.reduce: axis_index_groups for axis 'batch' of size 8"
+  ), message
   for fragment in fragments:
     assert fragment in message, (fragment, message)
 
@@ -82,8 +106,10 @@ def test_group_size_is_the_group_length_or_the_axis_size():
 # moves `jax.typeof(x).manual_axis_type.varying` or
 # `jax.config.values["check_vma"]`, these tests fail and name the helper to fix.
 
-_MOVED = ("JAX moved where it records {what}; update shardopt._axes.{helper}"
-          " (the one place that reads it).")
+_MOVED = (
+  "JAX moved where it records {what}; update shardopt._axes.{helper}"
+  " (the one place that reads it)."
+)
 
 
 def _trace_facts(mesh, check_vma):
@@ -93,28 +119,41 @@ def _trace_facts(mesh, check_vma):
     facts["sharded"] = _axes.varying_axes(sharded)
     facts["replicated"] = _axes.varying_axes(replicated)
     facts["grad_of_replicated"] = _axes.varying_axes(
-        jax.grad(lambda w: jnp.sum(w * sharded))(replicated))
+      jax.grad(lambda w: jnp.sum(w * sharded))(replicated)
+    )
     facts["checked"] = _axes.vma_checked()
     facts["split_sharded"] = _axes.split_axes(sharded, AXIS)
     facts["split_replicated"] = _axes.split_axes(replicated, AXIS)
     return sharded
 
-  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P()),
-                             out_specs=P(AXIS), check_vma=check_vma))
-  fn(_shard(mesh, np.ones(N, np.float32), P(AXIS)),
-     _shard(mesh, np.ones(1, np.float32), P()))
+  fn = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(P(AXIS), P()),
+      out_specs=P(AXIS),
+      check_vma=check_vma,
+    )
+  )
+  fn(
+    _shard(mesh, np.ones(N, np.float32), P(AXIS)),
+    _shard(mesh, np.ones(1, np.float32), P()),
+  )
   return facts
 
 
 def test_varying_axes_and_vma_checked_inside_a_checking_shard_map(mesh):
   facts = _trace_facts(mesh, check_vma=True)
   assert facts["sharded"] == frozenset({AXIS}), _MOVED.format(
-      what="the varying axes of a value", helper="varying_axes")
+    what="the varying axes of a value", helper="varying_axes"
+  )
   assert facts["replicated"] == frozenset()
   assert facts["grad_of_replicated"] == frozenset(), (
-      "the gradient of replicated params is expected to be typed invariant")
+    "the gradient of replicated params is expected to be typed invariant"
+  )
   assert facts["checked"] is True, _MOVED.format(
-      what="whether a trace checks varying axes", helper="vma_checked")
+    what="whether a trace checks varying axes", helper="vma_checked"
+  )
   assert facts["split_sharded"] == ((AXIS,), ())
   assert facts["split_replicated"] == ((), (AXIS,))
 
@@ -128,7 +167,8 @@ def test_jax_still_records_varying_axes_where_shardopt_reads_them(mesh):
     return x
 
   jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))(
-      _shard(mesh, np.ones(N, np.float32), P(AXIS)))
+    _shard(mesh, np.ones(N, np.float32), P(AXIS))
+  )
   assert set(seen["varying"]) == {AXIS}
   assert seen["check_vma"] is True
 
@@ -175,8 +215,9 @@ def mesh_2x4():
   return jax.make_mesh((2, 4), ("a", "b"))
 
 
-@pytest.mark.parametrize("groups", [None, [[0, 1, 2, 3], [4, 5, 6, 7]],
-                                    [[0, 2, 4, 6], [1, 3, 5, 7]]])
+@pytest.mark.parametrize(
+  "groups", [None, [[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]]]
+)
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_reduce_over_a_tuple_of_axes_matches_numpy(mesh_2x4, check_vma, groups):
   rng = np.random.default_rng(0)
@@ -185,21 +226,30 @@ def test_reduce_over_a_tuple_of_axes_matches_numpy(mesh_2x4, check_vma, groups):
 
   def body(x):
     reduced = shardopt.reduce(x[0], ("a", "b"), axis_index_groups=groups)
-    summed = shardopt.reduce(x[0], ("a", "b"), reduction="sum",
-                             axis_index_groups=groups)
+    summed = shardopt.reduce(
+      x[0], ("a", "b"), reduction="sum", axis_index_groups=groups
+    )
     return reduced[None], summed[None]
 
   spec = P(("a", "b"))
-  fn = jax.jit(jax.shard_map(body, mesh=mesh_2x4, in_specs=spec,
-                             out_specs=(spec, spec), check_vma=check_vma))
+  fn = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh_2x4,
+      in_specs=spec,
+      out_specs=(spec, spec),
+      check_vma=check_vma,
+    )
+  )
   mean, total = fn(_shard(mesh_2x4, values, spec))
   expected_sum = np.empty((N, 3))
   for group in groups or [list(range(N))]:
     expected_sum[group] = values[group].astype(np.float64).sum(0)
   group_len = len((groups or [range(N)])[0])
   np.testing.assert_allclose(total, expected_sum, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(mean, expected_sum / group_len, rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    mean, expected_sum / group_len, rtol=1e-5, atol=1e-6
+  )
 
 
 def test_gradient_varying_over_one_axis_and_summed_over_the_other(mesh_2x4):
@@ -214,10 +264,15 @@ def test_gradient_varying_over_one_axis_and_summed_over_the_other(mesh_2x4):
     seen["grad"] = _axes.varying_axes(grad)
     return shardopt.reduce(grad, ("a", "b"))
 
-  fn = jax.jit(jax.shard_map(body, mesh=mesh_2x4, in_specs=(P(), P(("a", "b"))),
-                             out_specs=P()))
-  out = fn(_shard(mesh_2x4, np.zeros(3, np.float32), P()),
-           _shard(mesh_2x4, data, P(("a", "b"))))
+  fn = jax.jit(
+    jax.shard_map(
+      body, mesh=mesh_2x4, in_specs=(P(), P(("a", "b"))), out_specs=P()
+    )
+  )
+  out = fn(
+    _shard(mesh_2x4, np.zeros(3, np.float32), P()),
+    _shard(mesh_2x4, data, P(("a", "b"))),
+  )
   assert seen["grad"] == frozenset({"a"})
   np.testing.assert_allclose(out, data.astype(np.float64).mean(0), rtol=1e-6)
 
@@ -238,42 +293,60 @@ def _broadcast_inputs():
   nan_with_payload = np.array([0x7FC01234], np.uint32).view(np.float32)[0]
   floats[5] = [-0.0, nan_with_payload, np.inf, -np.inf, 1e-45, 3.0]
   return {
-      "f32": floats,
-      "bf16": rng.standard_normal((N, 7)).astype(jnp.bfloat16),
-      "i32": rng.integers(-100, 100, (N, 2)).astype(np.int32),
-      "flag": rng.integers(0, 2, (N,)).astype(np.bool_),
+    "f32": floats,
+    "bf16": rng.standard_normal((N, 7)).astype(jnp.bfloat16),
+    "i32": rng.integers(-100, 100, (N, 2)).astype(np.int32),
+    "flag": rng.integers(0, 2, (N,)).astype(np.bool_),
   }
 
 
-@pytest.mark.parametrize("mapping", ["pmap", "shard_map_check_vma",
-                                     "shard_map_no_check_vma"])
+@pytest.mark.parametrize(
+  "mapping", ["pmap", "shard_map_check_vma", "shard_map_no_check_vma"]
+)
 def test_broadcast_copies_the_source_bits_including_negative_zero_and_nan(
-    mesh, mapping):
+  mesh, mapping
+):
   tree = _broadcast_inputs()
   source = 5
   if mapping == "pmap":
-    out = jax.pmap(lambda t: shardopt.broadcast(t, AXIS, source=source),
-                   axis_name=AXIS)(tree)
+    out = jax.pmap(
+      lambda t: shardopt.broadcast(t, AXIS, source=source), axis_name=AXIS
+    )(tree)
   else:
+
     def body(t):
       local = jax.tree.map(lambda x: x[0], t)
       out = shardopt.broadcast(local, AXIS, source=source)
       return jax.tree.map(lambda x: x[None], out)
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS),
-                               out_specs=P(AXIS),
-                               check_vma=mapping == "shard_map_check_vma"))
+
+    fn = jax.jit(
+      jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=P(AXIS),
+        out_specs=P(AXIS),
+        check_vma=mapping == "shard_map_check_vma",
+      )
+    )
     out = fn(_shard(mesh, tree, P(AXIS)))
   out = jax.device_get(out)
   expected = jax.tree.map(
-      lambda x: np.broadcast_to(_bits(x[source]), x.shape), tree)
+    lambda x: np.broadcast_to(_bits(x[source]), x.shape), tree
+  )
   chex.assert_trees_all_equal(jax.tree.map(_bits, out), expected)
   assert np.signbit(out["f32"][:, 0]).all()  # -0.0 stayed -0.0 everywhere
 
 
 def test_broadcast_leaves_invariant_values_unchanged(mesh):
   values = np.arange(4, dtype=np.float32)
-  fn = jax.jit(jax.shard_map(lambda x: shardopt.broadcast(x, AXIS, source=3),
-                             mesh=mesh, in_specs=P(), out_specs=P()))
+  fn = jax.jit(
+    jax.shard_map(
+      lambda x: shardopt.broadcast(x, AXIS, source=3),
+      mesh=mesh,
+      in_specs=P(),
+      out_specs=P(),
+    )
+  )
   np.testing.assert_array_equal(fn(_shard(mesh, values, P())), values)
 
 
@@ -282,32 +355,47 @@ def test_broadcast_leaves_invariant_values_unchanged(mesh):
 
 def _divergence(mesh, mapping, tree):
   if mapping == "pmap":
-    return float(jax.pmap(lambda t: shardopt.replica_divergence(t, AXIS),
-                          axis_name=AXIS)(tree)[0])
+    return float(
+      jax.pmap(lambda t: shardopt.replica_divergence(t, AXIS), axis_name=AXIS)(
+        tree
+      )[0]
+    )
 
   def body(t):
     local = jax.tree.map(lambda x: x[0], t)
     return shardopt.replica_divergence(local, AXIS)[None]
 
-  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS),
-                             out_specs=P(AXIS),
-                             check_vma=mapping == "shard_map_check_vma"))
+  fn = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=P(AXIS),
+      out_specs=P(AXIS),
+      check_vma=mapping == "shard_map_check_vma",
+    )
+  )
   out = np.asarray(fn(_shard(mesh, tree, P(AXIS))))
   assert (out == out[0]).all()  # the same on every replica
   return float(out[0])
 
 
-@pytest.mark.parametrize("mapping", ["pmap", "shard_map_check_vma",
-                                     "shard_map_no_check_vma"])
+@pytest.mark.parametrize(
+  "mapping", ["pmap", "shard_map_check_vma", "shard_map_no_check_vma"]
+)
 def test_replica_divergence_matches_numpy_max_spread(mesh, mapping):
   rng = np.random.default_rng(3)
-  tree = {"w": rng.standard_normal((N, 3, 5)).astype(np.float32),
-          "b": rng.standard_normal((N, 7)).astype(jnp.bfloat16)}
+  tree = {
+    "w": rng.standard_normal((N, 3, 5)).astype(np.float32),
+    "b": rng.standard_normal((N, 7)).astype(jnp.bfloat16),
+  }
   expected = max(
-      float(np.max(x.astype(np.float64).max(0) - x.astype(np.float64).min(0)))
-      for x in jax.tree.leaves(tree))
+    float(np.max(x.astype(np.float64).max(0) - x.astype(np.float64).min(0)))
+    for x in jax.tree.leaves(tree)
+  )
   assert _divergence(mesh, mapping, tree) == pytest.approx(expected, rel=1e-6)
-  assert _divergence(mesh, mapping, {"x": np.arange(N, dtype=np.float32)}) == 7.0
+  assert (
+    _divergence(mesh, mapping, {"x": np.arange(N, dtype=np.float32)}) == 7.0
+  )
 
 
 @pytest.mark.parametrize("mapping", ["pmap", "shard_map_check_vma"])
@@ -334,7 +422,12 @@ def test_replica_divergence_is_zero_iff_bit_identical(mesh, mapping):
 
 
 def test_replica_divergence_of_invariant_values_is_zero(mesh):
-  fn = jax.jit(jax.shard_map(
+  fn = jax.jit(
+    jax.shard_map(
       lambda x: shardopt.replica_divergence({"w": x}, AXIS),
-      mesh=mesh, in_specs=P(), out_specs=P()))
+      mesh=mesh,
+      in_specs=P(),
+      out_specs=P(),
+    )
+  )
   assert float(fn(_shard(mesh, np.arange(3, dtype=np.float32), P()))) == 0.0

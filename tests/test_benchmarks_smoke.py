@@ -17,8 +17,17 @@ import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SECTIONS = ("overhead", "groups", "communication", "memory", "convergence",
-            "projection", "powersgd", "quality_per_byte", "cost")
+SECTIONS = (
+  "overhead",
+  "groups",
+  "communication",
+  "memory",
+  "convergence",
+  "projection",
+  "powersgd",
+  "quality_per_byte",
+  "cost",
+)
 
 
 def test_hlo_reader_counts_bytes_and_finds_collectives_inside_cond():
@@ -26,16 +35,23 @@ def test_hlo_reader_counts_bytes_and_finds_collectives_inside_cond():
 
   def step(count, x):
     x = jax.lax.psum(x, "i")  # every step: 8 x 256 float32 = 8192 bytes
-    return jax.lax.cond(count % 4 == 0,
-                        lambda v: jax.lax.psum(v[0, :64], "i"),  # 256 bytes
-                        lambda v: v[0, :64], x)
+    return jax.lax.cond(
+      count % 4 == 0,
+      lambda v: jax.lax.psum(v[0, :64], "i"),  # 256 bytes
+      lambda v: v[0, :64],
+      x,
+    )
 
   f = jax.pmap(step, axis_name="i")
   text = f.lower(jnp.arange(8), jnp.ones((8, 8, 256))).compile().as_text()
-  found = sorted((op.kind, op.context, op.buffer_bytes)
-                 for op in hlo.compiled_collectives(text))
-  assert found == [("all-reduce", "conditional", 64 * 4),
-                   ("all-reduce", "top", 8 * 256 * 4)]
+  found = sorted(
+    (op.kind, op.context, op.buffer_bytes)
+    for op in hlo.compiled_collectives(text)
+  )
+  assert found == [
+    ("all-reduce", "conditional", 64 * 4),
+    ("all-reduce", "top", 8 * 256 * 4),
+  ]
 
 
 def test_hlo_reader_counts_reduce_scatter_and_bf16_wire_bytes(mesh):
@@ -48,12 +64,15 @@ def test_hlo_reader_counts_reduce_scatter_and_bf16_wire_bytes(mesh):
     y = jax.lax.psum_scatter(x.astype(jnp.bfloat16), "batch", tiled=True)
     return jax.lax.all_gather(y, "batch", tiled=True).astype(jnp.float32)
 
-  g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("batch"),
-                            out_specs=P("batch")))
+  g = jax.jit(
+    jax.shard_map(f, mesh=mesh, in_specs=P("batch"), out_specs=P("batch"))
+  )
   x = jax.device_put(jnp.ones(8000), NamedSharding(mesh, P("batch")))
   lowered = hlo.summarize(hlo.lowered_collectives(g.lower(x).as_text()))
-  assert lowered["buffer_bytes"]["lowered"] == {"reduce-scatter": 2000,
-                                                "all-gather": 2000}
+  assert lowered["buffer_bytes"]["lowered"] == {
+    "reduce-scatter": 2000,
+    "all-gather": 2000,
+  }
   # Half of each full buffer: a reduce-scatter + all-gather = one all-reduce.
   assert lowered["allreduce_equivalent_bytes"]["lowered"] == 2000
   assert lowered["dtypes"] == ["bf16"]
@@ -62,21 +81,30 @@ def test_hlo_reader_counts_reduce_scatter_and_bf16_wire_bytes(mesh):
 def test_schedule_weights_each_branch_by_the_steps_that_take_it():
   from benchmarks import hlo
   from benchmarks import schedules
+
   pairs = [[0, 1], [2, 3], [4, 5], [6, 7]]
 
   def levels(t, x):  # 256 float32 = 1024 bytes per all-reduce
     level = jnp.where(t % 16 == 0, 2, jnp.where(t % 4 == 0, 1, 0))
-    return jax.lax.switch(level, [
+    return jax.lax.switch(
+      level,
+      [
         lambda v: v,
         lambda v: jax.lax.psum(v, "i", axis_index_groups=pairs),
-        lambda v: jax.lax.psum(v, "i")], x)
+        lambda v: jax.lax.psum(v, "i"),
+      ],
+      x,
+    )
 
   def fragments(t, x):  # fragment f: 64 float32 = 256 bytes, at t % 64 == 16 f
     for f in range(4):
       part = slice(64 * f, 64 * (f + 1))
-      x = jax.lax.cond(t % 64 == 16 * f,
-                       lambda v: v.at[part].set(jax.lax.psum(v[part], "i")),
-                       lambda v: v, x)
+      x = jax.lax.cond(
+        t % 64 == 16 * f,
+        lambda v: v.at[part].set(jax.lax.psum(v[part], "i")),
+        lambda v: v,
+        x,
+      )
     return x
 
   def weighed(fn, schedule):
@@ -94,21 +122,35 @@ def test_schedule_weights_each_branch_by_the_steps_that_take_it():
   assert by_fragment["warning"] == ""
   assert (by_fragment["mean_bytes"], by_fragment["peak_bytes"]) == (16, 256)
   assert sorted(i + 1 for i, b in enumerate(by_fragment["cycle"]) if b) == [
-      16, 32, 48, 64]
+    16,
+    32,
+    48,
+    64,
+  ]
 
 
 def test_projection_uses_ring_allreduce_formula():
   from benchmarks import projection
+
   # 2 (n - 1) / n * bytes / bandwidth: 2 * 7 / 8 * 4e9 / 12.5e9 = 0.56 s.
-  assert projection.ring_allreduce_seconds(4e9, 12.5e9, 8) == pytest.approx(0.56)
+  assert projection.ring_allreduce_seconds(4e9, 12.5e9, 8) == pytest.approx(
+    0.56
+  )
 
 
 def test_quick_run_writes_every_section(tmp_path):
   # This checkout's sources first (an installed shardopt may be another one).
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+  env = dict(
+    os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+  )
   proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   results = json.loads((tmp_path / "latest.json").read_text())
   markdown = (tmp_path / "latest.md").read_text()

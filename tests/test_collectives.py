@@ -26,13 +26,16 @@ N = 8
 AXIS = "batch"
 MAPPINGS = ("pmap", "shard_map_check_vma", "shard_map_no_check_vma")
 GROUPS = {
-    "no_groups": None,
-    "contiguous": [[0, 1, 2, 3], [4, 5, 6, 7]],
-    "strided": [[0, 2, 4, 6], [1, 3, 5, 7]],
-    "pairs": [[0, 1], [2, 3], [4, 5], [6, 7]],
+  "no_groups": None,
+  "contiguous": [[0, 1, 2, 3], [4, 5, 6, 7]],
+  "strided": [[0, 2, 4, 6], [1, 3, 5, 7]],
+  "pairs": [[0, 1], [2, 3], [4, 5], [6, 7]],
 }
-COMM_DTYPES = {"no_comm_dtype": None, "comm_bfloat16": jnp.bfloat16,
-               "comm_float16": jnp.float16}
+COMM_DTYPES = {
+  "no_comm_dtype": None,
+  "comm_bfloat16": jnp.bfloat16,
+  "comm_float16": jnp.float16,
+}
 REDUCTIONS = ("mean", "sum")
 
 
@@ -49,13 +52,21 @@ def _per_replica_tree(seed=0, scale=1.0):
     return values.astype(np.float32).astype(dtype)
 
   return {
-      "dense": {"kernel": leaf((3, 5), jnp.float32),
-                "bias": leaf((7,), jnp.bfloat16)},
-      "scale": leaf((), jnp.float16),
-      "layers": [leaf((3, 5), jnp.bfloat16), leaf((7,), jnp.float16),
-                 leaf((), jnp.float32)],
-      "extra": (leaf((3, 5), jnp.float16), leaf((7,), jnp.float32),
-                leaf((), jnp.bfloat16)),
+    "dense": {
+      "kernel": leaf((3, 5), jnp.float32),
+      "bias": leaf((7,), jnp.bfloat16),
+    },
+    "scale": leaf((), jnp.float16),
+    "layers": [
+      leaf((3, 5), jnp.bfloat16),
+      leaf((7,), jnp.float16),
+      leaf((), jnp.float32),
+    ],
+    "extra": (
+      leaf((3, 5), jnp.float16),
+      leaf((7,), jnp.float32),
+      leaf((), jnp.bfloat16),
+    ),
   }
 
 
@@ -81,7 +92,9 @@ def _summation_tolerance(stacked, groups, reduction, wire_dtype):
   few more eps * sum|x_i|.
   """
   values = np.asarray(stacked).astype(np.float64)
-  eps = max(float(jnp.finfo(stacked.dtype).eps), float(jnp.finfo(wire_dtype).eps))
+  eps = max(
+    float(jnp.finfo(stacked.dtype).eps), float(jnp.finfo(wire_dtype).eps)
+  )
   out = np.empty_like(values)
   for group in _groups_or_all(groups):
     magnitude = np.abs(values[group]).sum(axis=0)
@@ -96,16 +109,21 @@ def _assert_matches_reference(actual, stacked, groups, reduction, comm_dtype):
   assert len(leaves_actual) == len(leaves_input)
   for (path, got), given in zip(leaves_actual, leaves_input):
     where = jax.tree_util.keystr(path)
-    assert got.dtype == given.dtype, f"{where}: dtype {got.dtype} != {given.dtype}"
-    assert got.shape == given.shape, f"{where}: shape {got.shape} != {given.shape}"
+    assert got.dtype == given.dtype, (
+      f"{where}: dtype {got.dtype} != {given.dtype}"
+    )
+    assert got.shape == given.shape, (
+      f"{where}: shape {got.shape} != {given.shape}"
+    )
     wire = comm_dtype if comm_dtype is not None else given.dtype
     expected = _numpy_reduce(given, groups, reduction)
     tolerance = _summation_tolerance(given, groups, reduction, wire)
     error = np.abs(np.asarray(got).astype(np.float64) - expected)
     assert np.all(error <= tolerance), (
-        f"{where} ({given.dtype}, wire {np.dtype(wire)}): max error"
-        f" {error.max():.3g} exceeds tolerance; got {np.asarray(got)!r},"
-        f" expected {expected!r}")
+      f"{where} ({given.dtype}, wire {np.dtype(wire)}): max error"
+      f" {error.max():.3g} exceeds tolerance; got {np.asarray(got)!r},"
+      f" expected {expected!r}"
+    )
 
 
 def _shard(tree, spec=P(AXIS)):
@@ -115,8 +133,11 @@ def _shard(tree, spec=P(AXIS)):
 @functools.cache
 def _reducer(mapping, groups_name, reduction, comm_name):
   """A compiled reduce for one (mapping, groups, reduction, comm_dtype)."""
-  kwargs = dict(reduction=reduction, axis_index_groups=GROUPS[groups_name],
-                comm_dtype=COMM_DTYPES[comm_name])
+  kwargs = dict(
+    reduction=reduction,
+    axis_index_groups=GROUPS[groups_name],
+    comm_dtype=COMM_DTYPES[comm_name],
+  )
   return _mapped(mapping, lambda tree: shardopt.reduce(tree, AXIS, **kwargs))
 
 
@@ -126,11 +147,17 @@ def _all_reductions(mapping, groups_name):
   (mapping, groups) keeps the matrix cheap."""
 
   def reduce_every_way(tree):
-    return {(reduction, comm_name): shardopt.reduce(
-        tree, AXIS, reduction=reduction, axis_index_groups=GROUPS[groups_name],
-        comm_dtype=comm_dtype)
-            for reduction in REDUCTIONS
-            for comm_name, comm_dtype in COMM_DTYPES.items()}
+    return {
+      (reduction, comm_name): shardopt.reduce(
+        tree,
+        AXIS,
+        reduction=reduction,
+        axis_index_groups=GROUPS[groups_name],
+        comm_dtype=comm_dtype,
+      )
+      for reduction in REDUCTIONS
+      for comm_name, comm_dtype in COMM_DTYPES.items()
+    }
 
   fn = _mapped(mapping, reduce_every_way)
   return _run(mapping, fn, _per_replica_tree(seed=1))
@@ -145,9 +172,15 @@ def _mapped(mapping, per_replica_fn):
     local = jax.tree.map(lambda x: x[0], tree)
     return jax.tree.map(lambda x: x[None], per_replica_fn(local))
 
-  return jax.jit(jax.shard_map(
-      body, mesh=_mesh(), in_specs=P(AXIS), out_specs=P(AXIS),
-      check_vma=mapping == "shard_map_check_vma"))
+  return jax.jit(
+    jax.shard_map(
+      body,
+      mesh=_mesh(),
+      in_specs=P(AXIS),
+      out_specs=P(AXIS),
+      check_vma=mapping == "shard_map_check_vma",
+    )
+  )
 
 
 def _run(mapping, fn, stacked):
@@ -160,11 +193,17 @@ def _run(mapping, fn, stacked):
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("groups_name", GROUPS)
 @pytest.mark.parametrize("mapping", MAPPINGS)
-def test_reduce_of_per_replica_values_matches_numpy(mapping, groups_name,
-                                                    reduction, comm_name):
+def test_reduce_of_per_replica_values_matches_numpy(
+  mapping, groups_name, reduction, comm_name
+):
   out = _all_reductions(mapping, groups_name)[reduction, comm_name]
-  _assert_matches_reference(out, _per_replica_tree(seed=1), GROUPS[groups_name],
-                            reduction, COMM_DTYPES[comm_name])
+  _assert_matches_reference(
+    out,
+    _per_replica_tree(seed=1),
+    GROUPS[groups_name],
+    reduction,
+    COMM_DTYPES[comm_name],
+  )
 
 
 # Invariant leaves: under a checking shard_map, the gradient of replicated (P())
@@ -173,8 +212,10 @@ def test_reduce_of_per_replica_values_matches_numpy(mapping, groups_name,
 
 def _loss(params, data):
   """sum_i <params_i, data_i>: its gradient on one replica is that replica's data."""
-  terms = [jnp.sum(p * x).astype(jnp.float32)
-           for p, x in zip(jax.tree.leaves(params), jax.tree.leaves(data))]
+  terms = [
+    jnp.sum(p * x).astype(jnp.float32)
+    for p, x in zip(jax.tree.leaves(params), jax.tree.leaves(data))
+  ]
   return sum(terms)
 
 
@@ -184,12 +225,17 @@ def _invariant_gradient_reducer(groups_name, reduction, comm_name):
   def body(params, data):
     local = jax.tree.map(lambda x: x[0], data)
     grads = jax.grad(_loss)(params, local)
-    return shardopt.reduce(grads, AXIS, reduction=reduction,
-                           axis_index_groups=GROUPS[groups_name],
-                           comm_dtype=COMM_DTYPES[comm_name])
+    return shardopt.reduce(
+      grads,
+      AXIS,
+      reduction=reduction,
+      axis_index_groups=GROUPS[groups_name],
+      comm_dtype=COMM_DTYPES[comm_name],
+    )
 
-  return jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(), P(AXIS)),
-                               out_specs=P()))
+  return jax.jit(
+    jax.shard_map(body, mesh=_mesh(), in_specs=(P(), P(AXIS)), out_specs=P())
+  )
 
 
 def _zero_params(stacked):
@@ -199,7 +245,8 @@ def _zero_params(stacked):
 @pytest.mark.parametrize("comm_name", COMM_DTYPES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_reduce_of_invariant_gradient_divides_instead_of_all_reducing(
-    reduction, comm_name):
+  reduction, comm_name
+):
   stacked = _per_replica_tree(seed=2)
   fn = _invariant_gradient_reducer("no_groups", reduction, comm_name)
   out = jax.device_get(fn(_shard(_zero_params(stacked), P()), _shard(stacked)))
@@ -224,18 +271,30 @@ def test_varying_and_invariant_leaves_in_one_tree_both_reduce_to_the_mean():
 
   def body(params, data, per_replica):
     grad = jax.grad(lambda p: jnp.sum(p * data[0]))(params)
-    reduced = shardopt.reduce({"invariant": grad, "varying": per_replica[0]},
-                              AXIS)
+    reduced = shardopt.reduce(
+      {"invariant": grad, "varying": per_replica[0]}, AXIS
+    )
     return reduced["invariant"], reduced["varying"][None]
 
-  fn = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(), P(AXIS), P(AXIS)),
-                             out_specs=(P(), P(AXIS))))
-  invariant, varying = fn(_shard(np.zeros(4, np.float32), P()), _shard(data),
-                          _shard(per_replica))
-  np.testing.assert_allclose(invariant, data.astype(np.float64).mean(0), rtol=1e-6)
+  fn = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=_mesh(),
+      in_specs=(P(), P(AXIS), P(AXIS)),
+      out_specs=(P(), P(AXIS)),
+    )
+  )
+  invariant, varying = fn(
+    _shard(np.zeros(4, np.float32), P()), _shard(data), _shard(per_replica)
+  )
   np.testing.assert_allclose(
-      varying, np.broadcast_to(per_replica.astype(np.float64).mean(0), (N, 5)),
-      rtol=1e-6)
+    invariant, data.astype(np.float64).mean(0), rtol=1e-6
+  )
+  np.testing.assert_allclose(
+    varying,
+    np.broadcast_to(per_replica.astype(np.float64).mean(0), (N, 5)),
+    rtol=1e-6,
+  )
 
 
 # Bit-identity: every member of a group ends with the same bits.
@@ -253,10 +312,13 @@ def _awkward_tree(seed):
   def leaf(shape, dtype):
     mantissa = rng.standard_normal((N,) + shape)
     exponent = rng.uniform(-3, 3, (N,) + shape)
-    return (mantissa * 10.0 ** exponent).astype(np.float32).astype(dtype)
+    return (mantissa * 10.0**exponent).astype(np.float32).astype(dtype)
 
-  return {"w": leaf((3, 5), jnp.float32), "b": leaf((7,), jnp.bfloat16),
-          "s": leaf((), jnp.float16)}
+  return {
+    "w": leaf((3, 5), jnp.float32),
+    "b": leaf((7,), jnp.bfloat16),
+    "s": leaf((), jnp.float16),
+  }
 
 
 @pytest.mark.parametrize("groups_name", ["contiguous", "strided", "pairs"])
@@ -264,14 +326,20 @@ def _awkward_tree(seed):
 def test_group_members_bit_identical_after_grouped_reduce(mapping, groups_name):
   stacked = _awkward_tree(seed=4)
   for reduction in REDUCTIONS:
-    out = _run(mapping, _reducer(mapping, groups_name, reduction,
-                                 "no_comm_dtype"), stacked)
+    out = _run(
+      mapping,
+      _reducer(mapping, groups_name, reduction, "no_comm_dtype"),
+      stacked,
+    )
     for group in GROUPS[groups_name]:
       first = jax.tree.map(lambda x, g0=group[0]: _bits(x[g0]), out)
       for member in group[1:]:
         chex.assert_trees_all_equal(
-            jax.tree.map(lambda x, m=member: _bits(x[m]), out), first)
-    _assert_matches_reference(out, stacked, GROUPS[groups_name], reduction, None)
+          jax.tree.map(lambda x, m=member: _bits(x[m]), out), first
+        )
+    _assert_matches_reference(
+      out, stacked, GROUPS[groups_name], reduction, None
+    )
 
 
 # float16 on the wire: divide before the collective so the sum cannot overflow.
@@ -299,28 +367,36 @@ def test_float16_wire_sum_of_float32_leaves_does_not_overflow():
 
 
 def test_none_and_masked_node_leaves_pass_through():
-  grads = {"w": np.arange(N * 2, dtype=np.float32).reshape(N, 2), "b": None,
-           "frozen": optax.MaskedNode()}
+  grads = {
+    "w": np.arange(N * 2, dtype=np.float32).reshape(N, 2),
+    "b": None,
+    "frozen": optax.MaskedNode(),
+  }
   out = jax.pmap(lambda t: shardopt.reduce(t, AXIS), axis_name=AXIS)(grads)
   assert out["b"] is None
   assert isinstance(out["frozen"], optax.MaskedNode)
-  np.testing.assert_allclose(out["w"], np.broadcast_to(
-      grads["w"].astype(np.float64).mean(0), (N, 2)))
+  np.testing.assert_allclose(
+    out["w"], np.broadcast_to(grads["w"].astype(np.float64).mean(0), (N, 2))
+  )
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_axis_name_none_is_the_identity_under_plain_jit(reduction):
   tree = _per_replica_tree(seed=5)
   out = jax.jit(lambda t: shardopt.reduce(t, None, reduction=reduction))(tree)
-  chex.assert_trees_all_equal(jax.tree.map(_bits, out), jax.tree.map(_bits, tree))
+  chex.assert_trees_all_equal(
+    jax.tree.map(_bits, out), jax.tree.map(_bits, tree)
+  )
 
 
 # What goes on the wire: StableHLO as lowered (before XLA's CPU passes widen
 # bf16 collectives) and HLO as compiled.
 
-_F32_TREE = {"kernel": np.ones((N, 3, 5), np.float32),
-             "bias": np.ones((N, 7), np.float32),
-             "scale": np.ones((N,), np.float32)}
+_F32_TREE = {
+  "kernel": np.ones((N, 3, 5), np.float32),
+  "bias": np.ones((N, 7), np.float32),
+  "scale": np.ones((N,), np.float32),
+}
 _LEAVES = len(_F32_TREE)
 
 
@@ -328,8 +404,10 @@ def _operand_types(stablehlo, op):
   """Operand tensor types of every `stablehlo.<op>` in the lowered text."""
   # "stablehlo.op"(%x) <{attributes}> ({ reduction region }) : (type) -> type;
   # all_gather has no region.
-  pattern = (r'"stablehlo\.' + op + r'"\(%[^)]*\) <\{.*?\}>'
-             r'(?: \(\{.*?\}\))? : \((tensor<[^>]*>)\)')
+  pattern = (
+    r'"stablehlo\.' + op + r'"\(%[^)]*\) <\{.*?\}>'
+    r"(?: \(\{.*?\}\))? : \((tensor<[^>]*>)\)"
+  )
   return re.findall(pattern, stablehlo, flags=re.S)
 
 
@@ -339,7 +417,8 @@ def _count_hlo_ops(hlo, op):
 
 @pytest.mark.parametrize("mapping", MAPPINGS)
 def test_bfloat16_comm_dtype_puts_bfloat16_all_reduce_in_the_lowered_module(
-    mapping):
+  mapping,
+):
   fn = _reducer(mapping, "no_groups", "mean", "comm_bfloat16")
   args = _F32_TREE if mapping == "pmap" else _shard(_F32_TREE)
   types = _operand_types(fn.lower(args).as_text(), "all_reduce")
@@ -364,7 +443,8 @@ def test_without_comm_dtype_the_wire_dtype_is_the_leaf_dtype():
 
 @pytest.mark.parametrize("groups_name", ["contiguous", "strided", "pairs"])
 def test_grouped_reduce_under_checking_shard_map_is_reduce_scatter_plus_all_gather(
-    groups_name):
+  groups_name,
+):
   fn = _reducer("shard_map_check_vma", groups_name, "mean", "no_comm_dtype")
   lowered = fn.lower(_shard(_F32_TREE))
   assert not _operand_types(lowered.as_text(), "all_reduce")
@@ -373,8 +453,11 @@ def test_grouped_reduce_under_checking_shard_map_is_reduce_scatter_plus_all_gath
   # One reduce-scatter and one all-gather per leaf, each over the groups.
   assert _count_hlo_ops(hlo, "reduce-scatter") == _LEAVES, hlo
   assert _count_hlo_ops(hlo, "all-gather") == _LEAVES, hlo
-  groups_attr = "{" + ",".join(
-      "{" + ",".join(map(str, g)) + "}" for g in GROUPS[groups_name]) + "}"
+  groups_attr = (
+    "{"
+    + ",".join("{" + ",".join(map(str, g)) + "}" for g in GROUPS[groups_name])
+    + "}"
+  )
   assert f"replica_groups={groups_attr}" in hlo
 
 
@@ -396,13 +479,16 @@ def test_ungrouped_reduce_is_one_all_reduce_per_leaf(mapping):
 
 def test_mean_of_invariant_gradient_adds_no_collective_after_autodiffs_psum():
   stacked = {k: v for k, v in _F32_TREE.items()}
-  with_reduce = _invariant_gradient_reducer("no_groups", "mean", "no_comm_dtype")
+  with_reduce = _invariant_gradient_reducer(
+    "no_groups", "mean", "no_comm_dtype"
+  )
 
   def body(params, data):
     return jax.grad(_loss)(params, jax.tree.map(lambda x: x[0], data))
 
-  grad_only = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(), P(AXIS)),
-                                    out_specs=P()))
+  grad_only = jax.jit(
+    jax.shard_map(body, mesh=_mesh(), in_specs=(P(), P(AXIS)), out_specs=P())
+  )
   args = (_shard(_zero_params(stacked), P()), _shard(stacked))
   expected = len(_operand_types(grad_only.lower(*args).as_text(), "all_reduce"))
   assert expected >= 1  # autodiff's psum of the replicated params' gradient

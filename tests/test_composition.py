@@ -32,8 +32,9 @@ LR = 0.1
 
 def _powersgd_sgd(**kwargs):
   return optax.chain(
-      shardopt.powersgd(AXIS, rank=RANK, min_compression_rate=RATE, **kwargs),
-      optax.sgd(LR))
+    shardopt.powersgd(AXIS, rank=RANK, min_compression_rate=RATE, **kwargs),
+    optax.sgd(LR),
+  )
 
 
 def _stacked(params):
@@ -42,17 +43,24 @@ def _stacked(params):
 
 def _q_init(tx_init_state):
   """The ``q`` that powersgd's init drew, from a (possibly wrapped) state."""
-  psgd = next(s for s in jax.tree.leaves(
-      tx_init_state, is_leaf=lambda s: isinstance(s, shardopt.PowerSGDState))
-              if isinstance(s, shardopt.PowerSGDState))
-  return {k: np.asarray(v)[0] for k, v in psgd.q.items()
-          if COMPRESSED[k]}
+  psgd = next(
+    s
+    for s in jax.tree.leaves(
+      tx_init_state, is_leaf=lambda s: isinstance(s, shardopt.PowerSGDState)
+    )
+    if isinstance(s, shardopt.PowerSGDState)
+  )
+  return {k: np.asarray(v)[0] for k, v in psgd.q.items() if COMPRESSED[k]}
 
 
 def _psgd_state(state):
-  return next(s for s in jax.tree.leaves(
-      state, is_leaf=lambda s: isinstance(s, shardopt.PowerSGDState))
-              if isinstance(s, shardopt.PowerSGDState))
+  return next(
+    s
+    for s in jax.tree.leaves(
+      state, is_leaf=lambda s: isinstance(s, shardopt.PowerSGDState)
+    )
+    if isinstance(s, shardopt.PowerSGDState)
+  )
 
 
 def test_accumulate_feeds_powersgd_the_mean_of_k_gradients_once_per_period():
@@ -73,17 +81,26 @@ def test_accumulate_feeds_powersgd_the_mean_of_k_gradients_once_per_period():
     else:
       emitted.append(jax.tree.map(np.asarray, updates))
   # Reference: powersgd on each replica's mean of its k gradients.
-  means = [{name: np.mean([np.asarray(grads[p * k + i][name], np.float64)
-                           for i in range(k)], axis=0) for name in SHAPES}
-           for p in range(len(grads) // k)]
+  means = [
+    {
+      name: np.mean(
+        [np.asarray(grads[p * k + i][name], np.float64) for i in range(k)],
+        axis=0,
+      )
+      for name in SHAPES
+    }
+    for p in range(len(grads) // k)
+  ]
   expected, _ = _np_powersgd(means, q0, compressed=COMPRESSED)
   for got, want in zip(emitted, expected):
     for name in SHAPES:
       for replica in range(R):
-        np.testing.assert_allclose(got[name][replica], -LR * want[name],
-                                   rtol=2e-4, atol=2e-5)
-  chex.assert_trees_all_equal(*[jax.tree.map(lambda x: x[i], emitted[-1])
-                                for i in range(R)])
+        np.testing.assert_allclose(
+          got[name][replica], -LR * want[name], rtol=2e-4, atol=2e-5
+        )
+  chex.assert_trees_all_equal(
+    *[jax.tree.map(lambda x: x[i], emitted[-1]) for i in range(R)]
+  )
 
 
 def _whole_state_step(tx, mesh):
@@ -100,11 +117,16 @@ def _whole_state_step(tx, mesh):
     g = jax.tree.map(lambda x: x[0], g)
     s = jax.tree.map(lambda x: x[0], s)
     u, s = tx.update(g, s)
-    return (jax.tree.map(lambda x: x[None], u),
-            jax.tree.map(lambda x: x[None], s))
+    return (
+      jax.tree.map(lambda x: x[None], u),
+      jax.tree.map(lambda x: x[None], s),
+    )
 
-  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(AXIS), specs),
-                            out_specs=(P(AXIS), specs)))
+  f = jax.jit(
+    jax.shard_map(
+      step, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(AXIS), specs)
+    )
+  )
   return f, jax.device_put(stacked, NamedSharding(mesh, P(AXIS)))
 
 
@@ -114,12 +136,17 @@ def _update_contexts(tx, mapping, mesh=None):
   if mapping == "pmap":
     state = jax.pmap(tx.init)(_stacked(params))
     grads = _grad_steps(seed=0, steps=1)[0]
-    text = jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS).lower(
-        grads, state).compile().as_text()
+    text = (
+      jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS)
+      .lower(grads, state)
+      .compile()
+      .as_text()
+    )
   else:
     f, state = _whole_state_step(tx, mesh)
-    grads = jax.device_put(_grad_steps(seed=0, steps=1)[0],
-                           NamedSharding(mesh, P(AXIS)))
+    grads = jax.device_put(
+      _grad_steps(seed=0, steps=1)[0], NamedSharding(mesh, P(AXIS))
+    )
     text = f.lower(grads, state).compile().as_text()
   contexts = {}
   for op in hlo.compiled_collectives(text):
@@ -129,16 +156,19 @@ def _update_contexts(tx, mapping, mesh=None):
 
 @pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
 def test_accumulate_around_powersgd_communicates_only_in_the_emit_branch(
-    mapping, mesh):
-  contexts = _update_contexts(shardopt.accumulate(_powersgd_sgd(), 4),
-                              mapping, mesh)
+  mapping, mesh
+):
+  contexts = _update_contexts(
+    shardopt.accumulate(_powersgd_sgd(), 4), mapping, mesh
+  )
   assert "top" not in contexts, {c: len(v) for c, v in contexts.items()}
   assert sum(len(v) for v in contexts.values()) >= 2, contexts
 
 
 @pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
 def test_apply_if_finite_around_powersgd_leaves_only_the_flag_outside(
-    mapping, mesh):
+  mapping, mesh
+):
   tx = shardopt.apply_if_finite(_powersgd_sgd(start_step=2), AXIS, 3)
   contexts = _update_contexts(tx, mapping, mesh)
   top = contexts.get("top", [])
@@ -162,16 +192,20 @@ def test_nan_on_one_replica_skips_powersgd_on_every_replica_and_keeps_its_state(
     before = _psgd_state(state)
     updates, state = jax.block_until_ready(step(g, state))
     after = _psgd_state(state)
-    for leaf in jax.tree.leaves((after.q, state.last_finite,
-                                 state.total_notfinite)):
+    for leaf in jax.tree.leaves(
+      (after.q, state.last_finite, state.total_notfinite)
+    ):
       leaf = np.asarray(leaf)
       assert (leaf == leaf[0]).all()  # the same on every replica
-    assert all(np.isfinite(np.asarray(x)).all()
-               for x in jax.tree.leaves((after.error, after.q)))
+    assert all(
+      np.isfinite(np.asarray(x)).all()
+      for x in jax.tree.leaves((after.error, after.q))
+    )
     if t == bad_step:
       assert not np.asarray(state.last_finite).any()
-      chex.assert_trees_all_equal(jax.tree.map(np.asarray, before),
-                                  jax.tree.map(np.asarray, after))
+      chex.assert_trees_all_equal(
+        jax.tree.map(np.asarray, before), jax.tree.map(np.asarray, after)
+      )
       assert all(not np.asarray(u).any() for u in jax.tree.leaves(updates))
     else:
       applied.append(jax.tree.map(np.asarray, updates))
@@ -179,12 +213,14 @@ def test_nan_on_one_replica_skips_powersgd_on_every_replica_and_keeps_its_state(
   expected, _ = _np_powersgd(finite_grads, q0, compressed=COMPRESSED)
   for got, want in zip(applied, expected):
     for name in SHAPES:
-      np.testing.assert_allclose(got[name][bad_replica], -LR * want[name],
-                                 rtol=2e-4, atol=2e-5)
+      np.testing.assert_allclose(
+        got[name][bad_replica], -LR * want[name], rtol=2e-4, atol=2e-5
+      )
 
 
 def test_powersgd_state_as_a_whole_under_p_axis_matches_replicated_counters(
-    mesh):
+  mesh,
+):
   """The "whole state under P(axis)" spelling: a stacked, varying counter."""
   tx = _powersgd_sgd()
   params = _params()
@@ -196,7 +232,10 @@ def test_powersgd_state_as_a_whole_under_p_axis_matches_replicated_counters(
   for g in grads:
     ua, state_a = jax.block_until_ready(f(put(g), state_a))
     ub, state_b = jax.block_until_ready(pmapped(g, state_b))
-    chex.assert_trees_all_close(jax.tree.map(np.asarray, ua),
-                                jax.tree.map(np.asarray, ub),
-                                rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+      jax.tree.map(np.asarray, ua),
+      jax.tree.map(np.asarray, ub),
+      rtol=1e-5,
+      atol=1e-6,
+    )
   assert (np.asarray(state_a[0].count) == len(grads)).all()

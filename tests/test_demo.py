@@ -17,8 +17,18 @@ PERIOD = 10
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("demo_out")
-  results = demo.main(["--steps", str(STEPS), "--devices", "8", "--method",
-                       "all", "--out", str(out)])
+  results = demo.main(
+    [
+      "--steps",
+      str(STEPS),
+      "--devices",
+      "8",
+      "--method",
+      "all",
+      "--out",
+      str(out),
+    ]
+  )
   return out, results
 
 
@@ -29,7 +39,9 @@ def test_demo_writes_loss_curve_png(demo_run):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_table_lists_the_three_methods_with_accuracy_above_chance(demo_run):
+def test_demo_table_lists_the_three_methods_with_accuracy_above_chance(
+  demo_run,
+):
   out, results = demo_run
   table = (out / "results.md").read_text()
   for method in ("cross_shard", "tower", "agn"):
@@ -70,7 +82,8 @@ def test_force_host_devices_respects_an_existing_count(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
   assert demo.force_host_devices(8)
   assert os.environ["XLA_FLAGS"] == (
-      "--xla_cpu_use_thunk_runtime=true --xla_force_host_platform_device_count=8")
+    "--xla_cpu_use_thunk_runtime=true --xla_force_host_platform_device_count=8"
+  )
 
 
 def test_asking_for_more_devices_than_exist_says_how_to_fix_it():
@@ -90,10 +103,26 @@ def test_command_line_forces_cpu_devices_in_a_fresh_process(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run(
-      [sys.executable, "-m", "shardopt.demo", "--steps", "3", "--devices", "4",
-       "--method", "cross_shard", "--out", str(tmp_path)],
-      env=env, capture_output=True, text=True, timeout=300,
-      cwd=pathlib.Path(__file__).resolve().parents[1], check=False)
+    [
+      sys.executable,
+      "-m",
+      "shardopt.demo",
+      "--steps",
+      "3",
+      "--devices",
+      "4",
+      "--method",
+      "cross_shard",
+      "--out",
+      str(tmp_path),
+    ],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=pathlib.Path(__file__).resolve().parents[1],
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "4 x cpu devices" in proc.stdout
   assert "| cross_shard |" in proc.stdout

@@ -16,8 +16,8 @@ import shardopt
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 API = ROOT / "docs" / "api"
 DIRECTIVE = re.compile(
-    r"^\.\. auto(?:function|class|exception|data)::\s+(?:shardopt\.)?(\w+)",
-    re.M)
+  r"^\.\. auto(?:function|class|exception|data)::\s+(?:shardopt\.)?(\w+)", re.M
+)
 
 
 def _documented() -> dict:
@@ -38,9 +38,10 @@ def _toctree(index_text: str) -> list:
 @pytest.mark.parametrize("name", sorted(shardopt.__all__))
 def test_every_exported_name_has_an_api_entry(name):
   assert name in _documented(), (
-      f"shardopt.{name} is exported but has no `.. autofunction:: {name}` (or"
-      " autoclass/autoexception) in docs/api/*.rst; see"
-      " docs/CONTRIBUTING-docs.md")
+    f"shardopt.{name} is exported but has no `.. autofunction:: {name}` (or"
+    " autoclass/autoexception) in docs/api/*.rst; see"
+    " docs/CONTRIBUTING-docs.md"
+  )
 
 
 def test_no_name_is_documented_twice_or_without_being_exported():
@@ -51,15 +52,18 @@ def test_no_name_is_documented_twice_or_without_being_exported():
 
 def test_every_api_page_is_in_the_api_toctree():
   pages = _toctree((API / "index.rst").read_text())
-  assert sorted(pages) == sorted(p.stem for p in API.glob("*.rst")
-                                 if p.stem != "index")
+  assert sorted(pages) == sorted(
+    p.stem for p in API.glob("*.rst") if p.stem != "index"
+  )
 
 
 def test_getting_started_shows_the_readmes_first_example():
   first_block = re.compile(r"```python\n(.*?)```", re.S)
   readme = first_block.search((ROOT / "README.md").read_text()).group(1)
   page = first_block.search(
-      (ROOT / "docs" / "getting_started.md").read_text()).group(1)
+    (ROOT / "docs" / "getting_started.md").read_text()
+  ).group(1)
   assert page == readme, (
-      "docs/getting_started.md must show README.md's first python example"
-      " verbatim (copy it over)")
+    "docs/getting_started.md must show README.md's first python example"
+    " verbatim (copy it over)"
+  )

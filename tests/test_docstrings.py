@@ -8,12 +8,19 @@ import pytest
 
 import shardopt
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(shardopt.__path__, "shardopt.")
-                 if m.name not in ("shardopt.demo", "shardopt.__main__"))
+MODULES = sorted(
+  m.name
+  for m in pkgutil.iter_modules(shardopt.__path__, "shardopt.")
+  if m.name not in ("shardopt.demo", "shardopt.__main__")
+)
 
 
 @pytest.mark.parametrize("module_name", MODULES)
 def test_docstring_examples_run(module_name):
   module = importlib.import_module(module_name)
-  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-  assert result.failed == 0, f"{result.failed} doctest(s) failed in {module_name}"
+  result = doctest.testmod(
+    module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+  )
+  assert result.failed == 0, (
+    f"{result.failed} doctest(s) failed in {module_name}"
+  )

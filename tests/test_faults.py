@@ -38,14 +38,14 @@ from jax.sharding import PartitionSpec as P
 import shardopt
 
 AXIS = "batch"
-R = 8                 # replicas
-D = 5                 # weights (plus one bias)
-B = 4                 # examples per replica per step
+R = 8  # replicas
+D = 5  # weights (plus one bias)
+B = 4  # examples per replica per step
 STEPS = 200
 NUM_FAULTS = 12
-MAX_CONSECUTIVE = 3   # apply_if_finite's max_consecutive_errors
-PERIOD = 4            # agn's communication_period
-GLOBAL_MOMENTUM = 0.5 # agn's global optimizer: SGD with momentum (has a state)
+MAX_CONSECUTIVE = 3  # apply_if_finite's max_consecutive_errors
+PERIOD = 4  # agn's communication_period
+GLOBAL_MOMENTUM = 0.5  # agn's global optimizer: SGD with momentum (has a state)
 SGD_LR = 0.05
 ADAM_LR = 0.01
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -53,11 +53,14 @@ B1, B2, EPS = 0.9, 0.999, 1e-8
 
 # --- Data, faults and numpy references. ---------------------------------------
 
+
 def _data():
   rng = np.random.default_rng(7)
   x = rng.normal(size=(STEPS, R, B, D)).astype(np.float32)
   true_w = rng.normal(size=D)
-  y = (x @ true_w + 0.5 + 0.1 * rng.normal(size=(STEPS, R, B))).astype(np.float32)
+  y = (x @ true_w + 0.5 + 0.1 * rng.normal(size=(STEPS, R, B))).astype(
+    np.float32
+  )
   w0 = rng.normal(size=D).astype(np.float32)
   return x, y, w0
 
@@ -115,8 +118,8 @@ def _np_sync_adam(x, y, w0, mask, values):
       continue
     count += 1
     m = B1 * m + (1 - B1) * mean
-    v = B2 * v + (1 - B2) * mean ** 2
-    m_hat, v_hat = m / (1 - B1 ** count), v / (1 - B2 ** count)
+    v = B2 * v + (1 - B2) * mean**2
+    m_hat, v_hat = m / (1 - B1**count), v / (1 - B2**count)
     p = p - ADAM_LR * m_hat / (np.sqrt(v_hat) + EPS)
   return p
 
@@ -149,19 +152,23 @@ def _np_agn(x, y, w0, mask, values):
 
 # --- The 200-step run under shard_map. -----------------------------------------
 
+
 def _loss(params, x, y):
   pred = x[0] @ params["w"][0] + params["b"][0]
   return 0.5 * jnp.mean((pred - y[0]) ** 2)
 
 
 def _all_finite(tree):
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g))
-                            for g in jax.tree.leaves(tree)]))
+  return jnp.all(
+    jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(tree)])
+  )
 
 
 def _specs(tx, params):
-  shapes = jax.eval_shape(jax.vmap(tx.init, axis_name=AXIS, axis_size=R),
-                          jax.tree.map(lambda p: p[:, None], params))
+  shapes = jax.eval_shape(
+    jax.vmap(tx.init, axis_name=AXIS, axis_size=R),
+    jax.tree.map(lambda p: p[:, None], params),
+  )
   return jax.tree.map(lambda s: P() if s.ndim == 1 else P(AXIS), shapes)
 
 
@@ -194,34 +201,51 @@ def _run(mesh, tx, *, reduced, guard=False, snap=False, check_vma=True):
 
     if guard:
       finite = jax.lax.pmin(_all_finite(grads).astype(jnp.int32), AXIS) > 0
-      new_params, new_state = jax.lax.cond(finite, apply,
-                                           lambda: (params, state))
+      new_params, new_state = jax.lax.cond(
+        finite, apply, lambda: (params, state)
+      )
     else:
       new_params, new_state = apply()
     if snap:
       synced = new_state.sync_count > state.sync_count
-      new_params = jax.tree.map(lambda p, c: jnp.where(synced, c, p),
-                                new_params, new_state.center)
-    divergence = shardopt.replica_divergence(reduced(new_params, new_state),
-                                             AXIS)
+      new_params = jax.tree.map(
+        lambda p, c: jnp.where(synced, c, p), new_params, new_state.center
+      )
+    divergence = shardopt.replica_divergence(
+      reduced(new_params, new_state), AXIS
+    )
     return (new_params, new_state), divergence
 
   def run(params, x, y, mask, values):
     state = tx.init(params)
     (params, state), divergence = jax.lax.scan(
-        one_step, (params, state), (x, y, mask, values))
+      one_step, (params, state), (x, y, mask, values)
+    )
     return params, state, divergence
 
   steps_row = P(None, AXIS)
-  run = jax.jit(jax.shard_map(
-      run, mesh=mesh, in_specs=(row, steps_row, steps_row, steps_row, P()),
-      out_specs=(row, specs, P()), check_vma=check_vma))
+  run = jax.jit(
+    jax.shard_map(
+      run,
+      mesh=mesh,
+      in_specs=(row, steps_row, steps_row, steps_row, P()),
+      out_specs=(row, specs, P()),
+      check_vma=check_vma,
+    )
+  )
   put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
-  params, state, divergence = run(put(params, row), put(x, steps_row),
-                                  put(y, steps_row), put(mask, steps_row),
-                                  put(values, P()))
-  return (jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, state),
-          np.asarray(divergence))
+  params, state, divergence = run(
+    put(params, row),
+    put(x, steps_row),
+    put(y, steps_row),
+    put(mask, steps_row),
+    put(values, P()),
+  )
+  return (
+    jax.tree.map(np.asarray, params),
+    jax.tree.map(np.asarray, state),
+    np.asarray(divergence),
+  )
 
 
 def _flat(params):
@@ -235,36 +259,48 @@ def _assert_rows_equal(tree, what):
 
 
 def _report(name, divergence, skipped):
-  print(f"\n[faults] {name}: {STEPS} steps, {NUM_FAULTS} non-finite gradients"
-        f" injected on one replica, {skipped} skipped,"
-        f" max replica_divergence = {float(divergence.max())}")
+  print(
+    f"\n[faults] {name}: {STEPS} steps, {NUM_FAULTS} non-finite gradients"
+    f" injected on one replica, {skipped} skipped,"
+    f" max replica_divergence = {float(divergence.max())}"
+  )
 
 
 # --- Tests. --------------------------------------------------------------------
+
 
 def _fault_count():
   return int(_faults()[0].any(axis=1).sum())
 
 
-CHECK_VMA = pytest.mark.parametrize("check_vma", [True, False],
-                                    ids=["check_vma", "no_check_vma"])
+CHECK_VMA = pytest.mark.parametrize(
+  "check_vma", [True, False], ids=["check_vma", "no_check_vma"]
+)
 
 
 @CHECK_VMA
 def test_apply_if_finite_after_cross_shard_mean_skips_on_every_replica(
-    mesh, check_vma):
-  tx = optax.chain(shardopt.cross_shard_mean(AXIS),
-                   optax.apply_if_finite(optax.sgd(SGD_LR), MAX_CONSECUTIVE))
+  mesh, check_vma
+):
+  tx = optax.chain(
+    shardopt.cross_shard_mean(AXIS),
+    optax.apply_if_finite(optax.sgd(SGD_LR), MAX_CONSECUTIVE),
+  )
   params, state, divergence = _run(
-      mesh, tx, reduced=lambda p, s: (p, s), check_vma=check_vma)
+    mesh, tx, reduced=lambda p, s: (p, s), check_vma=check_vma
+  )
   total_skipped = state[1].total_notfinite
-  _report(f"chain(cross_shard_mean, apply_if_finite(sgd)), {check_vma=}",
-          divergence, int(total_skipped))
+  _report(
+    f"chain(cross_shard_mean, apply_if_finite(sgd)), {check_vma=}",
+    divergence,
+    int(total_skipped),
+  )
   assert divergence.shape == (STEPS,) and float(divergence.max()) == 0.0
   assert int(total_skipped) == _fault_count() == NUM_FAULTS
   _assert_rows_equal(params, "params differ across replicas")
-  np.testing.assert_allclose(_flat(params)[0], _np_sync_sgd(*_data(), *_faults()),
-                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(
+    _flat(params)[0], _np_sync_sgd(*_data(), *_faults()), rtol=1e-4, atol=1e-5
+  )
 
 
 def test_apply_if_finite_inside_cross_shard_adam_skips_on_every_replica(mesh):
@@ -274,66 +310,92 @@ def test_apply_if_finite_inside_cross_shard_adam_skips_on_every_replica(mesh):
   # under a checking shard_map. With replicated P() params, or under pmap or
   # check_vma=False as here, the composition works.
   tx = shardopt.cross_shard(
-      optax.apply_if_finite(optax.adam(ADAM_LR, b1=B1, b2=B2, eps=EPS),
-                            MAX_CONSECUTIVE), AXIS)
-  params, state, divergence = _run(mesh, tx, reduced=lambda p, s: (p, s),
-                                   check_vma=False)
-  _report("cross_shard(apply_if_finite(adam)), check_vma=False", divergence,
-          int(state.total_notfinite))
+    optax.apply_if_finite(
+      optax.adam(ADAM_LR, b1=B1, b2=B2, eps=EPS), MAX_CONSECUTIVE
+    ),
+    AXIS,
+  )
+  params, state, divergence = _run(
+    mesh, tx, reduced=lambda p, s: (p, s), check_vma=False
+  )
+  _report(
+    "cross_shard(apply_if_finite(adam)), check_vma=False",
+    divergence,
+    int(state.total_notfinite),
+  )
   assert float(divergence.max()) == 0.0
   assert int(state.total_notfinite) == NUM_FAULTS
   adam_state = state.inner_state[0]
   assert int(adam_state.count) == STEPS - NUM_FAULTS  # skipped steps: no count
-  _assert_rows_equal((params, adam_state.mu, adam_state.nu),
-                     "params or moments differ across replicas")
-  np.testing.assert_allclose(_flat(params)[0],
-                             _np_sync_adam(*_data(), *_faults()),
-                             rtol=1e-4, atol=1e-5)
+  _assert_rows_equal(
+    (params, adam_state.mu, adam_state.nu),
+    "params or moments differ across replicas",
+  )
+  np.testing.assert_allclose(
+    _flat(params)[0], _np_sync_adam(*_data(), *_faults()), rtol=1e-4, atol=1e-5
+  )
 
 
 @CHECK_VMA
 def test_tower_adam_with_a_replicated_finite_guard_skips_on_every_replica(
-    mesh, check_vma):
+  mesh, check_vma
+):
   tx = shardopt.tower(optax.adam(ADAM_LR, b1=B1, b2=B2, eps=EPS), AXIS)
   # The optimizer state is sharded (each replica owns a slice), so the state
   # that must agree across replicas is the params.
-  params, state, divergence = _run(mesh, tx, reduced=lambda p, s: p,
-                                   guard=True, check_vma=check_vma)
-  _report(f"tower(adam) under a pmin finite guard, {check_vma=}", divergence,
-          STEPS - int(state[0].count))
+  params, state, divergence = _run(
+    mesh, tx, reduced=lambda p, s: p, guard=True, check_vma=check_vma
+  )
+  _report(
+    f"tower(adam) under a pmin finite guard, {check_vma=}",
+    divergence,
+    STEPS - int(state[0].count),
+  )
   assert float(divergence.max()) == 0.0
   assert int(state[0].count) == STEPS - NUM_FAULTS
   _assert_rows_equal(params, "params differ across replicas")
-  np.testing.assert_allclose(_flat(params)[0],
-                             _np_sync_adam(*_data(), *_faults()),
-                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(
+    _flat(params)[0], _np_sync_adam(*_data(), *_faults()), rtol=1e-4, atol=1e-5
+  )
 
 
 @CHECK_VMA
 def test_agn_leaves_the_bad_replica_out_of_the_sync(mesh, check_vma):
   tx = shardopt.agn(
-      optax.sgd(SGD_LR), AXIS, communication_period=PERIOD,
-      global_optimizer=optax.sgd(SGD_LR, momentum=GLOBAL_MOMENTUM))
+    optax.sgd(SGD_LR),
+    AXIS,
+    communication_period=PERIOD,
+    global_optimizer=optax.sgd(SGD_LR, momentum=GLOBAL_MOMENTUM),
+  )
   params, state, divergence = _run(
-      mesh, tx, reduced=lambda p, s: (s.center, s.global_state), snap=True,
-      check_vma=check_vma)
-  want_params, want_center, want_trace, want_skipped = _np_agn(*_data(),
-                                                               *_faults())
-  _report(f"agn(sgd), communication_period 4, center and global state,"
-          f" {check_vma=}", divergence, int(state.skipped))
+    mesh,
+    tx,
+    reduced=lambda p, s: (s.center, s.global_state),
+    snap=True,
+    check_vma=check_vma,
+  )
+  want_params, want_center, want_trace, want_skipped = _np_agn(
+    *_data(), *_faults()
+  )
+  _report(
+    f"agn(sgd), communication_period 4, center and global state, {check_vma=}",
+    divergence,
+    int(state.skipped),
+  )
   assert float(divergence.max()) == 0.0
   assert int(state.skipped) == want_skipped > 0
   assert int(state.sync_count) == STEPS // PERIOD
   center = _flat(state.center)
   assert np.all(np.isfinite(center))
-  _assert_rows_equal((state.center, state.global_state),
-                     "center differs across replicas")
+  _assert_rows_equal(
+    (state.center, state.global_state), "center differs across replicas"
+  )
   np.testing.assert_allclose(center[0], want_center, rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(_flat(state.global_state[0].trace)[0], want_trace,
-                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(
+    _flat(state.global_state[0].trace)[0], want_trace, rtol=1e-4, atol=1e-5
+  )
   # 200 is a multiple of the period: the run ends on a sync, so after the snap
   # every replica (the bad ones included) holds the center, bit for bit.
   assert STEPS % PERIOD == 0
   np.testing.assert_array_equal(_flat(params), center)
   np.testing.assert_allclose(_flat(params), want_params, rtol=1e-4, atol=1e-5)
-

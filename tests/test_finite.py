@@ -45,13 +45,19 @@ def _grads_with_nan_on(replica):
 
 # --- all_finite. ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("bad", [None, 2, 6])
 def test_all_finite_agrees_on_every_replica_under_pmap(bad):
-  g = _grads_with_nan_on(bad) if bad is not None else np.ones((R, 3), np.float32)
-  f = jax.pmap(lambda g: (shardopt.all_finite({"g": g}, AXIS),
-                          shardopt.all_finite({"g": g}, AXIS,
-                                              axis_index_groups=GROUPS)),
-               axis_name=AXIS)
+  g = (
+    _grads_with_nan_on(bad) if bad is not None else np.ones((R, 3), np.float32)
+  )
+  f = jax.pmap(
+    lambda g: (
+      shardopt.all_finite({"g": g}, AXIS),
+      shardopt.all_finite({"g": g}, AXIS, axis_index_groups=GROUPS),
+    ),
+    axis_name=AXIS,
+  )
   everywhere, grouped = map(np.asarray, f(g))
   np.testing.assert_array_equal(everywhere, np.full(R, bad is None))
   want = [bad not in group for group in GROUPS for _ in group]
@@ -60,18 +66,29 @@ def test_all_finite_agrees_on_every_replica_under_pmap(bad):
 
 def test_all_finite_with_groups_under_checking_shard_map_flags_only_that_group():
   mesh = _mesh()
-  f = jax.jit(jax.shard_map(
+  f = jax.jit(
+    jax.shard_map(
       lambda g: shardopt.all_finite(g, AXIS, axis_index_groups=GROUPS)[None],
-      mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+      mesh=mesh,
+      in_specs=P(AXIS),
+      out_specs=P(AXIS),
+    )
+  )
   g = jax.device_put(_grads_with_nan_on(5), NamedSharding(mesh, P(AXIS)))
   np.testing.assert_array_equal(np.asarray(f(g)), [True] * 4 + [False] * 4)
   # Invariant leaves (the same on every replica) with groups: every group says
   # the same thing, and no error.
-  h = jax.jit(jax.shard_map(
+  h = jax.jit(
+    jax.shard_map(
       lambda w: shardopt.all_finite(w, AXIS, axis_index_groups=GROUPS)[None],
-      mesh=mesh, in_specs=P(), out_specs=P(AXIS)))
-  np.testing.assert_array_equal(np.asarray(h(jnp.array([1.0, jnp.inf]))),
-                                [False] * R)
+      mesh=mesh,
+      in_specs=P(),
+      out_specs=P(AXIS),
+    )
+  )
+  np.testing.assert_array_equal(
+    np.asarray(h(jnp.array([1.0, jnp.inf]))), [False] * R
+  )
 
 
 def test_all_finite_is_invariant_under_checking_shard_map_with_one_4_byte_all_reduce():
@@ -87,7 +104,9 @@ def test_all_finite_is_invariant_under_checking_shard_map_with_one_4_byte_all_re
   g = jax.device_put(_grads_with_nan_on(3), NamedSharding(mesh, P(AXIS)))
   assert not bool(f(g)) and seen["varying"] == frozenset()
   ops = hlo.compiled_collectives(f.lower(g).compile().as_text(), num_devices=R)
-  print(f"\n[hlo] all_finite under shard_map: {[(o.kind, o.buffer_bytes) for o in ops]}")
+  print(
+    f"\n[hlo] all_finite under shard_map: {[(o.kind, o.buffer_bytes) for o in ops]}"
+  )
   assert [(o.kind, o.buffer_bytes) for o in ops] == [("all-reduce", 4)]
 
 
@@ -95,11 +114,14 @@ def test_all_finite_without_an_axis_tests_this_replica_only():
   assert bool(shardopt.all_finite({"a": jnp.ones(3), "b": None}))
   assert not bool(shardopt.all_finite([jnp.ones(3), jnp.array([jnp.inf])]))
   assert bool(shardopt.all_finite({}))
-  with pytest.raises(ValueError, match="shardopt.all_finite: axis_index_groups"):
+  with pytest.raises(
+    ValueError, match="shardopt.all_finite: axis_index_groups"
+  ):
     shardopt.all_finite(jnp.ones(3), axis_index_groups=GROUPS)
 
 
 # --- apply_if_finite: optax's numbers and state. ------------------------------
+
 
 def test_same_numbers_and_state_as_optax_apply_if_finite_on_one_device():
   rng = np.random.default_rng(0)
@@ -124,7 +146,9 @@ def test_same_numbers_and_state_as_optax_apply_if_finite_on_one_device():
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
 def test_max_consecutive_errors_must_be_a_non_negative_integer(bad):
-  with pytest.raises(ValueError, match="shardopt.apply_if_finite: max_consecutive"):
+  with pytest.raises(
+    ValueError, match="shardopt.apply_if_finite: max_consecutive"
+  ):
     shardopt.apply_if_finite(optax.sgd(0.1), AXIS, bad)
   shardopt.apply_if_finite(optax.sgd(0.1), AXIS, 0)  # 0: apply the next one
 
@@ -132,31 +156,40 @@ def test_max_consecutive_errors_must_be_a_non_negative_integer(bad):
 # --- HLO: only the flag outside the cond. -------------------------------------
 
 INNERS = {
-    "cross_shard(adam)": lambda: shardopt.cross_shard(optax.adam(0.1), AXIS),
-    "tower(adam)": lambda: shardopt.tower(optax.adam(0.1), AXIS),
-    "accumulate(cross_shard(adam), 2)": lambda: shardopt.accumulate(
-        shardopt.cross_shard(optax.adam(0.1), AXIS), 2),
+  "cross_shard(adam)": lambda: shardopt.cross_shard(optax.adam(0.1), AXIS),
+  "tower(adam)": lambda: shardopt.tower(optax.adam(0.1), AXIS),
+  "accumulate(cross_shard(adam), 2)": lambda: shardopt.accumulate(
+    shardopt.cross_shard(optax.adam(0.1), AXIS), 2
+  ),
 }
 
 
 def _compiled_update(tx, spelling, size=1024):
   from tests.test_accumulate import _compiled_update as compiled
+
   return compiled(tx, spelling, size)
 
 
-@pytest.mark.parametrize("spelling, inner", [
-    ("pmap", "cross_shard(adam)"), ("pmap", "tower(adam)"),
+@pytest.mark.parametrize(
+  "spelling, inner",
+  [
+    ("pmap", "cross_shard(adam)"),
+    ("pmap", "tower(adam)"),
     ("pmap", "accumulate(cross_shard(adam), 2)"),
     ("invariant", "tower(adam)"),
-    ("varying", "cross_shard(adam)"), ("varying", "tower(adam)"),
-])
+    ("varying", "cross_shard(adam)"),
+    ("varying", "tower(adam)"),
+  ],
+)
 def test_only_the_4_byte_flag_is_communicated_outside_the_cond(spelling, inner):
   tx = shardopt.apply_if_finite(INNERS[inner](), AXIS, 3)
   ops = hlo.compiled_collectives(_compiled_update(tx, spelling), num_devices=R)
   top = [(o.kind, o.buffer_bytes) for o in ops if o.context == "top"]
   inside = [o.kind for o in ops if "conditional" in o.context]
-  print(f"\n[hlo] apply_if_finite({inner}).update, {spelling}: outside the cond"
-        f" {top}, inside {len(inside)} collective(s)")
+  print(
+    f"\n[hlo] apply_if_finite({inner}).update, {spelling}: outside the cond"
+    f" {top}, inside {len(inside)} collective(s)"
+  )
   # Invariant gradients are the same on every replica: the flag needs no
   # all-reduce at all there.
   assert top == ([] if spelling == "invariant" else [("all-reduce", 4)])
@@ -165,20 +198,28 @@ def test_only_the_4_byte_flag_is_communicated_outside_the_cond(spelling, inner):
 
 # --- Faults on one replica: no hang, every replica skips together. ------------
 
+
 def _run_worker(scenario, mapping, tmp_path):
   out = tmp_path / f"{scenario}_{mapping}.npz"
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   root = Path(__file__).resolve().parents[1]
   env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (str(root / "src"), str(root), env.get("PYTHONPATH")) if p)
+    p for p in (str(root / "src"), str(root), env.get("PYTHONPATH")) if p
+  )
   try:
-    proc = subprocess.run([sys.executable, str(WORKER), scenario, mapping, str(out)],
-                          env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    proc = subprocess.run(
+      [sys.executable, str(WORKER), scenario, mapping, str(out)],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=TIMEOUT_S,
+    )
   except subprocess.TimeoutExpired:
-    pytest.fail(f"{scenario} under {mapping} did not finish in {TIMEOUT_S} s:"
-                " the replicas deadlocked")
+    pytest.fail(
+      f"{scenario} under {mapping} did not finish in {TIMEOUT_S} s:"
+      " the replicas deadlocked"
+    )
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return dict(np.load(out))
 
@@ -205,25 +246,30 @@ def _np_adam_skipping(every_k_steps=1):
         pending = []
         count += 1
         m = ff.B1 * m + (1 - ff.B1) * mean
-        v = ff.B2 * v + (1 - ff.B2) * mean ** 2
-        w = w - ff.LR * (m / (1 - ff.B1 ** count)) / (
-            np.sqrt(v / (1 - ff.B2 ** count)) + ff.EPS)
+        v = ff.B2 * v + (1 - ff.B2) * mean**2
+        w = w - ff.LR * (m / (1 - ff.B1**count)) / (
+          np.sqrt(v / (1 - ff.B2**count)) + ff.EPS
+        )
     history.append(w)
   return np.stack(history)
 
 
 @pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
 @pytest.mark.parametrize("scenario", ["cross_shard", "tower", "accumulate"])
-def test_nan_on_one_replica_every_replica_skips_together(scenario, mapping,
-                                                         tmp_path):
+def test_nan_on_one_replica_every_replica_skips_together(
+  scenario, mapping, tmp_path
+):
   got = _run_worker(scenario, mapping, tmp_path)
   num_faults = int(ff.faults()[0].any(axis=1).sum())
   label = {"accumulate": f"accumulate(cross_shard(adam), {ff.K})"}.get(
-      scenario, f"{scenario}(adam)")
-  print(f"\n[faults] apply_if_finite({label}) under {mapping}:"
-        f" {ff.STEPS} steps, {num_faults} non-finite gradients on one replica,"
-        f" total_notfinite={got['total_notfinite'].ravel().tolist()},"
-        f" max replica_divergence={got['divergence'].max()}")
+    scenario, f"{scenario}(adam)"
+  )
+  print(
+    f"\n[faults] apply_if_finite({label}) under {mapping}:"
+    f" {ff.STEPS} steps, {num_faults} non-finite gradients on one replica,"
+    f" total_notfinite={got['total_notfinite'].ravel().tolist()},"
+    f" max replica_divergence={got['divergence'].max()}"
+  )
   assert float(got["divergence"].max()) == 0.0
   np.testing.assert_array_equal(got["total_notfinite"].ravel(), num_faults)
   params = got["params"].reshape(ff.STEPS, R, -1)
@@ -237,7 +283,7 @@ def test_dynamic_loss_scale_from_the_replicated_flag_stays_in_sync(tmp_path):
   got = _run_worker("loss_scale", "pmap", tmp_path)
   mask, values = ff.faults()
   # numpy: jmp.DynamicLossScale's rule, factor 2.
-  scale, counter, want = 2.0 ** 10, 0, []
+  scale, counter, want = 2.0**10, 0, []
   for t in range(ff.STEPS):
     if mask[t].any():
       scale, counter = max(1.0, scale / 2), 0
@@ -246,10 +292,13 @@ def test_dynamic_loss_scale_from_the_replicated_flag_stays_in_sync(tmp_path):
       if counter == ff.LOSS_SCALE_PERIOD:
         scale, counter = scale * 2, 0
     want.append(scale)
-  print(f"\n[faults] jmp.DynamicLossScale adjusted with apply_if_finite's"
-        f" last_finite: loss scale per step {got['loss_scale'][:, 0].tolist()}")
-  np.testing.assert_array_equal(got["loss_scale"],
-                                np.repeat(np.array(want)[:, None], R, axis=1))
+  print(
+    f"\n[faults] jmp.DynamicLossScale adjusted with apply_if_finite's"
+    f" last_finite: loss scale per step {got['loss_scale'][:, 0].tolist()}"
+  )
+  np.testing.assert_array_equal(
+    got["loss_scale"], np.repeat(np.array(want)[:, None], R, axis=1)
+  )
   params = got["params"]
   for r in range(1, R):
     np.testing.assert_array_equal(params[:, r], params[:, 0])

@@ -32,7 +32,9 @@ ROWS_PER_REPLICA = 5
 
 
 def _data(seed, rows, cols):
-  return np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32)
+  return (
+    np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32)
+  )
 
 
 def _numpy_mean_squared_error_grads(w, b, x, y):
@@ -46,9 +48,12 @@ def _numpy_sgd_momentum_on_mean_gradient(w, b, xs, ys, lr, momentum, steps):
   w, b = w.astype(np.float64), b.astype(np.float64)
   trace_w, trace_b = np.zeros_like(w), np.zeros_like(b)
   for _ in range(steps):
-    grads = [_numpy_mean_squared_error_grads(w, b, x.astype(np.float64),
-                                             y.astype(np.float64))
-             for x, y in zip(xs, ys)]
+    grads = [
+      _numpy_mean_squared_error_grads(
+        w, b, x.astype(np.float64), y.astype(np.float64)
+      )
+      for x, y in zip(xs, ys)
+    ]
     gw = np.mean([g[0] for g in grads], axis=0)
     gb = np.mean([g[1] for g in grads], axis=0)
     trace_w = gw + momentum * trace_w
@@ -71,12 +76,14 @@ def _pmapped_train_state(model, params0, tx):
   """A TrainState per device (built under pmap) and a pmapped MSE train step."""
 
   def create(_):
-    return train_state.TrainState.create(apply_fn=model.apply,
-                                         params=params0, tx=tx)
+    return train_state.TrainState.create(
+      apply_fn=model.apply, params=params0, tx=tx
+    )
 
   def train_step(state, x, y):
-    grads = jax.grad(
-        lambda p: jnp.mean((state.apply_fn(p, x) - y) ** 2))(state.params)
+    grads = jax.grad(lambda p: jnp.mean((state.apply_fn(p, x) - y) ** 2))(
+      state.params
+    )
     return state.apply_gradients(grads=grads)
 
   state = jax.pmap(create, axis_name=AXIS)(np.arange(N))
@@ -96,30 +103,42 @@ def test_train_state_cross_shard_under_pmap_equals_numpy_sgd_on_mean_gradient():
 
   _assert_replicas_bit_identical(state.params)
   want_w, want_b = _numpy_sgd_momentum_on_mean_gradient(
-      np.asarray(params0["params"]["kernel"]),
-      np.asarray(params0["params"]["bias"]), xs, ys, lr, momentum, steps)
-  np.testing.assert_allclose(state.params["params"]["kernel"][0], want_w,
-                             rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(state.params["params"]["bias"][0], want_b,
-                             rtol=1e-5, atol=1e-6)
+    np.asarray(params0["params"]["kernel"]),
+    np.asarray(params0["params"]["bias"]),
+    xs,
+    ys,
+    lr,
+    momentum,
+    steps,
+  )
+  np.testing.assert_allclose(
+    state.params["params"]["kernel"][0], want_w, rtol=1e-5, atol=1e-6
+  )
+  np.testing.assert_allclose(
+    state.params["params"]["bias"][0], want_b, rtol=1e-5, atol=1e-6
+  )
   assert int(state.step[0]) == steps
 
 
 def _agn_sgd_oracle_state(communication_period=4):
   """TrainState for TF's AGN SGD oracle: v0 = (0, 0.5), gradient -1, lr 0.1."""
-  tx = shardopt.agn(optax.sgd(0.1), AXIS,
-                    communication_period=communication_period)
+  tx = shardopt.agn(
+    optax.sgd(0.1), AXIS, communication_period=communication_period
+  )
 
   def create(_):
     return train_state.TrainState.create(
-        apply_fn=None, params={"v": jnp.array([0.0, 0.5])}, tx=tx)
+      apply_fn=None, params={"v": jnp.array([0.0, 0.5])}, tx=tx
+    )
 
   def step(state):
     grads = jax.grad(lambda p: -jnp.sum(p["v"]))(state.params)  # always -1
     return state.apply_gradients(grads=grads)
 
-  return (jax.pmap(create, axis_name=AXIS)(np.arange(N)),
-          jax.pmap(step, axis_name=AXIS))
+  return (
+    jax.pmap(create, axis_name=AXIS)(np.arange(N)),
+    jax.pmap(step, axis_name=AXIS),
+  )
 
 
 def test_train_state_agn_under_pmap_reproduces_tensorflow_sgd_oracle():
@@ -127,8 +146,10 @@ def test_train_state_agn_under_pmap_reproduces_tensorflow_sgd_oracle():
   seen = {}
   for i in range(1, 9):
     state = step(state)
-    seen[i] = (np.asarray(state.params["v"][0]),
-               np.asarray(state.opt_state.center["v"][0]))
+    seen[i] = (
+      np.asarray(state.params["v"][0]),
+      np.asarray(state.opt_state.center["v"][0]),
+    )
   # design.md 4: local (0.3, 0.8) after step 3; sync at 4 -> (0.1, 0.6),
   # at 8 -> (0.2, 0.7) (without the /T normalisation it would be (0.4, 0.9)).
   np.testing.assert_allclose(seen[3][0], [0.3, 0.8], rtol=1e-6)
@@ -143,7 +164,8 @@ def test_train_state_agn_under_pmap_reproduces_tensorflow_sgd_oracle():
 
 @pytest.mark.parametrize("reduction, want_c", [("sum", 7.0), ("mean", 8.5)])
 def test_train_state_tower_under_pmap_reproduces_tensorflow_tower_oracle(
-    reduction, want_c):
+  reduction, want_c
+):
   # Two towers, features [[1]], [[2]], labels [[1]], [[2]], loss
   # sum(|features * c - labels|), c0 = 10, gradient descent lr 1.
   tx = shardopt.tower(optax.sgd(1.0), AXIS, reduction=reduction)
@@ -151,11 +173,13 @@ def test_train_state_tower_under_pmap_reproduces_tensorflow_tower_oracle(
 
   def create(_):
     return train_state.TrainState.create(
-        apply_fn=None, params={"c": jnp.array(10.0)}, tx=tx)
+      apply_fn=None, params={"c": jnp.array(10.0)}, tx=tx
+    )
 
   def step(state, features, labels):
-    grads = jax.grad(
-        lambda p: jnp.sum(jnp.abs(features * p["c"] - labels)))(state.params)
+    grads = jax.grad(lambda p: jnp.sum(jnp.abs(features * p["c"] - labels)))(
+      state.params
+    )
     return state.apply_gradients(grads=grads)
 
   state = jax.pmap(create, axis_name=AXIS, devices=two)(np.arange(2))
@@ -170,11 +194,13 @@ def test_train_state_tower_two_sum_steps_reproduce_tensorflow_oracle():
 
   def create(_):
     return train_state.TrainState.create(
-        apply_fn=None, params={"c": jnp.array(10.0)}, tx=tx)
+      apply_fn=None, params={"c": jnp.array(10.0)}, tx=tx
+    )
 
   def step(state, features, labels):
-    grads = jax.grad(
-        lambda p: jnp.sum(jnp.abs(features * p["c"] - labels)))(state.params)
+    grads = jax.grad(lambda p: jnp.sum(jnp.abs(features * p["c"] - labels)))(
+      state.params
+    )
     return state.apply_gradients(grads=grads)
 
   step = jax.pmap(step, axis_name=AXIS, devices=two)
@@ -195,16 +221,17 @@ def test_nnx_optimizer_cross_shard_under_shard_map_equals_numpy_sgd(mesh):
   model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
   w0, b0 = np.asarray(model.kernel[...]), np.asarray(model.bias[...])
   optimizer = nnx.Optimizer(
-      model, shardopt.cross_shard(optax.sgd(lr, momentum=momentum), AXIS),
-      wrt=nnx.Param)
+    model,
+    shardopt.cross_shard(optax.sgd(lr, momentum=momentum), AXIS),
+    wrt=nnx.Param,
+  )
   graphdef, state = nnx.split((model, optimizer))
 
   # Replicated (P()) model and optimizer state; each replica its own rows.
   # The gradient of replicated params is typed invariant (autodiff summed it
   # over the axis); cross_shard turns that sum into the mean.
   @jax.jit
-  @jax.shard_map(mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
-                 out_specs=P())
+  @jax.shard_map(mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P())
   def train_step(state, x, y):
     model, optimizer = nnx.merge(graphdef, state)
     grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
@@ -221,8 +248,14 @@ def test_nnx_optimizer_cross_shard_under_shard_map_equals_numpy_sgd(mesh):
   model, optimizer = nnx.merge(graphdef, state)
 
   want_w, want_b = _numpy_sgd_momentum_on_mean_gradient(
-      w0, b0, x.reshape(N, ROWS_PER_REPLICA, 4),
-      y.reshape(N, ROWS_PER_REPLICA, 3), lr, momentum, steps)
+    w0,
+    b0,
+    x.reshape(N, ROWS_PER_REPLICA, 4),
+    y.reshape(N, ROWS_PER_REPLICA, 3),
+    lr,
+    momentum,
+    steps,
+  )
   np.testing.assert_allclose(model.kernel[...], want_w, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(model.bias[...], want_b, rtol=1e-5, atol=1e-6)
   assert int(optimizer.step[...]) == steps
@@ -249,7 +282,8 @@ def _save_and_restore(directory, tree):
 
 
 def test_agn_checkpoint_mid_period_restores_and_continues_bit_identically(
-    tmp_path):
+  tmp_path,
+):
   period = 4
   model = nn.Dense(3)
   xs = _data(4, N * ROWS_PER_REPLICA, 4).reshape(N, ROWS_PER_REPLICA, 4)
@@ -262,9 +296,12 @@ def test_agn_checkpoint_mid_period_restores_and_continues_bit_identically(
   assert int(state.opt_state.count[0]) % period == 2
   assert int(state.opt_state.sync_count[0]) == 1
   # Mid-period: replicas have drifted apart and the accumulator is not empty.
-  assert float(jnp.abs(state.opt_state.accumulator["params"]["kernel"]).max()) > 0
-  assert not np.array_equal(state.params["params"]["kernel"][0],
-                            state.params["params"]["kernel"][1])
+  assert (
+    float(jnp.abs(state.opt_state.accumulator["params"]["kernel"]).max()) > 0
+  )
+  assert not np.array_equal(
+    state.params["params"]["kernel"][0], state.params["params"]["kernel"][1]
+  )
 
   restored = _save_and_restore(tmp_path / "agn", state)
   assert isinstance(restored.opt_state, shardopt.AGNState)
@@ -279,24 +316,28 @@ def test_agn_checkpoint_mid_period_restores_and_continues_bit_identically(
 
 
 def test_tower_sharded_state_checkpoint_restores_and_continues_bit_identically(
-    mesh, tmp_path):
+  mesh, tmp_path
+):
   inner = optax.adam(0.05)
   tx = shardopt.tower(inner, AXIS)
   params = {"w": jnp.zeros((5, 3)), "b": jnp.zeros((3,))}
   # tower's state holds 1/N of every moment: owned slices P(AXIS), counters P().
-  stand_ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,), x.dtype),
-                           params)
-  specs = jax.tree.map(lambda x: P(AXIS) if x.ndim else P(),
-                       jax.eval_shape(inner.init, stand_ins))
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
-                               out_specs=specs))
+  stand_ins = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct((1,), x.dtype), params
+  )
+  specs = jax.tree.map(
+    lambda x: P(AXIS) if x.ndim else P(), jax.eval_shape(inner.init, stand_ins)
+  )
+  init = jax.jit(
+    jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+  )
 
   @jax.jit
-  @jax.shard_map(mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)),
-                 out_specs=(P(), specs))
+  @jax.shard_map(
+    mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)
+  )
   def step(params, state, x, y):
-    grads = jax.grad(
-        lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2))(params)
+    grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2))(params)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -311,11 +352,13 @@ def test_tower_sharded_state_checkpoint_restores_and_continues_bit_identically(
   assert mu["w"].shape == (N * 2,)  # ceil(15 / 8) = 2 moments per replica
   assert mu["w"].sharding.spec == P(AXIS)
 
-  restored = _save_and_restore(tmp_path / "tower",
-                               {"params": params, "opt_state": state})
+  restored = _save_and_restore(
+    tmp_path / "tower", {"params": params, "opt_state": state}
+  )
   chex.assert_trees_all_equal(restored, {"params": params, "opt_state": state})
-  assert optax.tree_utils.tree_get(
-      restored["opt_state"], "mu")["w"].sharding.spec == P(AXIS)
+  assert optax.tree_utils.tree_get(restored["opt_state"], "mu")[
+    "w"
+  ].sharding.spec == P(AXIS)
 
   p_resumed, s_resumed = restored["params"], restored["opt_state"]
   for _ in range(4):

@@ -14,13 +14,34 @@ AFTER = [b for b in BLOCKS if b.startswith("# shardopt")]
 
 # Public members on TensorFlow's API pages of the three classes (seeds 000-004).
 TF_MEMBERS = (
-    "compute_gradients", "apply_gradients", "minimize", "get_slot", "get_slot_names",
-    "variables", "get_name", "GATE_NONE", "GATE_OP", "GATE_GRAPH",
-    "COLLECTION_FOR_GRAPH_STATES", "has_been_used", "get_init_op",
-    "make_session_run_hook", "optimizer_or_optimizer_fn", "num_worker",
-    "custom_getter", "communication_period", "use_locking", "group_assignment",
-    "reduction", "global_step", "var_list", "gate_gradients", "aggregation_method",
-    "colocate_gradients_with_ops", "grad_loss")
+  "compute_gradients",
+  "apply_gradients",
+  "minimize",
+  "get_slot",
+  "get_slot_names",
+  "variables",
+  "get_name",
+  "GATE_NONE",
+  "GATE_OP",
+  "GATE_GRAPH",
+  "COLLECTION_FOR_GRAPH_STATES",
+  "has_been_used",
+  "get_init_op",
+  "make_session_run_hook",
+  "optimizer_or_optimizer_fn",
+  "num_worker",
+  "custom_getter",
+  "communication_period",
+  "use_locking",
+  "group_assignment",
+  "reduction",
+  "global_step",
+  "var_list",
+  "gate_gradients",
+  "aggregation_method",
+  "colocate_gradients_with_ops",
+  "grad_loss",
+)
 
 
 def test_one_before_after_pair_per_class():
@@ -32,8 +53,11 @@ def test_one_before_after_pair_per_class():
 
 @pytest.mark.parametrize("member", TF_MEMBERS)
 def test_every_tf_member_has_a_row(member):
-  rows = [line for line in TEXT.splitlines()
-          if line.startswith("| `") and member in line.split("|")[1]]
+  rows = [
+    line
+    for line in TEXT.splitlines()
+    if line.startswith("| `") and member in line.split("|")[1]
+  ]
   assert rows, f"docs/migration.md has no table row for {member}"
 
 
@@ -69,5 +93,6 @@ def test_agn_example_syncs_once_onto_a_shared_center():
   _assert_bit_identical(ns["opt_state"].center)
   # Right after the sync every replica is on the center (up to an ulp).
   for p, c in zip(jax.tree.leaves(ns["params"]), jax.tree.leaves(ns["center"])):
-    np.testing.assert_allclose(np.asarray(p), np.broadcast_to(c, p.shape),
-                               rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(
+      np.asarray(p), np.broadcast_to(c, p.shape), rtol=1e-6, atol=1e-9
+    )

@@ -22,8 +22,8 @@ from _workers import tiny_training
 
 WORKER = Path(__file__).parent / "_workers" / "multiprocess_worker.py"
 NUM_PROCESSES = 2
-STEPS = 8                     # two agn syncs (communication_period 4)
-TIMEOUT_S = 150               # for both processes together, start to finish
+STEPS = 8  # two agn syncs (communication_period 4)
+TIMEOUT_S = 150  # for both processes together, start to finish
 SKIP_EXIT_CODE = 3
 
 
@@ -38,7 +38,8 @@ def _child_env() -> dict:
   env.pop("XLA_FLAGS", None)  # the worker sets its own device count
   src = str(Path(__file__).resolve().parents[1] / "src")
   env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (src, env.get("PYTHONPATH")) if p)
+    p for p in (src, env.get("PYTHONPATH")) if p
+  )
   return env
 
 
@@ -50,15 +51,33 @@ def _run_processes(out_dir: Path, steps: int):
     for i in range(NUM_PROCESSES):
       log = open(out_dir / f"process_{i}.log", "w+")
       logs.append(log)
-      procs.append(subprocess.Popen(
-          [sys.executable, str(WORKER), "--process-id", str(i),
-           "--num-processes", str(NUM_PROCESSES), "--port", str(port),
-           "--steps", str(steps), "--out", str(out_dir)],
-          stdout=log, stderr=subprocess.STDOUT, env=_child_env()))
+      procs.append(
+        subprocess.Popen(
+          [
+            sys.executable,
+            str(WORKER),
+            "--process-id",
+            str(i),
+            "--num-processes",
+            str(NUM_PROCESSES),
+            "--port",
+            str(port),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out_dir),
+          ],
+          stdout=log,
+          stderr=subprocess.STDOUT,
+          env=_child_env(),
+        )
+      )
     deadline = time.monotonic() + TIMEOUT_S
     # Meanwhile, the reference: the same run over 8 devices in this process.
-    reference = {name: tiny_training.train(name, tiny_training.make_mesh(), steps)
-                 for name in tiny_training.TRANSFORMS}
+    reference = {
+      name: tiny_training.train(name, tiny_training.make_mesh(), steps)
+      for name in tiny_training.TRANSFORMS
+    }
     for proc in procs:
       try:
         proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -82,11 +101,14 @@ def _run_processes(out_dir: Path, steps: int):
 def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
   started = time.perf_counter()
   codes, texts, reference = _run_processes(tmp_path, STEPS)
-  report = "\n".join(f"--- process {i} (exit {c}) ---\n{t[-3000:]}"
-                     for i, (c, t) in enumerate(zip(codes, texts)))
+  report = "\n".join(
+    f"--- process {i} (exit {c}) ---\n{t[-3000:]}"
+    for i, (c, t) in enumerate(zip(codes, texts))
+  )
   if SKIP_EXIT_CODE in codes:
-    reason = next(line for t in texts for line in t.splitlines()
-                  if line.startswith("SKIP:"))
+    reason = next(
+      line for t in texts for line in t.splitlines() if line.startswith("SKIP:")
+    )
     pytest.skip(reason)
   assert None not in codes, f"timed out after {TIMEOUT_S}s:\n{report}"
   assert codes == [0] * NUM_PROCESSES, report
@@ -98,13 +120,20 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
   for name, params in reference.items():
     for key, want in params.items():
       have = got[f"{name}/{key}"]
-      assert have.shape == want.shape == (
-          (tiny_training.NUM_REPLICAS,) + want.shape[1:])
-      np.testing.assert_allclose(have, want, rtol=2e-6, atol=1e-7,
-                                 err_msg=f"{name}: {key}")
-    diff = max(float(np.max(np.abs(got[f"{name}/{k}"] - v)))
-               for k, v in params.items())
+      assert (
+        have.shape
+        == want.shape
+        == ((tiny_training.NUM_REPLICAS,) + want.shape[1:])
+      )
+      np.testing.assert_allclose(
+        have, want, rtol=2e-6, atol=1e-7, err_msg=f"{name}: {key}"
+      )
+    diff = max(
+      float(np.max(np.abs(got[f"{name}/{k}"] - v))) for k, v in params.items()
+    )
     figures.append(f"{name}: max |2-process - 1-process| = {diff:.3g}")
-  print(f"\n[multiprocess] {NUM_PROCESSES} processes x 4 CPU devices (gloo),"
-        f" {STEPS} steps per transform, wall {time.perf_counter() - started:.1f}s;"
-        f" " + "; ".join(figures))
+  print(
+    f"\n[multiprocess] {NUM_PROCESSES} processes x 4 CPU devices (gloo),"
+    f" {STEPS} steps per transform, wall {time.perf_counter() - started:.1f}s;"
+    f" " + "; ".join(figures)
+  )

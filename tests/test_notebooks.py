@@ -23,8 +23,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS_DIR = ROOT / "notebooks"
-SOURCES = sorted(p for p in NOTEBOOKS_DIR.glob("*.py")
-                 if not p.name.startswith("_"))
+SOURCES = sorted(
+  p for p in NOTEBOOKS_DIR.glob("*.py") if not p.name.startswith("_")
+)
 CELL_TIMEOUT_S = 300
 FIX = "edit the .py source, then run `make notebooks`"
 
@@ -43,11 +44,15 @@ def test_there_are_notebook_sources():
 
 
 def test_every_ipynb_has_a_jupytext_source():
-  orphans = [p.name for p in NOTEBOOKS_DIR.glob("*.ipynb")
-             if not p.with_suffix(".py").exists()]
+  orphans = [
+    p.name
+    for p in NOTEBOOKS_DIR.glob("*.ipynb")
+    if not p.with_suffix(".py").exists()
+  ]
   assert not orphans, (
-      f"notebooks without a py:percent source: {orphans}; create one with"
-      " `jupytext --to py:percent notebooks/NAME.ipynb`")
+    f"notebooks without a py:percent source: {orphans}; create one with"
+    " `jupytext --to py:percent notebooks/NAME.ipynb`"
+  )
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=_ids(SOURCES))
@@ -62,8 +67,9 @@ def test_ipynb_cells_match_their_jupytext_source(source):
 def test_sync_check_sees_an_edited_cell(tmp_path):
   source = SOURCES[0]
   edited = tmp_path / source.name
-  edited.write_text(source.read_text().replace(
-      "import jax\n", "import jax  # edited\n", 1))
+  edited.write_text(
+    source.read_text().replace("import jax\n", "import jax  # edited\n", 1)
+  )
   nb = nbformat.read(str(source.with_suffix(".ipynb")), as_version=4)
   assert _cells(jupytext.read(edited)) != _cells(nb)
   assert _cells(jupytext.read(source)) == _cells(nb)
@@ -73,22 +79,29 @@ def test_sync_check_sees_an_edited_cell(tmp_path):
 def kernel_spec_dir(tmp_path_factory):
   """A kernelspec named "shardopt-test" that starts this interpreter."""
   from ipykernel.kernelspec import write_kernel_spec  # pylint: disable=g-import-not-at-top
+
   kernels = tmp_path_factory.mktemp("kernels")
   write_kernel_spec(path=str(kernels / "shardopt-test"))
   return kernels
 
 
-def _execute(nb: nbformat.NotebookNode,
-             kernels: pathlib.Path) -> nbformat.NotebookNode:
+def _execute(
+  nb: nbformat.NotebookNode, kernels: pathlib.Path
+) -> nbformat.NotebookNode:
   from jupyter_client.kernelspec import KernelSpecManager  # pylint: disable=g-import-not-at-top
   from jupyter_client.manager import KernelManager  # pylint: disable=g-import-not-at-top
   from nbclient import NotebookClient  # pylint: disable=g-import-not-at-top
 
   spec_manager = KernelSpecManager(kernel_dirs=[str(kernels)])
-  km = KernelManager(kernel_name="shardopt-test",
-                     kernel_spec_manager=spec_manager)
-  client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S,
-                          resources={"metadata": {"path": str(NOTEBOOKS_DIR)}})
+  km = KernelManager(
+    kernel_name="shardopt-test", kernel_spec_manager=spec_manager
+  )
+  client = NotebookClient(
+    nb,
+    km=km,
+    timeout=CELL_TIMEOUT_S,
+    resources={"metadata": {"path": str(NOTEBOOKS_DIR)}},
+  )
   client.execute()
   return nb
 
@@ -97,28 +110,35 @@ def _execute(nb: nbformat.NotebookNode,
 @pytest.mark.parametrize("source", SOURCES, ids=_ids(SOURCES))
 def test_notebook_runs_top_to_bottom_on_8_cpu_devices(source, kernel_spec_dir):
   nb = _execute(jupytext.read(source), kernel_spec_dir)
-  outputs = [o for cell in nb.cells if cell.cell_type == "code"
-             for o in cell.get("outputs", [])]
+  outputs = [
+    o
+    for cell in nb.cells
+    if cell.cell_type == "code"
+    for o in cell.get("outputs", [])
+  ]
   assert not [o for o in outputs if o.output_type == "error"]
-  text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+  text = "".join(
+    o.get("text", "") for o in outputs if o.output_type == "stream"
+  )
   assert "8 x cpu" in text.lower() or "8 x TFRT_CPU" in text, text[:500]
   if source.name.startswith("02"):  # the communication-vs-accuracy plot
     assert any("image/png" in o.get("data", {}) for o in outputs)
 
 
 def _setup_cell(source: pathlib.Path) -> str:
-  return next(c for c in jupytext.read(source).cells
-              if c.cell_type == "code").source
+  return next(
+    c for c in jupytext.read(source).cells if c.cell_type == "code"
+  ).source
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=_ids(SOURCES))
 def test_first_cell_installs_only_on_colab_and_picks_devices(
-    source, monkeypatch):
+  source, monkeypatch
+):
   setup = _setup_cell(source)
   assert "!" not in setup.split("\n")[0]  # valid Python, no shell magics
   calls = []
-  monkeypatch.setattr("subprocess.run",
-                      lambda cmd, **kwargs: calls.append(cmd))
+  monkeypatch.setattr("subprocess.run", lambda cmd, **kwargs: calls.append(cmd))
   monkeypatch.delenv("SHARDOPT_PIP_SPEC", raising=False)
 
   namespace = {}
@@ -129,13 +149,14 @@ def test_first_cell_installs_only_on_colab_and_picks_devices(
 
 @pytest.mark.parametrize("source", SOURCES, ids=_ids(SOURCES))
 def test_colab_installs_the_uploaded_wheel_or_the_spec_it_is_given(
-    source, monkeypatch, tmp_path, capsys):
+  source, monkeypatch, tmp_path, capsys
+):
   setup = _setup_cell(source)
   calls = []
-  monkeypatch.setattr("subprocess.run",
-                      lambda cmd, **kwargs: calls.append(cmd))
-  monkeypatch.setitem(sys.modules, "google.colab",
-                      types.ModuleType("google.colab"))
+  monkeypatch.setattr("subprocess.run", lambda cmd, **kwargs: calls.append(cmd))
+  monkeypatch.setitem(
+    sys.modules, "google.colab", types.ModuleType("google.colab")
+  )
   monkeypatch.delenv("SHARDOPT_PIP_SPEC", raising=False)
   monkeypatch.chdir(tmp_path)
   code = compile(setup, f"{source.name}[setup]", "exec")

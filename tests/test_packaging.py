@@ -27,17 +27,24 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The fresh environment must not see this checkout's sources (PYTHONPATH=src
 # during development): pip would call the wheel "already satisfied".
-CLEAN_ENV = {k: v for k, v in os.environ.items()
-             if k not in ("PYTHONPATH", "PYTHONHOME")}
+CLEAN_ENV = {
+  k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")
+}
 
 
 def _run(cmd, env=None, **kwargs):
-  result = subprocess.run([str(c) for c in cmd], capture_output=True,
-                          text=True, timeout=300, env=env or CLEAN_ENV,
-                          **kwargs)
+  result = subprocess.run(
+    [str(c) for c in cmd],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env or CLEAN_ENV,
+    **kwargs,
+  )
   assert result.returncode == 0, (
-      f"{' '.join(map(str, cmd))} exited {result.returncode}\n"
-      f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    f"{' '.join(map(str, cmd))} exited {result.returncode}\n"
+    f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+  )
   return result.stdout
 
 
@@ -48,32 +55,44 @@ def dist(tmp_path_factory):
   source = tmp_path_factory.mktemp("source")
   for name in ("pyproject.toml", "README.md"):
     shutil.copy2(ROOT / name, source / name)
-  shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns(
-      "__pycache__", "*.egg-info"))
+  shutil.copytree(
+    ROOT / "src",
+    source / "src",
+    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"),
+  )
   out = tmp_path_factory.mktemp("dist")
   # --no-isolation: build with this environment's setuptools (the dev extra
   # pins setuptools>=77), no download.
-  _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", out,
-        source])
+  _run(
+    [sys.executable, "-m", "build", "--no-isolation", "--outdir", out, source]
+  )
   return out
 
 
 def test_version_has_one_source(dist):
-  wheel, = dist.glob("*.whl")
-  sdist, = dist.glob("*.tar.gz")
+  (wheel,) = dist.glob("*.whl")
+  (sdist,) = dist.glob("*.tar.gz")
   assert wheel.name == f"shardopt-{shardopt.__version__}-py3-none-any.whl"
   assert sdist.name == f"shardopt-{shardopt.__version__}.tar.gz"
   assert 'dynamic = ["version"]' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_twine_check_passes(dist):
-  out = _run([sys.executable, "-m", "twine", "check", "--strict",
-              *sorted(dist.iterdir())])
+  out = _run(
+    [
+      sys.executable,
+      "-m",
+      "twine",
+      "check",
+      "--strict",
+      *sorted(dist.iterdir()),
+    ]
+  )
   assert out.count("PASSED") == 2, out
 
 
 def test_wheel_ships_py_typed_and_no_tests(dist):
-  wheel, = dist.glob("*.whl")
+  (wheel,) = dist.glob("*.whl")
   names = zipfile.ZipFile(wheel).namelist()
   assert "shardopt/py.typed" in names
   assert not [n for n in names if n.startswith(("tests/", "benchmarks/"))]
@@ -81,21 +100,41 @@ def test_wheel_ships_py_typed_and_no_tests(dist):
 
 @pytest.mark.slow
 def test_wheel_installs_in_a_fresh_venv_and_runs_a_docstring_example(
-    dist, tmp_path):
-  wheel, = dist.glob("*.whl")
+  dist, tmp_path
+):
+  (wheel,) = dist.glob("*.whl")
   venv = tmp_path / "fresh"
   _run([sys.executable, "-m", "venv", "--without-pip", venv])
   python = venv / "bin" / "python"
-  _run([sys.executable, "-m", "pip", "--python", python, "install",
-        "--quiet", "--no-deps", "--no-index", wheel])
-  fresh_site = pathlib.Path(_run(
-      [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
-  ).strip())
+  _run(
+    [
+      sys.executable,
+      "-m",
+      "pip",
+      "--python",
+      python,
+      "install",
+      "--quiet",
+      "--no-deps",
+      "--no-index",
+      wheel,
+    ]
+  )
+  fresh_site = pathlib.Path(
+    _run(
+      [
+        python,
+        "-c",
+        "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+      ]
+    ).strip()
+  )
   # Dependencies (jax, optax, ...) from this interpreter's environment. A path
   # line in a .pth is appended to sys.path after the fresh site-packages, and
   # .pth files inside it (an editable shardopt install) are not processed.
   (fresh_site / "zz_dev_dependencies.pth").write_text(
-      sysconfig.get_paths()["purelib"] + "\n")
+    sysconfig.get_paths()["purelib"] + "\n"
+  )
 
   script = textwrap.dedent("""
       import doctest, pathlib, sys

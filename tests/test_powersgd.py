@@ -38,8 +38,16 @@ _module = importlib.import_module("shardopt.powersgd")
 # --------------------------------------------------------------------------
 # The reference: numpy float64, every replica's matrix written out.
 
-def _np_powersgd(grad_steps, q_init, *, compressed, start_step=0,
-                 error_feedback=True, q_steps=None):
+
+def _np_powersgd(
+  grad_steps,
+  q_init,
+  *,
+  compressed,
+  start_step=0,
+  error_feedback=True,
+  q_steps=None,
+):
   """Runs PowerSGD on ``grad_steps`` and returns (updates per step, errors).
 
   Args:
@@ -63,15 +71,15 @@ def _np_powersgd(grad_steps, q_init, *, compressed, start_step=0,
         continue
       if q_steps is not None:
         q[k] = np.asarray(q_steps[t][k], np.float64)
-      m = g.reshape(R, g.shape[1], -1)              # M_i = g_i (n x m)
+      m = g.reshape(R, g.shape[1], -1)  # M_i = g_i (n x m)
       if error_feedback:
-        m = m + errors[k].reshape(m.shape)          # M_i = g_i + e_i
-      p = np.mean(m @ q[k], axis=0)                 # P = mean_i M_i Q
-      p, _ = np.linalg.qr(p)                        # orthonormal columns
+        m = m + errors[k].reshape(m.shape)  # M_i = g_i + e_i
+      p = np.mean(m @ q[k], axis=0)  # P = mean_i M_i Q
+      p, _ = np.linalg.qr(p)  # orthonormal columns
       q_new = np.mean(np.swapaxes(m, 1, 2) @ p, 0)  # Q = mean_i M_i^T P
       approx = p @ q_new.T
       if error_feedback:
-        errors[k] = (m - approx).reshape(g.shape)   # local minus aggregated
+        errors[k] = (m - approx).reshape(g.shape)  # local minus aggregated
       q[k] = q_new
       updates[k] = approx.reshape(g.shape[1:])
     out.append(updates)
@@ -80,8 +88,10 @@ def _np_powersgd(grad_steps, q_init, *, compressed, start_step=0,
 
 def _grad_steps(seed, steps=STEPS, shapes=SHAPES, dtype=np.float32):
   rng = np.random.default_rng(seed)
-  return [{k: rng.normal(size=(R,) + s).astype(dtype) for k, s in shapes.items()}
-          for _ in range(steps)]
+  return [
+    {k: rng.normal(size=(R,) + s).astype(dtype) for k, s in shapes.items()}
+    for _ in range(steps)
+  ]
 
 
 def _params(shapes=SHAPES):
@@ -91,10 +101,12 @@ def _params(shapes=SHAPES):
 # --------------------------------------------------------------------------
 # Running the transform: pmap, or a checking shard_map with varying grads.
 
+
 def _run_pmap(tx, grad_steps, params):
   """Returns per-step (updates, state) with a leading replica axis."""
-  state = jax.pmap(tx.init)(jax.tree.map(
-      lambda p: jnp.broadcast_to(p, (R,) + p.shape), params))
+  state = jax.pmap(tx.init)(
+    jax.tree.map(lambda p: jnp.broadcast_to(p, (R,) + p.shape), params)
+  )
   step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS)
   history = [(None, state)]
   for grads in grad_steps:
@@ -119,27 +131,34 @@ def _run_shard_map(tx, grad_steps, params, mesh, axis=AXIS):
   ``error`` leaves (shape (R * n, ...)) are reshaped to (R, n, ...).
   """
   specs = _state_specs(tx, params, axis)
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
-                               out_specs=specs))
+  init = jax.jit(
+    jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+  )
 
   def update(g, state):
     updates, state = tx.update(jax.tree.map(lambda x: x[0], g), state)
     return jax.tree.map(lambda u: u[None], updates), state
 
-  step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(axis), specs),
-                               out_specs=(P(axis), specs)))
+  step = jax.jit(
+    jax.shard_map(
+      update, mesh=mesh, in_specs=(P(axis), specs), out_specs=(P(axis), specs)
+    )
+  )
   state = init(params)
   rows = NamedSharding(mesh, P(axis))
   history = [(None, state)]
   for grads in grad_steps:
     updates, state = jax.block_until_ready(
-        step(jax.device_put(grads, rows), state))
+      step(jax.device_put(grads, rows), state)
+    )
     history.append((updates, state))
 
   def per_replica(state):
-    return state._replace(error=jax.tree.map(
-        lambda e: e.reshape((R, -1) + e.shape[1:]) if e.size else e,
-        state.error))
+    return state._replace(
+      error=jax.tree.map(
+        lambda e: e.reshape((R, -1) + e.shape[1:]) if e.size else e, state.error
+      )
+    )
 
   return jax.tree.map(np.asarray, [(u, per_replica(s)) for u, s in history])
 
@@ -154,35 +173,47 @@ def _assert_same_on_every_replica(tree):
 # --------------------------------------------------------------------------
 # The algorithm, step by step.
 
+
 @pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
 def test_matches_numpy_reference_on_every_replica(mesh, mapping):
   tx = shardopt.powersgd(AXIS, rank=RANK, min_compression_rate=RATE, seed=3)
   grads = _grad_steps(0)
-  run = _run_pmap if mapping == "pmap" else (
-      lambda *a: _run_shard_map(*a, mesh))
+  run = (
+    _run_pmap if mapping == "pmap" else (lambda *a: _run_shard_map(*a, mesh))
+  )
   history = run(tx, grads, _params())
-  q_init = {k: np.asarray(v)[0] if mapping == "pmap" else np.asarray(v)
-            for k, v in history[0][1].q.items() if COMPRESSED[k]}
+  q_init = {
+    k: np.asarray(v)[0] if mapping == "pmap" else np.asarray(v)
+    for k, v in history[0][1].q.items()
+    if COMPRESSED[k]
+  }
   expected, errors = _np_powersgd(grads, q_init, compressed=COMPRESSED)
   for t, (updates, state) in enumerate(history[1:]):
     _assert_same_on_every_replica(updates)
     assert int(np.asarray(state.count).reshape(-1)[0]) == t + 1
     for k in SHAPES:
       for i in range(R):
-        np.testing.assert_allclose(np.asarray(updates[k][i]), expected[t][k],
-                                   rtol=2e-4, atol=2e-5, err_msg=f"{t} {k} {i}")
+        np.testing.assert_allclose(
+          np.asarray(updates[k][i]),
+          expected[t][k],
+          rtol=2e-4,
+          atol=2e-5,
+          err_msg=f"{t} {k} {i}",
+        )
   final = history[-1][1]
   for k in SHAPES:
     if COMPRESSED[k]:
-      np.testing.assert_allclose(np.asarray(final.error[k]), errors[k],
-                                 rtol=2e-4, atol=2e-5)
+      np.testing.assert_allclose(
+        np.asarray(final.error[k]), errors[k], rtol=2e-4, atol=2e-5
+      )
       assert final.error[k].dtype == jnp.float32
       assert final.q[k].shape[-2:] == (int(np.prod(SHAPES[k][1:])), RANK)
     else:
       assert final.error[k].shape[-1] == 0 and final.q[k].shape[-1] == 0
   # The error is per replica: the replicas' errors differ.
-  assert not np.allclose(np.asarray(final.error["w1"][0]),
-                         np.asarray(final.error["w1"][1]))
+  assert not np.allclose(
+    np.asarray(final.error["w1"][0]), np.asarray(final.error["w1"][1])
+  )
 
 
 def test_tuple_axis_names_reduce_over_both_axes():
@@ -190,13 +221,16 @@ def test_tuple_axis_names_reduce_over_both_axes():
   tx = shardopt.powersgd(("x", "y"), rank=RANK, min_compression_rate=RATE)
   grads = _grad_steps(1, steps=2)
   history = _run_shard_map(tx, grads, _params(), mesh, axis=("x", "y"))
-  q_init = {k: np.asarray(v) for k, v in history[0][1].q.items() if COMPRESSED[k]}
+  q_init = {
+    k: np.asarray(v) for k, v in history[0][1].q.items() if COMPRESSED[k]
+  }
   expected, _ = _np_powersgd(grads, q_init, compressed=COMPRESSED)
   for t, (updates, _) in enumerate(history[1:]):
     _assert_same_on_every_replica(updates)
     for k in SHAPES:
-      np.testing.assert_allclose(np.asarray(updates[k][5]), expected[t][k],
-                                 rtol=2e-4, atol=2e-5)
+      np.testing.assert_allclose(
+        np.asarray(updates[k][5]), expected[t][k], rtol=2e-4, atol=2e-5
+      )
 
 
 def test_rank_at_least_min_dimension_gives_the_exact_mean():
@@ -205,14 +239,20 @@ def test_rank_at_least_min_dimension_gives_the_exact_mean():
   tx = shardopt.powersgd(AXIS, rank=4, min_compression_rate=0.01)
   state = tx.init(_params(shapes))
   assert {k: v.shape for k, v in state.q.items()} == {
-      "tall": (3, 3), "wide": (9, 2), "cube": (4, 3)}
+    "tall": (3, 3),
+    "wide": (9, 2),
+    "cube": (4, 3),
+  }
   grads = _grad_steps(2, steps=3, shapes=shapes)
   history = _run_pmap(tx, grads, _params(shapes))
   for t, (updates, _) in enumerate(history[1:]):
     for k in shapes:  # the errors average to zero, so every step is exact
       np.testing.assert_allclose(
-          np.asarray(updates[k][0]), grads[t][k].astype(np.float64).mean(0),
-          rtol=1e-5, atol=1e-5)
+        np.asarray(updates[k][0]),
+        grads[t][k].astype(np.float64).mean(0),
+        rtol=1e-5,
+        atol=1e-5,
+      )
 
 
 def test_result_depends_on_p_only_through_p_p_transpose(monkeypatch):
@@ -224,21 +264,27 @@ def test_result_depends_on_p_only_through_p_p_transpose(monkeypatch):
   rotation, _ = np.linalg.qr(np.random.default_rng(4).normal(size=(RANK, RANK)))
   rotation = jnp.asarray(rotation @ np.diag([1.0, -1.0]), jnp.float32)
   qr = _module._orthonormalize
-  monkeypatch.setattr(_module, "_orthonormalize",
-                      lambda p: jnp.matmul(qr(p), rotation, precision="highest"))
+  monkeypatch.setattr(
+    _module,
+    "_orthonormalize",
+    lambda p: jnp.matmul(qr(p), rotation, precision="highest"),
+  )
   rotated = _run_pmap(tx, grads, _params())
-  assert not np.allclose(np.asarray(plain[1][1].q["w1"]),
-                         np.asarray(rotated[1][1].q["w1"]))  # Q does change
+  assert not np.allclose(
+    np.asarray(plain[1][1].q["w1"]), np.asarray(rotated[1][1].q["w1"])
+  )  # Q does change
   for (u1, s1), (u2, s2) in zip(plain[1:], rotated[1:]):
     chex.assert_trees_all_close(u1, u2, rtol=1e-4, atol=1e-5)
     chex.assert_trees_all_close(s1.error, s2.error, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
-def test_start_step_mean_reduces_every_leaf_until_count_reaches_it(mesh,
-                                                                   mapping):
-  tx = shardopt.powersgd(AXIS, rank=RANK, min_compression_rate=RATE,
-                         start_step=2)
+def test_start_step_mean_reduces_every_leaf_until_count_reaches_it(
+  mesh, mapping
+):
+  tx = shardopt.powersgd(
+    AXIS, rank=RANK, min_compression_rate=RATE, start_step=2
+  )
   grads = _grad_steps(5, steps=3 if mapping == "shard_map" else STEPS)
   if mapping == "pmap":
     history = _run_pmap(tx, grads, _params())
@@ -252,45 +298,55 @@ def test_start_step_mean_reduces_every_leaf_until_count_reaches_it(mesh,
     _assert_same_on_every_replica(updates)
     assert int(np.reshape(state.count, -1)[0]) == t + 1  # warm-up counts too
     for k in SHAPES:
-      np.testing.assert_allclose(np.asarray(updates[k][0]), expected[t][k],
-                                 rtol=2e-4, atol=2e-5)
+      np.testing.assert_allclose(
+        np.asarray(updates[k][0]), expected[t][k], rtol=2e-4, atol=2e-5
+      )
   # Warm-up leaves error and Q untouched.
   chex.assert_trees_all_equal(history[2][1].q, history[0][1].q)
   assert not np.any(np.asarray(history[2][1].error["w1"]))
 
 
 def test_without_error_feedback_matches_reference_and_keeps_no_error():
-  tx = shardopt.powersgd(AXIS, rank=RANK, min_compression_rate=RATE,
-                         error_feedback=False)
+  tx = shardopt.powersgd(
+    AXIS, rank=RANK, min_compression_rate=RATE, error_feedback=False
+  )
   grads = _grad_steps(6)
   history = _run_pmap(tx, grads, _params())
-  q_init = {k: np.asarray(v)[0] for k, v in history[0][1].q.items()
-            if COMPRESSED[k]}
-  expected, _ = _np_powersgd(grads, q_init, compressed=COMPRESSED,
-                             error_feedback=False)
+  q_init = {
+    k: np.asarray(v)[0] for k, v in history[0][1].q.items() if COMPRESSED[k]
+  }
+  expected, _ = _np_powersgd(
+    grads, q_init, compressed=COMPRESSED, error_feedback=False
+  )
   for t, (updates, state) in enumerate(history[1:]):
     assert all(e.shape == (R, 0) for e in jax.tree.leaves(state.error))
     for k in SHAPES:
-      np.testing.assert_allclose(np.asarray(updates[k][0]), expected[t][k],
-                                 rtol=2e-4, atol=2e-5)
+      np.testing.assert_allclose(
+        np.asarray(updates[k][0]), expected[t][k], rtol=2e-4, atol=2e-5
+      )
 
 
 def test_without_warm_start_each_step_starts_from_a_fresh_q():
-  tx = shardopt.powersgd(AXIS, rank=RANK, min_compression_rate=RATE,
-                         warm_start=False)
+  tx = shardopt.powersgd(
+    AXIS, rank=RANK, min_compression_rate=RATE, warm_start=False
+  )
   grads = _grad_steps(7)
   history = _run_pmap(tx, grads, _params())
   # The Q each step starts from is the one in the state before it.
-  q_steps = [{k: np.asarray(s.q[k])[0] for k in SHAPES if COMPRESSED[k]}
-             for _, s in history[:-1]]
-  expected, _ = _np_powersgd(grads, q_steps[0], compressed=COMPRESSED,
-                             q_steps=q_steps)
+  q_steps = [
+    {k: np.asarray(s.q[k])[0] for k in SHAPES if COMPRESSED[k]}
+    for _, s in history[:-1]
+  ]
+  expected, _ = _np_powersgd(
+    grads, q_steps[0], compressed=COMPRESSED, q_steps=q_steps
+  )
   warm, _ = _np_powersgd(grads, q_steps[0], compressed=COMPRESSED)
   for t, (updates, state) in enumerate(history[1:]):
     _assert_same_on_every_replica(state.q)
     for k in SHAPES:
-      np.testing.assert_allclose(np.asarray(updates[k][0]), expected[t][k],
-                                 rtol=2e-4, atol=2e-5)
+      np.testing.assert_allclose(
+        np.asarray(updates[k][0]), expected[t][k], rtol=2e-4, atol=2e-5
+      )
   for a, b in zip(q_steps, q_steps[1:]):  # a fresh draw every step
     assert not np.allclose(a["w1"], b["w1"])
   # ...and the result differs from warm start's after the first step.
@@ -313,48 +369,66 @@ def test_all_zero_gradient_gives_finite_updates_and_state():
 
 def test_bfloat16_gradients_are_compressed_in_float32():
   tx = shardopt.powersgd(AXIS, rank=RANK, min_compression_rate=RATE)
-  grads = jax.tree.map(lambda g: g.astype(jnp.bfloat16), _grad_steps(9, steps=2))
+  grads = jax.tree.map(
+    lambda g: g.astype(jnp.bfloat16), _grad_steps(9, steps=2)
+  )
   history = _run_pmap(tx, grads, _params())
-  q_init = {k: np.asarray(v)[0] for k, v in history[0][1].q.items()
-            if COMPRESSED[k]}
-  as_f64 = [jax.tree.map(lambda g: np.asarray(g, np.float64), step)
-            for step in grads]
+  q_init = {
+    k: np.asarray(v)[0] for k, v in history[0][1].q.items() if COMPRESSED[k]
+  }
+  as_f64 = [
+    jax.tree.map(lambda g: np.asarray(g, np.float64), step) for step in grads
+  ]
   expected, errors = _np_powersgd(as_f64, q_init, compressed=COMPRESSED)
   for t, (updates, state) in enumerate(history[1:]):
     for k in SHAPES:
       assert updates[k].dtype == jnp.bfloat16
-      np.testing.assert_allclose(np.asarray(updates[k][0], np.float64),
-                                 expected[t][k], rtol=2e-2, atol=2e-2)
+      np.testing.assert_allclose(
+        np.asarray(updates[k][0], np.float64),
+        expected[t][k],
+        rtol=2e-2,
+        atol=2e-2,
+      )
   # The error is kept in float32, close to the float64 reference.
   assert history[-1][1].error["w1"].dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(history[-1][1].error["w1"]),
-                             errors["w1"], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(
+    np.asarray(history[-1][1].error["w1"]), errors["w1"], rtol=1e-4, atol=1e-4
+  )
 
 
 # --------------------------------------------------------------------------
 # Which leaves are compressed.
 
+
 def test_compression_rule_is_strict_and_uses_the_effective_rank():
   shapes = {
-      "equal": (4, 4),       # r (n + m) * 2 = 16 == n m: not compressed (strict)
-      "just_above": (5, 4),  # 18 < 20: compressed
-      "vector": (64,),       # 1-D: never
-      "cube": (2, 3, 4),     # viewed 2 x 12, r = 1: 28 > 24: not compressed
-      "big_rank": (8, 64),   # rank 10 -> r = 8: 8 * 72 * 2 > 512: not compressed
+    "equal": (4, 4),  # r (n + m) * 2 = 16 == n m: not compressed (strict)
+    "just_above": (5, 4),  # 18 < 20: compressed
+    "vector": (64,),  # 1-D: never
+    "cube": (2, 3, 4),  # viewed 2 x 12, r = 1: 28 > 24: not compressed
+    "big_rank": (8, 64),  # rank 10 -> r = 8: 8 * 72 * 2 > 512: not compressed
   }
   params = _params(shapes)
   state = shardopt.powersgd(AXIS, rank=1).init(params)
   assert {k: v.shape for k, v in state.q.items()} == {
-      "equal": (0,), "just_above": (4, 1), "vector": (0,), "cube": (0,),
-      "big_rank": (64, 1)}
+    "equal": (0,),
+    "just_above": (4, 1),
+    "vector": (0,),
+    "cube": (0,),
+    "big_rank": (64, 1),
+  }
   assert state.error["just_above"].shape == (5, 4)
   assert state.error["equal"].shape == (0,)
   big = shardopt.powersgd(AXIS, rank=10).init(params)
   assert big.q["big_rank"].shape == (0,)
-  low_bar = shardopt.powersgd(AXIS, rank=10, min_compression_rate=0.5).init(params)
+  low_bar = shardopt.powersgd(AXIS, rank=10, min_compression_rate=0.5).init(
+    params
+  )
   assert low_bar.q["big_rank"].shape == (64, 8)  # 8 * 72 * 0.5 = 288 < 512
   # The same Q on every call (no communication, no randomness left).
-  chex.assert_trees_all_equal(state, shardopt.powersgd(AXIS, rank=1).init(params))
+  chex.assert_trees_all_equal(
+    state, shardopt.powersgd(AXIS, rank=1).init(params)
+  )
 
 
 # --------------------------------------------------------------------------
@@ -381,7 +455,8 @@ def _pmap_texts(tx, shapes):
   stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (R,) + p.shape), params)
   state = jax.pmap(tx.init)(stacked)
   lowered = jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS).lower(
-      stacked, state)
+    stacked, state
+  )
   return lowered.compile().as_text(), lowered.as_text()
 
 
@@ -408,16 +483,23 @@ def test_hlo_bytes_per_step_equal_the_formula_under_shard_map(mesh):
   def update(g, state):
     return tx.update(jax.tree.map(lambda x: x[0], g), state)
 
-  step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(AXIS), specs),
-                               out_specs=(P(), specs)))
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
-                               out_specs=specs))
-  grads = jax.device_put(jax.tree.map(
-      lambda p: jnp.ones((R,) + p.shape), params), NamedSharding(mesh, P(AXIS)))
+  step = jax.jit(
+    jax.shard_map(
+      update, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(), specs)
+    )
+  )
+  init = jax.jit(
+    jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+  )
+  grads = jax.device_put(
+    jax.tree.map(lambda p: jnp.ones((R,) + p.shape), params),
+    NamedSharding(mesh, P(AXIS)),
+  )
   text = step.lower(grads, init(params)).compile().as_text()
   summary = hlo.summarize(hlo.compiled_collectives(text, num_devices=R))
   assert summary["allreduce_equivalent_bytes"] == {
-      "top": _formula_bytes(HLO_SHAPES, 2, 2.0)}
+    "top": _formula_bytes(HLO_SHAPES, 2, 2.0)
+  }
 
 
 def test_comm_dtype_puts_the_factors_on_the_wire_in_bfloat16():
@@ -426,7 +508,8 @@ def test_comm_dtype_puts_the_factors_on_the_wire_in_bfloat16():
   wire = hlo.summarize(hlo.lowered_collectives(lowered, num_devices=R))
   assert wire["dtypes"] == ["bf16"]
   assert wire["allreduce_equivalent_bytes"]["lowered"] == _formula_bytes(
-      HLO_SHAPES, 2, 2.0, itemsize=2)
+    HLO_SHAPES, 2, 2.0, itemsize=2
+  )
 
 
 def test_warm_up_and_compressed_steps_sit_in_the_branches_of_one_cond():
@@ -437,15 +520,18 @@ def test_warm_up_and_compressed_steps_sit_in_the_branches_of_one_cond():
   assert set(summary["count"]) == {"conditional"}  # nothing outside the cond
   # One branch all-reduces the full gradient, the other the factors.
   assert summary["allreduce_equivalent_bytes"]["conditional"] == (
-      full + _formula_bytes(HLO_SHAPES, 2, 2.0))
+    full + _formula_bytes(HLO_SHAPES, 2, 2.0)
+  )
 
 
 # --------------------------------------------------------------------------
 # Composition and replicated params.
 
+
 def test_in_optax_chain_replicated_params_stay_replicated_and_in_sync(mesh):
-  tx = optax.chain(shardopt.powersgd(AXIS, rank=1),
-                   optax.sgd(0.1, momentum=0.9))
+  tx = optax.chain(
+    shardopt.powersgd(AXIS, rank=1), optax.sgd(0.1, momentum=0.9)
+  )
   ref = shardopt.powersgd(AXIS, rank=1)
   w0 = {"w": jnp.zeros((8, 6)), "b": jnp.zeros(6)}
   specs = _state_specs(tx, w0)
@@ -453,38 +539,69 @@ def test_in_optax_chain_replicated_params_stay_replicated_and_in_sync(mesh):
 
   def step(w, state, ref_state, x):
     local = jax.lax.pcast(w, AXIS, to="varying")
-    grads = jax.grad(lambda w: jnp.sum((x[0] @ w["w"] + w["b"] - 1.0) ** 2))(local)
+    grads = jax.grad(lambda w: jnp.sum((x[0] @ w["w"] + w["b"] - 1.0) ** 2))(
+      local
+    )
     updates, state = tx.update(grads, state, w)
     compressed, ref_state = ref.update(grads, ref_state)
     return optax.apply_updates(w, updates), state, ref_state, compressed
 
-  step = jax.jit(jax.shard_map(
-      step, mesh=mesh, in_specs=(P(), specs, ref_specs, P(AXIS)),
-      out_specs=(P(), specs, ref_specs, P())))
-  init = jax.jit(jax.shard_map(lambda w: (tx.init(w), ref.init(w)), mesh=mesh,
-                               in_specs=P(), out_specs=(specs, ref_specs)))
-  x = jax.device_put(np.random.default_rng(10).normal(size=(R, 4, 8)).astype(
-      np.float32), NamedSharding(mesh, P(AXIS)))
+  step = jax.jit(
+    jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(P(), specs, ref_specs, P(AXIS)),
+      out_specs=(P(), specs, ref_specs, P()),
+    )
+  )
+  init = jax.jit(
+    jax.shard_map(
+      lambda w: (tx.init(w), ref.init(w)),
+      mesh=mesh,
+      in_specs=P(),
+      out_specs=(specs, ref_specs),
+    )
+  )
+  x = jax.device_put(
+    np.random.default_rng(10).normal(size=(R, 4, 8)).astype(np.float32),
+    NamedSharding(mesh, P(AXIS)),
+  )
   w = w0
   state, ref_state = init(w0)
   momentum = jax.tree.map(jnp.zeros_like, w0)
   for _ in range(3):
     new_w, state, ref_state, compressed = jax.block_until_ready(
-        step(w, state, ref_state, x))
+      step(w, state, ref_state, x)
+    )
     # sgd with momentum applied to powersgd's output, by hand.
     momentum = jax.tree.map(lambda m, g: 0.9 * m + g, momentum, compressed)
     chex.assert_trees_all_close(
-        new_w, jax.tree.map(lambda p, m: p - 0.1 * m, w, momentum),
-        rtol=1e-5, atol=1e-6)
-    assert float(jax.jit(jax.shard_map(
-        lambda w: shardopt.replica_divergence(
-            jax.lax.pcast(w, AXIS, to="varying"), AXIS),
-        mesh=mesh, in_specs=P(), out_specs=P()))(new_w)) == 0.0
+      new_w,
+      jax.tree.map(lambda p, m: p - 0.1 * m, w, momentum),
+      rtol=1e-5,
+      atol=1e-6,
+    )
+    assert (
+      float(
+        jax.jit(
+          jax.shard_map(
+            lambda w: shardopt.replica_divergence(
+              jax.lax.pcast(w, AXIS, to="varying"), AXIS
+            ),
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=P(),
+          )
+        )(new_w)
+      )
+      == 0.0
+    )
     w = new_w
 
 
 # --------------------------------------------------------------------------
 # Errors.
+
 
 def test_invariant_gradients_raise_with_the_fix(mesh):
   tx = shardopt.powersgd(AXIS)
@@ -495,14 +612,21 @@ def test_invariant_gradients_raise_with_the_fix(mesh):
     grads = jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w)  # no pcast: invariant
     return tx.update(grads, state)
 
-  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS)),
-                            out_specs=(P(), specs)))
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
-                               out_specs=specs))
+  f = jax.jit(
+    jax.shard_map(
+      step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)
+    )
+  )
+  init = jax.jit(
+    jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+  )
   x = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P(AXIS)))
-  with pytest.raises(ValueError, match=r"shardopt.powersgd: the gradient at "
-                     r"<root> is invariant over axis 'batch'.*pcast\(params, "
-                     r"'batch', to='varying'\) before jax.grad"):
+  with pytest.raises(
+    ValueError,
+    match=r"shardopt.powersgd: the gradient at "
+    r"<root> is invariant over axis 'batch'.*pcast\(params, "
+    r"'batch', to='varying'\) before jax.grad",
+  ):
     f(w, init(w), x)
 
 
@@ -510,14 +634,24 @@ def test_state_from_unmapped_init_under_shard_map_names_the_fix(mesh):
   tx = shardopt.powersgd(AXIS)
   w = jnp.zeros((16, 8))
   specs = _state_specs(tx, w)
-  f = jax.jit(jax.shard_map(lambda g, s: tx.update(g[0], s), mesh=mesh,
-                            in_specs=(P(AXIS), specs), out_specs=(P(), specs)))
+  f = jax.jit(
+    jax.shard_map(
+      lambda g, s: tx.update(g[0], s),
+      mesh=mesh,
+      in_specs=(P(AXIS), specs),
+      out_specs=(P(), specs),
+    )
+  )
   grads = jax.device_put(jnp.ones((R, 16, 8)), NamedSharding(mesh, P(AXIS)))
   state = jax.device_put(tx.init(w), NamedSharding(mesh, P()))
-  state = state._replace(error=jax.device_put(state.error,
-                                              NamedSharding(mesh, P(AXIS))))
-  with pytest.raises(ValueError, match=r"state.error at <root> has shape "
-                     r"\(2, 8\), expected .* \(16, 8\).*jax.shard_map\(tx.init"):
+  state = state._replace(
+    error=jax.device_put(state.error, NamedSharding(mesh, P(AXIS)))
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"state.error at <root> has shape "
+    r"\(2, 8\), expected .* \(16, 8\).*jax.shard_map\(tx.init",
+  ):
     f(grads, state)
 
 
@@ -536,7 +670,9 @@ def test_unbound_axis_names_the_transform():
     tx.update(w, tx.init(w))
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(axis_name=None), r"axis_name=None, but powersgd needs a named axis"),
     (dict(rank=0), r"rank=0 .* integer >= 1"),
     (dict(rank=1.5), r"rank=1.5 .* integer >= 1"),
@@ -545,11 +681,15 @@ def test_unbound_axis_names_the_transform():
     (dict(start_step=2.0), r"start_step=2.0 .* integer >= 0"),
     (dict(min_compression_rate=0), r"min_compression_rate=0 .* positive"),
     (dict(min_compression_rate="2"), r"min_compression_rate='2' .* positive"),
-    (dict(min_compression_rate=float("inf")), r"min_compression_rate=inf .* positive finite"),
+    (
+      dict(min_compression_rate=float("inf")),
+      r"min_compression_rate=inf .* positive finite",
+    ),
     (dict(error_feedback="yes"), r"error_feedback='yes' .* True or False"),
     (dict(warm_start=1), r"warm_start=1 .* True or False"),
     (dict(seed="a"), r"seed='a' .* integer"),
-])
+  ],
+)
 def test_arguments_are_checked_at_construction(kwargs, match):
   kwargs = dict(dict(axis_name=AXIS), **kwargs)
   with pytest.raises(ValueError, match=r"shardopt.powersgd: " + match):

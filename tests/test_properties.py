@@ -51,12 +51,17 @@ def _report(what, tried, detail=""):
 
 # --- Strategies. -------------------------------------------------------------
 
+
 @st.composite
 def _trees(draw, dtypes=FLOATS, min_leaves=1, max_leaves=3):
   """(structure kind, [(shape, dtype)]) for a random pytree of leaves."""
-  leaves = draw(st.lists(st.tuples(st.sampled_from(SHAPES),
-                                   st.sampled_from(dtypes)),
-                         min_size=min_leaves, max_size=max_leaves))
+  leaves = draw(
+    st.lists(
+      st.tuples(st.sampled_from(SHAPES), st.sampled_from(dtypes)),
+      min_size=min_leaves,
+      max_size=max_leaves,
+    )
+  )
   return draw(st.sampled_from(["dict", "list", "nested"])), leaves
 
 
@@ -75,11 +80,19 @@ def _valid_groups(draw):
     return None
   size = draw(st.sampled_from([1, 2, 4, 8]))
   order = draw(st.permutations(range(R)))
-  return [list(order[i:i + size]) for i in range(0, R, size)]
+  return [list(order[i : i + size]) for i in range(0, R, size)]
 
 
-INVALID_GROUP_KINDS = ["duplicate", "out_of_range", "unequal", "missing",
-                       "empty_group", "empty_list", "not_an_int", "not_a_list"]
+INVALID_GROUP_KINDS = [
+  "duplicate",
+  "out_of_range",
+  "unequal",
+  "missing",
+  "empty_group",
+  "empty_list",
+  "not_an_int",
+  "not_a_list",
+]
 
 
 @st.composite
@@ -87,9 +100,10 @@ def _invalid_groups(draw, kind):
   """Groups of the given kind that are not a partition into equal groups."""
   order = list(draw(st.permutations(range(R))))
   size = draw(st.sampled_from([2, 4, 8]))
-  split = lambda xs: [xs[i:i + size] for i in range(0, len(xs), size)]
-  i, j = draw(st.lists(st.integers(0, R - 1), min_size=2, max_size=2,
-                       unique=True))
+  split = lambda xs: [xs[i : i + size] for i in range(0, len(xs), size)]
+  i, j = draw(
+    st.lists(st.integers(0, R - 1), min_size=2, max_size=2, unique=True)
+  )
   if kind == "duplicate":
     order[j] = order[i]
     return split(order)
@@ -113,18 +127,22 @@ def _invalid_groups(draw, kind):
 
 
 _WRONG_NAMES = st.one_of(
-    st.text(min_size=1, max_size=8).filter(lambda s: s != AXIS),
-    st.tuples(st.just(AXIS),
-              st.text(min_size=1, max_size=8).filter(lambda s: s != AXIS)))
+  st.text(min_size=1, max_size=8).filter(lambda s: s != AXIS),
+  st.tuples(
+    st.just(AXIS), st.text(min_size=1, max_size=8).filter(lambda s: s != AXIS)
+  ),
+)
 
 
 # --- Running a transform step under shard_map. --------------------------------
 
+
 def _per_replica(rng, shape, dtype, scale=1.0, bound=np.inf):
   """Values for R replicas, shape (R,) + shape, in [-bound, bound], rounded
   to dtype."""
-  values = np.clip(scale * rng.standard_normal(size=(R,) + shape),
-                   -bound, bound)
+  values = np.clip(
+    scale * rng.standard_normal(size=(R,) + shape), -bound, bound
+  )
   if jnp.issubdtype(dtype, jnp.floating):
     return np.asarray(values).astype(dtype)
   if dtype == jnp.bool_:
@@ -134,23 +152,26 @@ def _per_replica(rng, shape, dtype, scale=1.0, bound=np.inf):
 
 def _put(mesh, tree):
   return jax.tree.map(
-      lambda x: jax.device_put(x, NamedSharding(mesh, P(AXIS))), tree)
+    lambda x: jax.device_put(x, NamedSharding(mesh, P(AXIS))), tree
+  )
 
 
 def _specs(tx, params_host):
   """``P()`` for state leaves that are scalars on a replica, else ``P(AXIS)``."""
   per_replica = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct((R, 1) + x.shape[1:], x.dtype),
-      params_host)
-  shapes = jax.eval_shape(jax.vmap(tx.init, axis_name=AXIS, axis_size=R),
-                          per_replica)
+    lambda x: jax.ShapeDtypeStruct((R, 1) + x.shape[1:], x.dtype), params_host
+  )
+  shapes = jax.eval_shape(
+    jax.vmap(tx.init, axis_name=AXIS, axis_size=R), per_replica
+  )
   return jax.tree.map(lambda s: P() if s.ndim == 1 else P(AXIS), shapes)
 
 
 def _stateless(fn):
   """A collective as a transform, so every target is called the same way."""
-  return optax.GradientTransformation(lambda p: optax.EmptyState(),
-                                      lambda g, s, p=None: (fn(g), s))
+  return optax.GradientTransformation(
+    lambda p: optax.EmptyState(), lambda g, s, p=None: (fn(g), s)
+  )
 
 
 def _step(mesh, tx, state_specs):
@@ -158,24 +179,33 @@ def _step(mesh, tx, state_specs):
 
   Every replica holds its own params and grads (a leading axis of 1 inside).
   """
+
   def body(params, state, grads):
     return tx.update(grads, state, params)
 
-  return jax.jit(jax.shard_map(
-      body, mesh=mesh, in_specs=(P(AXIS), state_specs, P(AXIS)),
-      out_specs=(P(AXIS), state_specs)), donate_argnums=(0, 1, 2))
+  return jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(P(AXIS), state_specs, P(AXIS)),
+      out_specs=(P(AXIS), state_specs),
+    ),
+    donate_argnums=(0, 1, 2),
+  )
 
 
 def _init(mesh, tx, params_host):
   """State built by ``tx`` (a valid transform) inside shard_map."""
   specs = _specs(tx, params_host)
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(AXIS),
-                               out_specs=specs))
+  init = jax.jit(
+    jax.shard_map(tx.init, mesh=mesh, in_specs=P(AXIS), out_specs=specs)
+  )
   return init(_put(mesh, params_host)), specs
 
 
-def _assert_fails_cleanly(mesh, bad_tx, state, specs, params, grads, error,
-                          *fragments):
+def _assert_fails_cleanly(
+  mesh, bad_tx, state, specs, params, grads, error, *fragments
+):
   """``bad_tx.update`` raises ``error`` naming every fragment, at trace time,
   and leaves the (donated) params, state and grads as they were."""
   params, grads = _put(mesh, params), _put(mesh, grads)
@@ -183,7 +213,7 @@ def _assert_fails_cleanly(mesh, bad_tx, state, specs, params, grads, error,
   before = jax.tree.map(np.array, args)
   step = _step(mesh, bad_tx, specs)
   with pytest.raises(error) as lowered:
-    step.lower(*args)                       # tracing alone raises it
+    step.lower(*args)  # tracing alone raises it
   with pytest.raises(error) as called:
     step(*args)
   for info in (lowered, called):
@@ -197,39 +227,51 @@ def _assert_fails_cleanly(mesh, bad_tx, state, specs, params, grads, error,
 
 # --- Valid input: equal to numpy. ---------------------------------------------
 
+
 def _reducer(mapping, mesh, reduction, groups):
-  fn = lambda t: shardopt.reduce(t, AXIS, reduction=reduction,
-                                 axis_index_groups=groups)
+  fn = lambda t: shardopt.reduce(
+    t, AXIS, reduction=reduction, axis_index_groups=groups
+  )
   if mapping == "pmap":
     return jax.pmap(fn, axis_name=AXIS)
 
   def body(t):
-    return jax.tree.map(lambda x: x[None],
-                        fn(jax.tree.map(lambda x: x[0], t)))
+    return jax.tree.map(lambda x: x[None], fn(jax.tree.map(lambda x: x[0], t)))
 
-  mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS),
-                                 out_specs=P(AXIS),
-                                 check_vma=mapping == "shard_map"))
+  mapped = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=P(AXIS),
+      out_specs=P(AXIS),
+      check_vma=mapping == "shard_map",
+    )
+  )
   return lambda t: mapped(_put(mesh, t))
 
 
 def _tolerance(dtype, members, magnitude):
   """Rounding bound for summing ``members`` values of this dtype."""
   finfo = jnp.finfo(dtype)
-  return members * (float(finfo.eps) * magnitude
-                    + float(finfo.smallest_subnormal))
+  return members * (
+    float(finfo.eps) * magnitude + float(finfo.smallest_subnormal)
+  )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("mapping", ["pmap", "shard_map", "shard_map_no_vma"])
 def test_reduce_equals_numpy_for_random_trees_groups_and_reductions(
-    mesh, mapping, reduction):
+  mesh, mapping, reduction
+):
   tried = []
 
   @_settings(12)
-  @given(tree=_trees(), groups=_valid_groups(),
-         seed=st.integers(0, 2**31 - 1),
-         scale=st.sampled_from([1e-3, 1.0, 100.0, "large"]))
+  @given(
+    tree=_trees(),
+    groups=_valid_groups(),
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.sampled_from([1e-3, 1.0, 100.0, "large"]),
+  )
   def check(tree, groups, seed, scale):
     kind, specs = tree
     rng = np.random.default_rng(seed)
@@ -257,48 +299,71 @@ def test_reduce_equals_numpy_for_random_trees_groups_and_reductions(
         magnitude = np.abs(x64[group]).sum(axis=0)
         if reduction == "mean":
           want, magnitude = want / members, magnitude / members
-        for member in group:   # every member: the same bits, close to numpy
+        for member in group:  # every member: the same bits, close to numpy
           assert y[member].tobytes() == y[group[0]].tobytes(), (
-              f"group {group}: replica {member} differs from {group[0]}")
+            f"group {group}: replica {member} differs from {group[0]}"
+          )
           np.testing.assert_array_less(
-              np.abs(y[member].astype(np.float64) - want),
-              _tolerance(x.dtype, members, magnitude) + 1e-30)
-    tried.append((groups is not None, tuple(np.dtype(d).name for _, d in specs),
-                  tuple(shape for shape, _ in specs)))
+            np.abs(y[member].astype(np.float64) - want),
+            _tolerance(x.dtype, members, magnitude) + 1e-30,
+          )
+    tried.append(
+      (
+        groups is not None,
+        tuple(np.dtype(d).name for _, d in specs),
+        tuple(shape for shape, _ in specs),
+      )
+    )
 
   check()
   dtypes = sorted({d for t in tried for d in t[1]})
   shapes = sorted({s for t in tried for s in t[2]})
-  _report(f"reduce({reduction}) == numpy under {mapping}", len(tried),
-          f" (with groups {sum(t[0] for t in tried)}; dtypes {dtypes};"
-          f" shapes {shapes}); group members bit-identical in all")
+  _report(
+    f"reduce({reduction}) == numpy under {mapping}",
+    len(tried),
+    f" (with groups {sum(t[0] for t in tried)}; dtypes {dtypes};"
+    f" shapes {shapes}); group members bit-identical in all",
+  )
 
 
 # --- Invalid input: clear errors, nothing half-updated. -----------------------
 
+
 def _float_params():
   rng = np.random.default_rng(0)
-  return {"w": _per_replica(rng, (3,), jnp.float32),
-          "b": _per_replica(rng, (), jnp.float32)}
+  return {
+    "w": _per_replica(rng, (3,), jnp.float32),
+    "b": _per_replica(rng, (), jnp.float32),
+  }
 
 
 GROUPED = {
-    "shardopt.reduce": lambda g: _stateless(
-        lambda t: shardopt.reduce(t, AXIS, axis_index_groups=g)),
-    "shardopt.scale_loss": lambda g: _stateless(lambda t: jax.tree.map(
-        lambda x: shardopt.scale_loss(x, AXIS, axis_index_groups=g), t)),
-    "shardopt.cross_shard_mean": lambda g: shardopt.cross_shard_mean(
-        AXIS, axis_index_groups=g),
-    "shardopt.cross_shard_sum": lambda g: shardopt.cross_shard_sum(
-        AXIS, axis_index_groups=g),
-    "shardopt.cross_shard": lambda g: shardopt.cross_shard(
-        optax.adam(0.1), AXIS, axis_index_groups=g),
-    "shardopt.agn": lambda g: shardopt.agn(
-        optax.sgd(0.1), AXIS, communication_period=2, axis_index_groups=g),
-    "shardopt.local_sgd": lambda g: shardopt.local_sgd(
-        optax.sgd(0.1), AXIS, period=2, axis_index_groups=g),
-    "shardopt.diloco": lambda g: shardopt.diloco(
-        optax.sgd(0.1), AXIS, sync_period=2, axis_index_groups=g),
+  "shardopt.reduce": lambda g: _stateless(
+    lambda t: shardopt.reduce(t, AXIS, axis_index_groups=g)
+  ),
+  "shardopt.scale_loss": lambda g: _stateless(
+    lambda t: jax.tree.map(
+      lambda x: shardopt.scale_loss(x, AXIS, axis_index_groups=g), t
+    )
+  ),
+  "shardopt.cross_shard_mean": lambda g: shardopt.cross_shard_mean(
+    AXIS, axis_index_groups=g
+  ),
+  "shardopt.cross_shard_sum": lambda g: shardopt.cross_shard_sum(
+    AXIS, axis_index_groups=g
+  ),
+  "shardopt.cross_shard": lambda g: shardopt.cross_shard(
+    optax.adam(0.1), AXIS, axis_index_groups=g
+  ),
+  "shardopt.agn": lambda g: shardopt.agn(
+    optax.sgd(0.1), AXIS, communication_period=2, axis_index_groups=g
+  ),
+  "shardopt.local_sgd": lambda g: shardopt.local_sgd(
+    optax.sgd(0.1), AXIS, period=2, axis_index_groups=g
+  ),
+  "shardopt.diloco": lambda g: shardopt.diloco(
+    optax.sgd(0.1), AXIS, sync_period=2, axis_index_groups=g
+  ),
 }
 
 
@@ -309,8 +374,9 @@ _GROUPED_STATES = {}
 def test_invalid_groups_raise_a_clear_error_and_change_nothing(mesh, kind):
   params = _float_params()
   if not _GROUPED_STATES:
-    _GROUPED_STATES.update({name: _init(mesh, make(None), params)
-                            for name, make in GROUPED.items()})
+    _GROUPED_STATES.update(
+      {name: _init(mesh, make(None), params) for name, make in GROUPED.items()}
+    )
   states = _GROUPED_STATES
   tried = []
 
@@ -323,39 +389,49 @@ def test_invalid_groups_raise_a_clear_error_and_change_nothing(mesh, kind):
       bad = GROUPED[name](groups)
     except ValueError as e:  # rejected when built: nothing ran at all
       message = str(e)
-    else:                    # rejected while tracing the update
-      message = _assert_fails_cleanly(mesh, bad, state, specs, params, grads,
-                                      ValueError)
+    else:  # rejected while tracing the update
+      message = _assert_fails_cleanly(
+        mesh, bad, state, specs, params, grads, ValueError
+      )
     for fragment in (name, "axis_index_groups", repr(AXIS), f"size {R}"):
       assert fragment in message, (kind, groups, message)
     tried.append(name)
 
   check()
-  _report(f"invalid axis_index_groups ({kind}) -> ValueError", len(tried),
-          f" over {len(set(tried))} transforms")
+  _report(
+    f"invalid axis_index_groups ({kind}) -> ValueError",
+    len(tried),
+    f" over {len(set(tried))} transforms",
+  )
 
 
 WITH_AXIS = {
-    "shardopt.reduce": lambda a: _stateless(lambda t: shardopt.reduce(t, a)),
-    "shardopt.broadcast": lambda a: _stateless(
-        lambda t: shardopt.broadcast(t, a)),
-    "shardopt.replica_divergence": lambda a: _stateless(
-        lambda t: jax.tree.map(lambda x: x + shardopt.replica_divergence(t, a),
-                               t)),
-    "shardopt.scale_loss": lambda a: _stateless(
-        lambda t: jax.tree.map(lambda x: shardopt.scale_loss(x, a), t)),
-    "shardopt.cross_shard_mean": lambda a: shardopt.cross_shard_mean(a),
-    "shardopt.cross_shard_sum": lambda a: shardopt.cross_shard_sum(a),
-    "shardopt.cross_shard": lambda a: shardopt.cross_shard(optax.adam(0.1), a),
-    "shardopt.tower": lambda a: shardopt.tower(optax.adam(0.1), a),
-    "shardopt.clip_by_global_norm": lambda a: shardopt.clip_by_global_norm(
-        1.0, a),
-    "shardopt.agn": lambda a: shardopt.agn(optax.sgd(0.1), a,
-                                           communication_period=2),
-    "shardopt.local_sgd": lambda a: shardopt.local_sgd(optax.sgd(0.1), a,
-                                                       period=2),
-    "shardopt.diloco": lambda a: shardopt.diloco(optax.sgd(0.1), a,
-                                                 sync_period=2),
+  "shardopt.reduce": lambda a: _stateless(lambda t: shardopt.reduce(t, a)),
+  "shardopt.broadcast": lambda a: _stateless(
+    lambda t: shardopt.broadcast(t, a)
+  ),
+  "shardopt.replica_divergence": lambda a: _stateless(
+    lambda t: jax.tree.map(lambda x: x + shardopt.replica_divergence(t, a), t)
+  ),
+  "shardopt.scale_loss": lambda a: _stateless(
+    lambda t: jax.tree.map(lambda x: shardopt.scale_loss(x, a), t)
+  ),
+  "shardopt.cross_shard_mean": lambda a: shardopt.cross_shard_mean(a),
+  "shardopt.cross_shard_sum": lambda a: shardopt.cross_shard_sum(a),
+  "shardopt.cross_shard": lambda a: shardopt.cross_shard(optax.adam(0.1), a),
+  "shardopt.tower": lambda a: shardopt.tower(optax.adam(0.1), a),
+  "shardopt.clip_by_global_norm": lambda a: shardopt.clip_by_global_norm(
+    1.0, a
+  ),
+  "shardopt.agn": lambda a: shardopt.agn(
+    optax.sgd(0.1), a, communication_period=2
+  ),
+  "shardopt.local_sgd": lambda a: shardopt.local_sgd(
+    optax.sgd(0.1), a, period=2
+  ),
+  "shardopt.diloco": lambda a: shardopt.diloco(
+    optax.sgd(0.1), a, sync_period=2
+  ),
 }
 
 
@@ -369,8 +445,17 @@ def test_wrong_axis_names_raise_a_clear_error_and_change_nothing(mesh, name):
   @given(axis=_WRONG_NAMES)
   def check(axis):
     message = _assert_fails_cleanly(
-        mesh, WITH_AXIS[name](axis), state, specs, params, _float_params(),
-        shardopt.AxisNotBoundError, name, repr(axis), "is not bound")
+      mesh,
+      WITH_AXIS[name](axis),
+      state,
+      specs,
+      params,
+      _float_params(),
+      shardopt.AxisNotBoundError,
+      name,
+      repr(axis),
+      "is not bound",
+    )
     assert "shard_map" in message and "pmap" in message  # names the fix
     tried.append(axis)
 
@@ -379,13 +464,13 @@ def test_wrong_axis_names_raise_a_clear_error_and_change_nothing(mesh, name):
 
 
 NON_FLOAT_TARGETS = {
-    "shardopt.reduce": lambda: _stateless(lambda t: shardopt.reduce(t, AXIS)),
-    "shardopt.cross_shard_mean": lambda: shardopt.cross_shard_mean(AXIS),
-    "shardopt.cross_shard_sum": lambda: shardopt.cross_shard_sum(AXIS),
-    "shardopt.cross_shard": lambda: shardopt.cross_shard(optax.sgd(0.1), AXIS),
-    "shardopt.tower": lambda: shardopt.tower(optax.sgd(0.1), AXIS),
-    # shardopt.agn needs params of the gradients' structure: it is covered by
-    # test_agn_rejects_an_integer_gradient_leaf below.
+  "shardopt.reduce": lambda: _stateless(lambda t: shardopt.reduce(t, AXIS)),
+  "shardopt.cross_shard_mean": lambda: shardopt.cross_shard_mean(AXIS),
+  "shardopt.cross_shard_sum": lambda: shardopt.cross_shard_sum(AXIS),
+  "shardopt.cross_shard": lambda: shardopt.cross_shard(optax.sgd(0.1), AXIS),
+  "shardopt.tower": lambda: shardopt.tower(optax.sgd(0.1), AXIS),
+  # shardopt.agn needs params of the gradients' structure: it is covered by
+  # test_agn_rejects_an_integer_gradient_leaf below.
 }
 
 
@@ -394,21 +479,30 @@ def test_non_float_leaves_raise_a_type_error_naming_the_leaf(mesh):
   states = {}
 
   @_settings(30)
-  @given(tree=_trees(min_leaves=2, max_leaves=3),
-         bad_dtype=st.sampled_from(NON_FLOATS),
-         position=st.integers(0, 2),
-         name=st.sampled_from(sorted(NON_FLOAT_TARGETS)),
-         seed=st.integers(0, 2**31 - 1))
+  @given(
+    tree=_trees(min_leaves=2, max_leaves=3),
+    bad_dtype=st.sampled_from(NON_FLOATS),
+    position=st.integers(0, 2),
+    name=st.sampled_from(sorted(NON_FLOAT_TARGETS)),
+    seed=st.integers(0, 2**31 - 1),
+  )
   def check(tree, bad_dtype, position, name, seed):
     kind, specs = tree
     rng = np.random.default_rng(seed)
     position %= len(specs)
     # Non-empty leaves, so every target has something to reduce.
-    specs = [(shape if shape != (0,) else (2,), dtype) for shape, dtype in specs]
+    specs = [
+      (shape if shape != (0,) else (2,), dtype) for shape, dtype in specs
+    ]
     specs[position] = (specs[position][0], bad_dtype)
     leaves = [_per_replica(rng, s, d) for s, d in specs]
-    params = _build(kind, [x if jnp.issubdtype(x.dtype, jnp.floating)
-                           else x.astype(np.float32) for x in leaves])
+    params = _build(
+      kind,
+      [
+        x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(np.float32)
+        for x in leaves
+      ],
+    )
     grads = _build(kind, leaves)
     tx = NON_FLOAT_TARGETS[name]()
     key = (name, kind, tuple(s for s, _ in specs))
@@ -416,33 +510,55 @@ def test_non_float_leaves_raise_a_type_error_naming_the_leaf(mesh):
       states[key] = _init(mesh, tx, params)
     state, state_specs = states[key]
     path = jax.tree_util.keystr(
-        jax.tree_util.tree_flatten_with_path(grads)[0][position][0])
-    _assert_fails_cleanly(mesh, tx, state, state_specs, params, grads,
-                          TypeError, name, path, str(np.dtype(bad_dtype)),
-                          "floating-point")
+      jax.tree_util.tree_flatten_with_path(grads)[0][position][0]
+    )
+    _assert_fails_cleanly(
+      mesh,
+      tx,
+      state,
+      state_specs,
+      params,
+      grads,
+      TypeError,
+      name,
+      path,
+      str(np.dtype(bad_dtype)),
+      "floating-point",
+    )
     tried.append(name)
 
   check()
-  _report("non-float leaves -> TypeError naming the leaf", len(tried),
-          f" over {len(set(tried))} transforms")
+  _report(
+    "non-float leaves -> TypeError naming the leaf",
+    len(tried),
+    f" over {len(set(tried))} transforms",
+  )
 
 
 STATEFUL = {
-    "cross_shard(adam)": lambda: shardopt.cross_shard(optax.adam(0.1), AXIS),
-    "chain(cross_shard_mean, adam)": lambda: optax.chain(
-        shardopt.cross_shard_mean(AXIS), optax.adam(0.1)),
-    "tower(adam)": lambda: shardopt.tower(optax.adam(0.1), AXIS),
-    "agn(sgd)": lambda: shardopt.agn(optax.sgd(0.1), AXIS,
-                                     communication_period=2),
-    "agn(adam)": lambda: shardopt.agn(optax.adam(0.1), AXIS,
-                                      communication_period=2),
-    "local_sgd": lambda: shardopt.local_sgd(optax.sgd(0.1), AXIS, period=2),
-    "diloco": lambda: shardopt.diloco(optax.adam(0.1), AXIS, sync_period=2),
+  "cross_shard(adam)": lambda: shardopt.cross_shard(optax.adam(0.1), AXIS),
+  "chain(cross_shard_mean, adam)": lambda: optax.chain(
+    shardopt.cross_shard_mean(AXIS), optax.adam(0.1)
+  ),
+  "tower(adam)": lambda: shardopt.tower(optax.adam(0.1), AXIS),
+  "agn(sgd)": lambda: shardopt.agn(
+    optax.sgd(0.1), AXIS, communication_period=2
+  ),
+  "agn(adam)": lambda: shardopt.agn(
+    optax.adam(0.1), AXIS, communication_period=2
+  ),
+  "local_sgd": lambda: shardopt.local_sgd(optax.sgd(0.1), AXIS, period=2),
+  "diloco": lambda: shardopt.diloco(optax.adam(0.1), AXIS, sync_period=2),
 }
 
 
-MUTATIONS = ["drop_leaf", "add_leaf", "rename_or_retype", "other_container",
-             "leaf_to_subtree"]
+MUTATIONS = [
+  "drop_leaf",
+  "add_leaf",
+  "rename_or_retype",
+  "other_container",
+  "leaf_to_subtree",
+]
 
 
 def _mutate(mutation, kind, leaves):
@@ -459,54 +575,83 @@ def _mutate(mutation, kind, leaves):
       return tuple(leaves)
     return {"outer": [leaves[0]], "rest": tuple(leaves[1:])}
   if mutation == "other_container":
-    return _build({"dict": "list", "list": "nested", "nested": "dict"}[kind],
-                  leaves)
+    return _build(
+      {"dict": "list", "list": "nested", "nested": "dict"}[kind], leaves
+    )
   return _build(kind, [{"nested": leaves[0]}] + leaves[1:])  # leaf_to_subtree
-
-
 
 
 @pytest.mark.parametrize("name", sorted(STATEFUL))
 def test_grads_not_matching_the_state_structure_raise_and_change_nothing(
-    mesh, name):
+  mesh, name
+):
   tried = []
 
   @_settings(6)
-  @given(tree=_trees(dtypes=[jnp.float32]), mutation=st.sampled_from(MUTATIONS),
-         seed=st.integers(0, 2**31 - 1))
+  @given(
+    tree=_trees(dtypes=[jnp.float32]),
+    mutation=st.sampled_from(MUTATIONS),
+    seed=st.integers(0, 2**31 - 1),
+  )
   def check(tree, mutation, seed):
     kind, specs = tree
     rng = np.random.default_rng(seed)
-    specs = [(shape if shape != (0,) else (2,), dtype) for shape, dtype in specs]
+    specs = [
+      (shape if shape != (0,) else (2,), dtype) for shape, dtype in specs
+    ]
     leaves = [_per_replica(rng, shape, dtype) for shape, dtype in specs]
     state, state_specs = _init(mesh, STATEFUL[name](), _build(kind, leaves))
     # The step gets grads AND params of the new structure, as a user who
     # changed the model but kept an old optimizer state would pass them.
     changed = _mutate(mutation, kind, leaves)
-    message = _assert_fails_cleanly(mesh, STATEFUL[name](), state, state_specs,
-                                    changed, changed, (ValueError, TypeError))
+    message = _assert_fails_cleanly(
+      mesh,
+      STATEFUL[name](),
+      state,
+      state_specs,
+      changed,
+      changed,
+      (ValueError, TypeError),
+    )
     assert "structure" in message or "mismatch" in message, message
     tried.append(mutation)
 
   check()
-  _report(f"grads/state tree mismatch for {name} -> error", len(tried),
-          f" ({len(set(tried))} kinds of mismatch)")
+  _report(
+    f"grads/state tree mismatch for {name} -> error",
+    len(tried),
+    f" ({len(set(tried))} kinds of mismatch)",
+  )
 
 
-@pytest.mark.parametrize("make, arg", [
-    (lambda v: shardopt.agn(optax.sgd(0.1), AXIS, communication_period=v),
-     "communication_period"),
+@pytest.mark.parametrize(
+  "make, arg",
+  [
+    (
+      lambda v: shardopt.agn(optax.sgd(0.1), AXIS, communication_period=v),
+      "communication_period",
+    ),
     (lambda v: shardopt.local_sgd(optax.sgd(0.1), AXIS, period=v), "period"),
-    (lambda v: shardopt.diloco(optax.sgd(0.1), AXIS, sync_period=v),
-     "sync_period"),
-], ids=["agn", "local_sgd", "diloco"])
+    (
+      lambda v: shardopt.diloco(optax.sgd(0.1), AXIS, sync_period=v),
+      "sync_period",
+    ),
+  ],
+  ids=["agn", "local_sgd", "diloco"],
+)
 def test_communication_period_not_a_positive_integer_is_rejected(make, arg):
   tried = []
 
   @_settings(30)
-  @given(value=st.one_of(st.integers(max_value=0), st.booleans(),
-                         st.floats(allow_nan=True), st.none(),
-                         st.text(max_size=3)))
+  @given(
+    value=st.one_of(
+      st.integers(max_value=0),
+      st.booleans(),
+      st.floats(allow_nan=True),
+      st.none(),
+      st.text(max_size=3),
+    )
+  )
   def check(value):
     with pytest.raises(ValueError) as info:
       make(value)
@@ -526,19 +671,23 @@ def test_periodic_rejects_grads_with_a_leaf_turned_into_a_subtree(mesh, name):
   leaves = [_float_params()["w"], _float_params()["b"]]
   state, specs = _init(mesh, STATEFUL[name](), _build("dict", leaves))
   changed = _mutate("leaf_to_subtree", "dict", leaves)
-  message = _assert_fails_cleanly(mesh, STATEFUL[name](), state, specs,
-                                  changed, changed, Exception)
+  message = _assert_fails_cleanly(
+    mesh, STATEFUL[name](), state, specs, changed, changed, Exception
+  )
   assert "structure" in message or "mismatch" in message, message
 
 
 def test_agn_rejects_an_integer_gradient_leaf(mesh):
   params = {"w": _float_params()["w"], "i": _float_params()["w"]}
-  grads = {"w": params["w"],
-           "i": _per_replica(np.random.default_rng(1), (3,), jnp.int32)}
+  grads = {
+    "w": params["w"],
+    "i": _per_replica(np.random.default_rng(1), (3,), jnp.int32),
+  }
   tx = shardopt.agn(optax.sgd(0.1), AXIS, communication_period=2)
   state, specs = _init(mesh, tx, params)
-  _assert_fails_cleanly(mesh, tx, state, specs, params, grads, TypeError,
-                        "shardopt.agn", "['i']")
+  _assert_fails_cleanly(
+    mesh, tx, state, specs, params, grads, TypeError, "shardopt.agn", "['i']"
+  )
 
 
 def test_agn_accepts_bfloat16_gradients_for_float32_params():
@@ -549,5 +698,6 @@ def test_agn_accepts_bfloat16_gradients_for_float32_params():
     return optax.apply_updates(params, updates)
 
   params = jax.pmap(step, axis_name=AXIS)(
-      np.zeros((R, 3), np.float32), np.ones((R, 3), jnp.bfloat16))
+    np.zeros((R, 3), np.float32), np.ones((R, 3), jnp.bfloat16)
+  )
   np.testing.assert_allclose(np.asarray(params), -0.1, rtol=1e-2)

@@ -18,7 +18,10 @@ def test_readme_has_python_examples():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs_and_replicas_agree(index):
   namespace = {}
-  exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), namespace)
+  exec(
+    compile(BLOCKS[index], f"README.md[python block {index}]", "exec"),
+    namespace,
+  )
   w = np.asarray(namespace["w"])
   assert np.all(np.isfinite(w))
   if w.ndim == 2:  # pmap example: one row per device, all bit-identical

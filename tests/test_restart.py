@@ -29,11 +29,11 @@ from _workers import tiny_training
 
 WORKER = Path(__file__).parent / "_workers" / "train_with_checkpoints.py"
 STEPS = 24
-EVERY = 3                      # checkpoint interval, coprime with agn's period
+EVERY = 3  # checkpoint interval, coprime with agn's period
 PERIOD = tiny_training.AGN_PERIOD
-STEP_DELAY_S = 0.1             # a "slower model", so the kill lands mid-run
-KILL_SLACK = 2                 # steps the kill may land late on a busy machine
-TIMEOUT_S = 120                # per launch
+STEP_DELAY_S = 0.1  # a "slower model", so the kill lands mid-run
+KILL_SLACK = 2  # steps the kill may land late on a busy machine
+TIMEOUT_S = 120  # per launch
 
 
 def _child_env() -> dict:
@@ -41,14 +41,26 @@ def _child_env() -> dict:
   env.pop("XLA_FLAGS", None)
   src = str(Path(__file__).resolve().parents[1] / "src")
   env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (src, env.get("PYTHONPATH")) if p)
+    p for p in (src, env.get("PYTHONPATH")) if p
+  )
   return env
 
 
 def _command(ckpt_dir: Path, out: Path) -> list:
-  return [sys.executable, str(WORKER), "--ckpt-dir", str(ckpt_dir),
-          "--steps", str(STEPS), "--every", str(EVERY), "--out", str(out),
-          "--step-delay", str(STEP_DELAY_S)]
+  return [
+    sys.executable,
+    str(WORKER),
+    "--ckpt-dir",
+    str(ckpt_dir),
+    "--steps",
+    str(STEPS),
+    "--every",
+    str(EVERY),
+    "--out",
+    str(out),
+    "--step-delay",
+    str(STEP_DELAY_S),
+  ]
 
 
 def _last_checkpoint(step: int) -> int:
@@ -64,9 +76,13 @@ def _kill_steps_that_stay_mid_period(low: int, high: int) -> list:
   complete, so at the kill at most the newest checkpoint is unfinished, and
   the restart resumes from it or from the one before it.
   """
+
   def safe(s):
-    resumes = {_last_checkpoint(t) for t in range(s - EVERY, s + KILL_SLACK + 1)}
+    resumes = {
+      _last_checkpoint(t) for t in range(s - EVERY, s + KILL_SLACK + 1)
+    }
     return s % PERIOD != 0 and all(r > 0 and r % PERIOD != 0 for r in resumes)
+
   return [s for s in range(low, high + 1) if safe(s)]
 
 
@@ -75,8 +91,13 @@ def _launch(ckpt_dir, out, kill_at=None):
 
   Returns (exit code, stdout lines). The child is always reaped.
   """
-  proc = subprocess.Popen(_command(ckpt_dir, out), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=_child_env())
+  proc = subprocess.Popen(
+    _command(ckpt_dir, out),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    env=_child_env(),
+  )
   lines = queue.Queue()
 
   def pump():
@@ -93,8 +114,9 @@ def _launch(ckpt_dir, out, kill_at=None):
       try:
         line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
       except queue.Empty:
-        raise AssertionError(f"worker timed out after {TIMEOUT_S}s:\n"
-                             + "\n".join(seen[-40:])) from None
+        raise AssertionError(
+          f"worker timed out after {TIMEOUT_S}s:\n" + "\n".join(seen[-40:])
+        ) from None
       if line is None:
         break
       seen.append(line)
@@ -110,8 +132,10 @@ def _launch(ckpt_dir, out, kill_at=None):
 
 
 def _restored_step(lines) -> int:
-  found = [re.fullmatch(r"restored step (\d+) data position \[(\d+), (\d+)\]", line)
-           for line in lines]
+  found = [
+    re.fullmatch(r"restored step (\d+) data position \[(\d+), (\d+)\]", line)
+    for line in lines
+  ]
   found = [m for m in found if m]
   assert len(found) == 1, "\n".join(lines[-40:])
   step, epoch, index = map(int, found[0].groups())
@@ -148,8 +172,10 @@ def test_sigkill_at_random_steps_then_restart_is_bit_identical(tmp_path):
   assert "done" in lines, log
   resumes.append(_restored_step(lines))
   for kill_at, resumed in zip(kills, resumes):
-    assert kill_at - 2 * EVERY < resumed <= kill_at + KILL_SLACK, (kills,
-                                                                  resumes)
+    assert kill_at - 2 * EVERY < resumed <= kill_at + KILL_SLACK, (
+      kills,
+      resumes,
+    )
     assert resumed % PERIOD != 0, (kills, resumes)  # restored mid-period
   assert resumes[1] > resumes[0], (kills, resumes)
 
@@ -158,12 +184,15 @@ def test_sigkill_at_random_steps_then_restart_is_bit_identical(tmp_path):
   for name in tiny_training.TRANSFORMS:
     want = tiny_training.train(name, mesh, STEPS)
     for key, value in want.items():
-      np.testing.assert_array_equal(got[f"{name}/{key}"], value,
-                                    err_msg=f"{name}: {key}")
-  print(f"\n[restart] {len(kills)} SIGKILLs at steps {kills} of {STEPS}"
-        f" (agn communication_period {PERIOD}, checkpoint every {EVERY});"
-        f" checkpoint dir after each kill: {left_on_disk};"
-        f" resumed from steps {resumes}; final params of"
-        f" {', '.join(tiny_training.TRANSFORMS)} bit-identical to the"
-        f" uninterrupted run (max |diff| = 0.0); 3 launches,"
-        f" wall {time.perf_counter() - started:.1f}s")
+      np.testing.assert_array_equal(
+        got[f"{name}/{key}"], value, err_msg=f"{name}: {key}"
+      )
+  print(
+    f"\n[restart] {len(kills)} SIGKILLs at steps {kills} of {STEPS}"
+    f" (agn communication_period {PERIOD}, checkpoint every {EVERY});"
+    f" checkpoint dir after each kill: {left_on_disk};"
+    f" resumed from steps {resumes}; final params of"
+    f" {', '.join(tiny_training.TRANSFORMS)} bit-identical to the"
+    f" uninterrupted run (max |diff| = 0.0); 3 launches,"
+    f" wall {time.perf_counter() - started:.1f}s"
+  )

@@ -24,8 +24,8 @@ import shardopt
 from benchmarks import hlo
 from shardopt import _periodic_engine
 
-R = 8            # replicas
-B = 4            # examples per replica per step
+R = 8  # replicas
+B = 4  # examples per replica per step
 LR, MOMENTUM = 0.1, 0.5
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 # Leaves in jax.tree.leaves order: "b" (), "w1" (4,), "w2" (2,): 4, 16, 8 bytes.
@@ -35,6 +35,7 @@ FLAT = 7
 
 # --------------------------------------------------------------------------
 # The model, its numpy gradient, trajectories under pmap.
+
 
 def _loss(params, x, y):
   pred = x[:, :4] @ params["w1"] + x[:, 4:] @ params["w2"] + params["b"]
@@ -55,19 +56,30 @@ def _data(seed, steps, replicas=R):
 
 
 def _p0():
-  return {"b": np.float32(0.05), "w1": np.array([0.3, -0.2, 0.1, 0.0], np.float32),
-          "w2": np.array([0.2, -0.1], np.float32)}
+  return {
+    "b": np.float32(0.05),
+    "w1": np.array([0.3, -0.2, 0.1, 0.0], np.float32),
+    "w2": np.array([0.2, -0.1], np.float32),
+  }
 
 
 def _flat(tree):
   """Params with leading axes (..., leaf) -> (..., 7) float64."""
-  return np.concatenate([np.asarray(tree[k], np.float64).reshape(
-      np.shape(tree[k])[:np.ndim(tree["b"])] + (-1,)) for k in SLICES], axis=-1)
+  return np.concatenate(
+    [
+      np.asarray(tree[k], np.float64).reshape(
+        np.shape(tree[k])[: np.ndim(tree["b"])] + (-1,)
+      )
+      for k in SLICES
+    ],
+    axis=-1,
+  )
 
 
 def _stack(tree, n=R):
-  return jax.tree.map(lambda p: jnp.broadcast_to(jnp.asarray(p), (n,) + np.shape(p)),
-                      tree)
+  return jax.tree.map(
+    lambda p: jnp.broadcast_to(jnp.asarray(p), (n,) + np.shape(p)), tree
+  )
 
 
 def _scan_body(tx, grad_fn):
@@ -76,18 +88,23 @@ def _scan_body(tx, grad_fn):
     updates, state = tx.update(grad_fn(params, *batch), state, params)
     params = optax.apply_updates(params, updates)
     return (params, state), (params, state)
+
   return body
 
 
 def _pmap_trajectory(tx, x, y, params=None, state=None):
   """All steps in one pmap(scan); (params, state) per step, step axis first."""
+
   def run(params, state, x, y):
-    return jax.lax.scan(_scan_body(tx, jax.grad(_loss)), (params, state),
-                        (x, y))[1]
+    return jax.lax.scan(
+      _scan_body(tx, jax.grad(_loss)), (params, state), (x, y)
+    )[1]
+
   params = _stack(_p0()) if params is None else params
   state = jax.pmap(tx.init)(params) if state is None else state
-  history = jax.pmap(run, axis_name="batch")(params, state, x.swapaxes(0, 1),
-                                             y.swapaxes(0, 1))
+  history = jax.pmap(run, axis_name="batch")(
+    params, state, x.swapaxes(0, 1), y.swapaxes(0, 1)
+  )
   return jax.tree.map(lambda v: np.swapaxes(np.asarray(v), 0, 1), history)
 
 
@@ -97,6 +114,7 @@ def _at(tree, t):
 
 # --------------------------------------------------------------------------
 # numpy references.
+
 
 def _np_local_steps(p, m, x, y, t):
   """One step of local SGD with momentum on every replica."""
@@ -116,7 +134,7 @@ def _np_hierarchical(x, y, levels):
     if due:
       size = due[-1]
       for g in range(0, R, size):
-        p[g:g + size] = p[g:g + size].mean(0)
+        p[g : g + size] = p[g : g + size].mean(0)
     history.append(p.copy())
   return history
 
@@ -148,9 +166,14 @@ def _local():
 
 
 def _diloco(sync_period, **kwargs):
-  return shardopt.diloco(_local(), "batch", sync_period=sync_period,
-                         outer_learning_rate=OUTER_LR,
-                         outer_momentum=OUTER_MOMENTUM, **kwargs)
+  return shardopt.diloco(
+    _local(),
+    "batch",
+    sync_period=sync_period,
+    outer_learning_rate=OUTER_LR,
+    outer_momentum=OUTER_MOMENTUM,
+    **kwargs,
+  )
 
 
 # --------------------------------------------------------------------------
@@ -160,14 +183,20 @@ LEVELS = {2: 2, 4: 4, 8: 8}
 
 
 def test_hierarchical_2_4_8_matches_numpy_reference_on_8_replicas():
-  tx = shardopt.hierarchical_local_sgd(_local(), "batch",
-                                       period_group_sizes=LEVELS)
+  tx = shardopt.hierarchical_local_sgd(
+    _local(), "batch", period_group_sizes=LEVELS
+  )
   x, y = _data(1, 16)
   params, state = _pmap_trajectory(tx, x, y)
   reference = _np_hierarchical(x, y, LEVELS)
   for t in range(len(x)):
-    np.testing.assert_allclose(_flat(_at(params, t)), reference[t], rtol=2e-5,
-                               atol=2e-6, err_msg=f"params after step {t + 1}")
+    np.testing.assert_allclose(
+      _flat(_at(params, t)),
+      reference[t],
+      rtol=2e-5,
+      atol=2e-6,
+      err_msg=f"params after step {t + 1}",
+    )
   # Every level is hit: pairs after 2, 6, ...; fours after 4, 12; all after 8
   # (equal within one rounding: params + (average - params), see agn's snap).
   w = params["w1"]
@@ -177,16 +206,24 @@ def test_hierarchical_2_4_8_matches_numpy_reference_on_8_replicas():
   assert all(same(w[7][0], w[7][i]) for i in range(R))
   assert list(state.sync_count[:, 0]) == [(t + 1) // 2 for t in range(16)]
   assert state.center == () and state.global_state == ()
-  print(f"hierarchical {LEVELS}: 16 steps match numpy; sync_count"
-        f" {int(state.sync_count[-1, 0])}")
+  print(
+    f"hierarchical {LEVELS}: 16 steps match numpy; sync_count"
+    f" {int(state.sync_count[-1, 0])}"
+  )
 
 
 def test_hierarchical_one_level_of_the_axis_size_is_local_sgd_to_a_few_ulp():
   x, y = _data(2, 9)
-  hier, _ = _pmap_trajectory(shardopt.hierarchical_local_sgd(
-      _local(), "batch", period_group_sizes={3: R}), x, y)
-  local, _ = _pmap_trajectory(shardopt.local_sgd(_local(), "batch", period=3),
-                              x, y)
+  hier, _ = _pmap_trajectory(
+    shardopt.hierarchical_local_sgd(
+      _local(), "batch", period_group_sizes={3: R}
+    ),
+    x,
+    y,
+  )
+  local, _ = _pmap_trajectory(
+    shardopt.local_sgd(_local(), "batch", period=3), x, y
+  )
   # In ulps of the largest param: direct vs center-based averaging round
   # differently, by a few ulps of the values being averaged.
   scale = np.spacing(np.float32(np.max(np.abs(_flat(local)))))
@@ -196,16 +233,23 @@ def test_hierarchical_one_level_of_the_axis_size_is_local_sgd_to_a_few_ulp():
 
 
 def test_hierarchical_groups_are_contiguous_and_collectives_stay_in_them():
-  tx = shardopt.hierarchical_local_sgd(_local(), "batch",
-                                       period_group_sizes={2: 2, 4: 4})
+  tx = shardopt.hierarchical_local_sgd(
+    _local(), "batch", period_group_sizes={2: 2, 4: 4}
+  )
   params = _stack(_p0())
   x, y = _data(3, 1)
-  step = jax.pmap(lambda p, s, x, y: tx.update(jax.grad(_loss)(p, x, y), s, p),
-                  axis_name="batch")
-  text = step.lower(params, jax.pmap(tx.init)(params), x[0], y[0]).compile(
-      ).as_text()
-  assert not [op for op in hlo.compiled_collectives(text)
-              if op.context == "top"]
+  step = jax.pmap(
+    lambda p, s, x, y: tx.update(jax.grad(_loss)(p, x, y), s, p),
+    axis_name="batch",
+  )
+  text = (
+    step.lower(params, jax.pmap(tx.init)(params), x[0], y[0])
+    .compile()
+    .as_text()
+  )
+  assert not [
+    op for op in hlo.compiled_collectives(text) if op.context == "top"
+  ]
   (branches,) = hlo.branch_collectives(text)
   sizes = [sorted({op.group_size for op in b}) for b in branches]
   print(f"hierarchical {{2: 2, 4: 4}}: group sizes per switch branch {sizes}")
@@ -216,20 +260,23 @@ def test_hierarchical_groups_are_contiguous_and_collectives_stay_in_them():
 
 
 def test_hierarchical_leaves_a_non_finite_replica_out_of_its_group_only():
-  tx = shardopt.hierarchical_local_sgd(optax.sgd(1.0), "batch",
-                                       period_group_sizes={1: 4})
+  tx = shardopt.hierarchical_local_sgd(
+    optax.sgd(1.0), "batch", period_group_sizes={1: 4}
+  )
   grads = -np.tile(np.arange(R, dtype=np.float32)[:, None], (1, 2))
   grads[5, 1] = np.nan
   step = jax.pmap(lambda p, s, g: tx.update(g, s, p), axis_name="batch")
   params = jnp.zeros((R, 2))
   updates, state = step(params, jax.pmap(tx.init)(params), grads)
-  np.testing.assert_array_equal(np.asarray(updates)[:4], 1.5)   # mean(0..3)
+  np.testing.assert_array_equal(np.asarray(updates)[:4], 1.5)  # mean(0..3)
   np.testing.assert_allclose(np.asarray(updates)[4:], 17 / 3)  # mean(4, 6, 7)
   # The skip counter is per group: 1 in the second group, 0 in the first.
   assert list(np.asarray(state.skipped)) == [0] * 4 + [1] * 4
 
 
-@pytest.mark.parametrize("value, match", [
+@pytest.mark.parametrize(
+  "value, match",
+  [
     ({}, "non-empty dict"),
     ([(2, 2)], "non-empty dict"),
     ({0: 2}, "period 0"),
@@ -237,27 +284,35 @@ def test_hierarchical_leaves_a_non_finite_replica_out_of_its_group_only():
     ({2: True}, "group size True"),
     ({4: 4, 2: 2}, "strictly increasing in the order given"),
     ({2: 4, 4: 4}, "2: 4 is followed by 4: 4"),
-])
+  ],
+)
 def test_hierarchical_period_group_sizes_are_checked_when_built(value, match):
-  with pytest.raises(ValueError, match="shardopt.hierarchical_local_sgd: "
-                     "period_group_sizes=") as info:
-    shardopt.hierarchical_local_sgd(optax.sgd(0.1), "batch",
-                                    period_group_sizes=value)
+  with pytest.raises(
+    ValueError, match="shardopt.hierarchical_local_sgd: period_group_sizes="
+  ) as info:
+    shardopt.hierarchical_local_sgd(
+      optax.sgd(0.1), "batch", period_group_sizes=value
+    )
   assert re.search(match, str(info.value)), str(info.value)
 
 
 def test_hierarchical_group_size_must_divide_the_axis_size():
-  tx = shardopt.hierarchical_local_sgd(optax.sgd(0.1), "batch",
-                                       period_group_sizes={2: 3})
+  tx = shardopt.hierarchical_local_sgd(
+    optax.sgd(0.1), "batch", period_group_sizes={2: 3}
+  )
   step = jax.pmap(lambda p, s: tx.update(p, s, p), axis_name="batch")
   params = jnp.zeros((R, 2))
-  with pytest.raises(ValueError, match=r"group size 3 does not divide the size"
-                     r" 8 of axis 'batch'.*\[1, 2, 4, 8\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"group size 3 does not divide the size"
+    r" 8 of axis 'batch'.*\[1, 2, 4, 8\]",
+  ):
     step(params, jax.pmap(tx.init)(params))
 
 
 # --------------------------------------------------------------------------
 # Streaming DiLoCo.
+
 
 def test_fragments_are_contiguous_and_balanced_by_bytes():
   split = _periodic_engine.split_fragments
@@ -268,10 +323,13 @@ def test_fragments_are_contiguous_and_balanced_by_bytes():
   assert split([5], 1) == ((0,),)
 
 
-@pytest.mark.parametrize("num_fragments, fragments", [
+@pytest.mark.parametrize(
+  "num_fragments, fragments",
+  [
     (2, [["b", "w1"], ["w2"]]),
     (3, [["b"], ["w1"], ["w2"]]),
-])
+  ],
+)
 def test_streaming_diloco_matches_numpy_reference(num_fragments, fragments):
   sync_period = 6
   tx = _diloco(sync_period, num_fragments=num_fragments)
@@ -279,19 +337,32 @@ def test_streaming_diloco_matches_numpy_reference(num_fragments, fragments):
   params, state = _pmap_trajectory(tx, x, y)
   reference = _np_streaming(x, y, sync_period, fragments)
   for t in range(len(x)):
-    np.testing.assert_allclose(_flat(_at(params, t)), reference[t][0],
-                               rtol=1e-5, atol=1e-6,
-                               err_msg=f"params after step {t + 1}")
-    np.testing.assert_allclose(_flat(_at(state.center, t))[0], reference[t][1],
-                               rtol=1e-5, atol=1e-6,
-                               err_msg=f"center after step {t + 1}")
+    np.testing.assert_allclose(
+      _flat(_at(params, t)),
+      reference[t][0],
+      rtol=1e-5,
+      atol=1e-6,
+      err_msg=f"params after step {t + 1}",
+    )
+    np.testing.assert_allclose(
+      _flat(_at(state.center, t))[0],
+      reference[t][1],
+      rtol=1e-5,
+      atol=1e-6,
+      err_msg=f"center after step {t + 1}",
+    )
   # One outer momentum per fragment, over the list of its leaves.
   assert len(state.global_state) == num_fragments
   assert int(state.sync_count[-1, 0]) == sum(
-      1 for t in range(1, 14) for f in range(num_fragments)
-      if t % sync_period == (f * sync_period) // num_fragments)
-  print(f"streaming diloco F={num_fragments}, H={sync_period}: 13 steps match"
-        f" numpy, {int(state.sync_count[-1, 0])} fragment syncs")
+    1
+    for t in range(1, 14)
+    for f in range(num_fragments)
+    if t % sync_period == (f * sync_period) // num_fragments
+  )
+  print(
+    f"streaming diloco F={num_fragments}, H={sync_period}: 13 steps match"
+    f" numpy, {int(state.sync_count[-1, 0])} fragment syncs"
+  )
 
 
 def test_one_fragment_is_diloco_bit_for_bit():
@@ -309,33 +380,46 @@ def test_each_fragment_sync_all_reduces_only_its_fragment():
   total = 4 * sum(np.prod(s) for s in sizes.values())
   largest = 4 * max(np.prod(s) for s in sizes.values())
   for num_fragments in (1, 2, 4):
-    tx = shardopt.diloco(optax.adam(0.1), "batch", sync_period=8,
-                         num_fragments=num_fragments)
+    tx = shardopt.diloco(
+      optax.adam(0.1), "batch", sync_period=8, num_fragments=num_fragments
+    )
     step = jax.pmap(lambda p, s: tx.update(p, s, p), axis_name="batch")
     text = step.lower(params, jax.pmap(tx.init)(params)).compile().as_text()
-    assert not [op for op in hlo.compiled_collectives(text)
-                if op.context == "top"]
+    assert not [
+      op for op in hlo.compiled_collectives(text) if op.context == "top"
+    ]
     (branches,) = hlo.branch_collectives(text)
     assert len(branches) == num_fragments + 1 and branches[0] == []
     per_branch = [sum(op.buffer_bytes for op in b) for b in branches[1:]]
     fragments = _periodic_engine.split_fragments(
-        [4 * np.prod(s) for s in sizes.values()], num_fragments)
-    expected = [4 * sum(np.prod(list(sizes.values())[i]) for i in f) + 4
-                for f in fragments]
-    print(f"F={num_fragments}: bytes per sync branch {per_branch} of"
-          f" {total} param bytes")
+      [4 * np.prod(s) for s in sizes.values()], num_fragments
+    )
+    expected = [
+      4 * sum(np.prod(list(sizes.values())[i]) for i in f) + 4
+      for f in fragments
+    ]
+    print(
+      f"F={num_fragments}: bytes per sync branch {per_branch} of"
+      f" {total} param bytes"
+    )
     assert per_branch == expected
     assert max(per_branch) <= total / num_fragments + largest + 4
-    for ops in branches[1:]:   # one round: all over the same (whole) axis
+    for ops in branches[1:]:  # one round: all over the same (whole) axis
       assert {op.group_size for op in ops} <= {0, R}
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     ({"num_fragments": 0}, "num_fragments=0"),
     ({"num_fragments": True}, "num_fragments=True"),
     ({"num_fragments": 2.0}, "num_fragments=2.0"),
-    ({"num_fragments": 5, "sync_period": 4}, "num_fragments=5 .* <= sync_period=4"),
-])
+    (
+      {"num_fragments": 5, "sync_period": 4},
+      "num_fragments=5 .* <= sync_period=4",
+    ),
+  ],
+)
 def test_num_fragments_is_checked_when_built(kwargs, match):
   with pytest.raises(ValueError, match=f"shardopt.diloco: {match}"):
     shardopt.diloco(optax.sgd(0.1), "batch", **kwargs)
@@ -343,20 +427,29 @@ def test_num_fragments_is_checked_when_built(kwargs, match):
 
 def test_more_fragments_than_leaves_is_a_clear_error():
   tx = shardopt.diloco(optax.sgd(0.1), "batch", sync_period=8, num_fragments=4)
-  with pytest.raises(ValueError, match=r"shardopt.diloco: num_fragments=4 but"
-                     r" the params have only 3 leaves.*num_fragments <= 3"):
+  with pytest.raises(
+    ValueError,
+    match=r"shardopt.diloco: num_fragments=4 but"
+    r" the params have only 3 leaves.*num_fragments <= 3",
+  ):
     tx.init(_p0())
 
 
 # --------------------------------------------------------------------------
 # Checkpoints mid-period / mid-fragment.
 
-@pytest.mark.parametrize("make", [
-    lambda: shardopt.hierarchical_local_sgd(_local(), "batch",
-                                            period_group_sizes={2: 2, 4: 8}),
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: shardopt.hierarchical_local_sgd(
+      _local(), "batch", period_group_sizes={2: 2, 4: 8}
+    ),
     lambda: _diloco(4, num_fragments=3),
     lambda: shardopt.agn(optax.adam(0.05), "batch", communication_period=4),
-], ids=["hierarchical", "streaming", "agn"])
+  ],
+  ids=["hierarchical", "streaming", "agn"],
+)
 def test_checkpoint_mid_period_restores_bit_identically(make):
   tx = make()
   x, y = _data(9, 10)
@@ -384,8 +477,14 @@ def _np_islands(x, y, sync_period, *, method):
   acc = np.zeros_like(p)
   history = []
   for t in range(len(x)):
-    g = np.stack([np.mean([_np_grad(p[i], x[t, i, j], y[t, i, j])
-                           for j in range(DATA)], 0) for i in range(ISLANDS)])
+    g = np.stack(
+      [
+        np.mean(
+          [_np_grad(p[i], x[t, i, j], y[t, i, j]) for j in range(DATA)], 0
+        )
+        for i in range(ISLANDS)
+      ]
+    )
     p = p - LR * g
     acc += g
     if (t + 1) % sync_period == 0:
@@ -406,17 +505,26 @@ def _np_islands(x, y, sync_period, *, method):
 def _island_tx(method, sync_period):
   inner = shardopt.cross_shard(optax.sgd(LR), "data")
   if method == "diloco":
-    return shardopt.diloco(inner, "island", sync_period=sync_period,
-                           outer_learning_rate=OUTER_LR,
-                           outer_momentum=OUTER_MOMENTUM)
+    return shardopt.diloco(
+      inner,
+      "island",
+      sync_period=sync_period,
+      outer_learning_rate=OUTER_LR,
+      outer_momentum=OUTER_MOMENTUM,
+    )
   if method == "local_sgd":
     return shardopt.local_sgd(inner, "island", period=sync_period)
   # agn accumulates the gradients it is given: reduce them over "data" first,
   # so that every data replica of an island accumulates the island's mean.
   return optax.chain(
-      shardopt.cross_shard_mean("data"),
-      shardopt.agn(optax.sgd(LR), "island", communication_period=sync_period,
-                   global_optimizer=optax.sgd(LR)))
+    shardopt.cross_shard_mean("data"),
+    shardopt.agn(
+      optax.sgd(LR),
+      "island",
+      communication_period=sync_period,
+      global_optimizer=optax.sgd(LR),
+    ),
+  )
 
 
 def _island_run(tx, x, y, *, varying_over_data):
@@ -427,13 +535,20 @@ def _island_run(tx, x, y, *, varying_over_data):
   lead = (ISLANDS, DATA) if varying_over_data else (ISLANDS,)
   params = jax.tree.map(lambda p: np.broadcast_to(p, lead + np.shape(p)), _p0())
   state_specs = jax.tree.map(
-      lambda v: P() if np.ndim(v) == 0 else spec,
-      jax.eval_shape(tx.init, jax.tree.map(
-          lambda p: jax.ShapeDtypeStruct((1,) * len(lead) + np.shape(p),
-                                         np.float32), _p0())))
+    lambda v: P() if np.ndim(v) == 0 else spec,
+    jax.eval_shape(
+      tx.init,
+      jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(
+          (1,) * len(lead) + np.shape(p), np.float32
+        ),
+        _p0(),
+      ),
+    ),
+  )
 
   def squeeze(tree):
-    return jax.tree.map(lambda v: v.reshape(v.shape[len(lead):]), tree)
+    return jax.tree.map(lambda v: v.reshape(v.shape[len(lead) :]), tree)
 
   def grad_fn(params, x, y):  # x: (1, 1, B, 6) on each device
     grads = jax.grad(lambda p: _loss(squeeze(p), x[0, 0], y[0, 0]))(params)
@@ -441,14 +556,18 @@ def _island_run(tx, x, y, *, varying_over_data):
 
   def run(params, x, y):
     state = tx.init(params)
-    _, history = jax.lax.scan(_scan_body(tx, grad_fn), (params, state),
-                              (x, y))
+    _, history = jax.lax.scan(_scan_body(tx, grad_fn), (params, state), (x, y))
     return history[0]
 
   data = P(None, "island", "data")
-  run = jax.jit(jax.shard_map(
-      run, mesh=mesh, in_specs=(spec, data, data),
-      out_specs=jax.tree.map(lambda s: P(None, *s), spec)))
+  run = jax.jit(
+    jax.shard_map(
+      run,
+      mesh=mesh,
+      in_specs=(spec, data, data),
+      out_specs=jax.tree.map(lambda s: P(None, *s), spec),
+    )
+  )
   put = lambda v, s: jax.device_put(v, NamedSharding(mesh, s))
   args = (put(params, spec), put(x, data), put(y, data))
   history = run(*args)
@@ -456,17 +575,20 @@ def _island_run(tx, x, y, *, varying_over_data):
   return jax.tree.map(np.asarray, history), run.lower(*args).compile().as_text()
 
 
-@pytest.mark.parametrize("varying_over_data", [False, True],
-                         ids=["P(island)", "P(island,data)"])
+@pytest.mark.parametrize(
+  "varying_over_data", [False, True], ids=["P(island)", "P(island,data)"]
+)
 @pytest.mark.parametrize("method", ["diloco", "local_sgd", "agn"])
-def test_islands_match_numpy_reference_under_shard_map(method,
-                                                       varying_over_data):
+def test_islands_match_numpy_reference_under_shard_map(
+  method, varying_over_data
+):
   sync_period = 3
   x, y = _data(20, 7, replicas=ISLANDS * DATA)
   x = x.reshape(7, ISLANDS, DATA, B, 6)
   y = y.reshape(7, ISLANDS, DATA, B)
-  history, text = _island_run(_island_tx(method, sync_period), x, y,
-                              varying_over_data=varying_over_data)
+  history, text = _island_run(
+    _island_tx(method, sync_period), x, y, varying_over_data=varying_over_data
+  )
   reference = _np_islands(x, y, sync_period, method=method)
   for t in range(7):
     got = _flat(_at(history, t))
@@ -474,14 +596,24 @@ def test_islands_match_numpy_reference_under_shard_map(method,
       for j in range(DATA):
         np.testing.assert_array_equal(got[:, j], got[:, 0])
       got = got[:, 0]
-    np.testing.assert_allclose(got, reference[t], rtol=1e-5, atol=1e-6,
-                               err_msg=f"{method} after step {t + 1}")
+    np.testing.assert_allclose(
+      got,
+      reference[t],
+      rtol=1e-5,
+      atol=1e-6,
+      err_msg=f"{method} after step {t + 1}",
+    )
   ops = hlo.compiled_collectives(text)
-  outside = {(op.kind, op.group_size) for op in ops if "conditional" not in
-             op.context}
-  inside = {(op.kind, op.group_size) for op in ops if "conditional" in op.context}
-  print(f"islands {method}, params varying over data={varying_over_data}:"
-        f" every step {sorted(outside)}, sync branch {sorted(inside)}")
+  outside = {
+    (op.kind, op.group_size) for op in ops if "conditional" not in op.context
+  }
+  inside = {
+    (op.kind, op.group_size) for op in ops if "conditional" in op.context
+  }
+  print(
+    f"islands {method}, params varying over data={varying_over_data}:"
+    f" every step {sorted(outside)}, sync branch {sorted(inside)}"
+  )
   # Every step: the inner all-reduce over "data" (groups of 4) at most.
   assert {size for _, size in outside} <= {DATA}
   # The sync: over "island" (groups of 2) only.
@@ -491,6 +623,7 @@ def test_islands_match_numpy_reference_under_shard_map(method,
 # --------------------------------------------------------------------------
 # Counters: one number per replica, replicated by construction, any typing.
 
+
 def _shard_map_steps(tx, mesh, steps, *, whole_state_p_axis):
   """Runs agn-like ``tx`` for ``steps`` under shard_map, state passed either
   as P() counters + P(axis) arrays or as a stacked whole state under P(axis)."""
@@ -498,40 +631,62 @@ def _shard_map_steps(tx, mesh, steps, *, whole_state_p_axis):
   x, y = _data(30, steps)
   rows = NamedSharding(mesh, P("batch"))
   if whole_state_p_axis:
-    state = jax.vmap(tx.init)(params)       # counters of shape (8,)
+    state = jax.vmap(tx.init)(params)  # counters of shape (8,)
     specs = jax.tree.map(lambda _: P("batch"), state)
   else:
     state = jax.pmap(tx.init)(params)
     specs = jax.tree.map(lambda _: P("batch"), state)._replace(
-        count=P(), sync_count=P(), skipped=P())
-    state = state._replace(count=state.count[0], skipped=state.skipped[0],
-                           sync_count=state.sync_count[0])
+      count=P(), sync_count=P(), skipped=P()
+    )
+    state = state._replace(
+      count=state.count[0],
+      skipped=state.skipped[0],
+      sync_count=state.sync_count[0],
+    )
 
   def step(params, state, x, y):
     grads = jax.vmap(jax.grad(_loss))(params, x, y)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  step = jax.jit(jax.shard_map(step, mesh=mesh,
-                               in_specs=(P("batch"), specs, P("batch"), P("batch")),
-                               out_specs=(P("batch"), specs)))
+  step = jax.jit(
+    jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(P("batch"), specs, P("batch"), P("batch")),
+      out_specs=(P("batch"), specs),
+    )
+  )
   params = jax.device_put(params, rows)
-  state = jax.device_put(state, jax.tree.map(
-      lambda s: NamedSharding(mesh, s), specs,
-      is_leaf=lambda s: isinstance(s, P)))
+  state = jax.device_put(
+    state,
+    jax.tree.map(
+      lambda s: NamedSharding(mesh, s),
+      specs,
+      is_leaf=lambda s: isinstance(s, P),
+    ),
+  )
   for t in range(steps):
-    params, state = jax.block_until_ready(step(
-        params, state, *(jax.device_put(v[t], rows) for v in (x, y))))
+    params, state = jax.block_until_ready(
+      step(params, state, *(jax.device_put(v[t], rows) for v in (x, y)))
+    )
   return jax.tree.map(np.asarray, (params, state))
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: shardopt.agn(_local(), "batch", communication_period=3),
     lambda: _diloco(3, num_fragments=2),
-    lambda: shardopt.hierarchical_local_sgd(_local(), "batch",
-                                            period_group_sizes={2: 2, 3: 8}),
-], ids=["agn", "streaming", "hierarchical"])
-def test_whole_state_under_p_axis_with_stacked_counters_matches_pmap(mesh, make):
+    lambda: shardopt.hierarchical_local_sgd(
+      _local(), "batch", period_group_sizes={2: 2, 3: 8}
+    ),
+  ],
+  ids=["agn", "streaming", "hierarchical"],
+)
+def test_whole_state_under_p_axis_with_stacked_counters_matches_pmap(
+  mesh, make
+):
   """The spelling everyone writes first: every state leaf P(axis), counters
   included (issue 10 item 4)."""
   tx = make()
@@ -540,8 +695,9 @@ def test_whole_state_under_p_axis_with_stacked_counters_matches_pmap(mesh, make)
   want_params, want_state = _at(_pmap_trajectory(tx, x, y), -1)
   assert state.count.shape == (R,) and np.all(state.count == 6)
   np.testing.assert_array_equal(state.sync_count, want_state.sync_count)
-  np.testing.assert_allclose(_flat(params), _flat(want_params), rtol=1e-6,
-                             atol=1e-7)
+  np.testing.assert_allclose(
+    _flat(params), _flat(want_params), rtol=1e-6, atol=1e-7
+  )
 
 
 def test_p_unit_counters_still_work_under_shard_map(mesh):
@@ -550,8 +706,9 @@ def test_p_unit_counters_still_work_under_shard_map(mesh):
   x, y = _data(30, 6)
   want_params, _ = _at(_pmap_trajectory(tx, x, y), -1)
   assert state.count.shape == () and int(state.sync_count) == 2
-  np.testing.assert_allclose(_flat(params), _flat(want_params), rtol=1e-6,
-                             atol=1e-7)
+  np.testing.assert_allclose(
+    _flat(params), _flat(want_params), rtol=1e-6, atol=1e-7
+  )
 
 
 def test_a_counter_typed_varying_is_accepted(mesh):
@@ -559,12 +716,14 @@ def test_a_counter_typed_varying_is_accepted(mesh):
 
   def step(w):
     state = tx.init(w)
-    state = state._replace(count=jax.lax.pcast(state.count, "batch",
-                                               to="varying"))
+    state = state._replace(
+      count=jax.lax.pcast(state.count, "batch", to="varying")
+    )
     return tx.update(w, state, w)[0]
 
-  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("batch"),
-                            out_specs=P("batch")))
+  f = jax.jit(
+    jax.shard_map(step, mesh=mesh, in_specs=P("batch"), out_specs=P("batch"))
+  )
   w = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("batch")))
   # The sync after step 1: center_i = w_i - 0.1 * mean(w) (the center was
   # built from varying params), so the updates are -0.35 everywhere.
@@ -577,33 +736,47 @@ def test_a_counter_with_several_elements_names_the_specs():
   state = jax.pmap(tx.init)(params)
   state = state._replace(count=jnp.zeros((R, 2), jnp.int32))
   step = jax.pmap(lambda p, s: tx.update(p, s, p), axis_name="batch")
-  with pytest.raises(ValueError, match=r"shardopt.agn: state.count has shape"
-                     r" \(2,\).*spec P\(\).*P\('batch'\).*jax.vmap\(tx.init\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"shardopt.agn: state.count has shape"
+    r" \(2,\).*spec P\(\).*P\('batch'\).*jax.vmap\(tx.init\)",
+  ):
     step(params, state)
 
 
 # --------------------------------------------------------------------------
 # A step that does not synchronise copies only what a sync may change.
 
+
 def _mlp():
   k1, k2 = jax.random.split(jax.random.key(0))
-  return {"w1": jax.random.normal(k1, (16, 32)), "b1": jnp.zeros(32),
-          "w2": jax.random.normal(k2, (32, 8)), "b2": jnp.zeros(8)}
+  return {
+    "w1": jax.random.normal(k1, (16, 32)),
+    "b1": jnp.zeros(32),
+    "w2": jax.random.normal(k2, (32, 8)),
+    "b2": jnp.zeros(8),
+  }
 
 
 def _param_copies(tx, params, donate):
   """Copies, in the compiled pmap step, of arrays shaped like a param leaf."""
+
   def step(params, state, x):
-    grads = jax.grad(lambda p: jnp.mean(
-        jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]))(params)
+    grads = jax.grad(
+      lambda p: jnp.mean(jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"])
+    )(params)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
   stacked = _stack(params)
-  step = jax.pmap(step, axis_name="batch",
-                  donate_argnums=(0, 1) if donate else ())
-  text = step.lower(stacked, jax.pmap(tx.init)(stacked),
-                    jnp.ones((R, 4, 16))).compile().as_text()
+  step = jax.pmap(
+    step, axis_name="batch", donate_argnums=(0, 1) if donate else ()
+  )
+  text = (
+    step.lower(stacked, jax.pmap(tx.init)(stacked), jnp.ones((R, 4, 16)))
+    .compile()
+    .as_text()
+  )
   shapes = {",".join(map(str, p.shape)) for p in jax.tree.leaves(params)}
   copies = re.findall(r"= f32\[(?:1,)?([\d,]*)\]\{[\d,]*\} copy\(", text)
   return sum(shape in shapes for shape in copies)
@@ -620,14 +793,16 @@ def test_a_non_sync_step_copies_at_most_the_center_and_global_state():
   # center and the outer momentum; agn the center, the global Adam moments
   # and the accumulator (its add runs every step).
   cases = {
-      "plain adam": (plain, 0),
-      "local_sgd(adam)": (shardopt.local_sgd(plain, "batch", period=big), 1),
-      "diloco(adam)": (shardopt.diloco(plain, "batch", sync_period=big), 2),
-      "agn(adam)": (shardopt.agn(plain, "batch", communication_period=big), 4),
+    "plain adam": (plain, 0),
+    "local_sgd(adam)": (shardopt.local_sgd(plain, "batch", period=big), 1),
+    "diloco(adam)": (shardopt.diloco(plain, "batch", sync_period=big), 2),
+    "agn(adam)": (shardopt.agn(plain, "batch", communication_period=big), 4),
   }
   report = {}
   for name, (tx, trees) in cases.items():
     report[name] = _param_copies(tx, params, donate=False)
     assert report[name] <= trees * leaves, (name, report[name])
-  print(f"param-shaped copies per step, no donation ({leaves} leaves): {report}")
+  print(
+    f"param-shaped copies per step, no donation ({leaves} leaves): {report}"
+  )
   assert report["plain adam"] == 0

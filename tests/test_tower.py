@@ -24,18 +24,23 @@ N = 8
 AXIS = "batch"
 
 # Leaf sizes: scalar, < n, a multiple of n, not a multiple of n (2-D), 2 * n.
-SHAPES = {"scalar": (), "short": (7,), "eight": (8,), "odd": (3, 5),
-          "matrix": (2, 8)}
+SHAPES = {
+  "scalar": (),
+  "short": (7,),
+  "eight": (8,),
+  "odd": (3, 5),
+  "matrix": (2, 8),
+}
 STEPS = 2
 
 OPTIMIZERS = {
-    "sgd": lambda: optax.sgd(0.1),
-    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
-    "adam": lambda: optax.adam(0.1),
-    "adamw": lambda: optax.adamw(0.1, weight_decay=0.1),
-    "rmsprop": lambda: optax.rmsprop(0.1),
-    "adagrad": lambda: optax.adagrad(0.1),
-    "lion": lambda: optax.lion(0.1),
+  "sgd": lambda: optax.sgd(0.1),
+  "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+  "adam": lambda: optax.adam(0.1),
+  "adamw": lambda: optax.adamw(0.1, weight_decay=0.1),
+  "rmsprop": lambda: optax.rmsprop(0.1),
+  "adagrad": lambda: optax.adagrad(0.1),
+  "lion": lambda: optax.lion(0.1),
 }
 # Optimizers whose first update is bit-identical to cross_shard's: only
 # multiplies by constants and signs, so XLA folding the constants 1/N and -lr
@@ -47,8 +52,9 @@ BIT_IDENTICAL = ("sgd", "momentum", "lion")
 
 
 def _tree(rng, lead=()):
-  return {k: rng.normal(size=lead + s).astype(np.float32)
-          for k, s in SHAPES.items()}
+  return {
+    k: rng.normal(size=lead + s).astype(np.float32) for k, s in SHAPES.items()
+  }
 
 
 def _put(mesh, x, spec):
@@ -70,9 +76,12 @@ def _tower_state_specs(inner, params, axis=AXIS):
   ``inner.init`` over 1-element stand-ins gives the state's structure without
   binding the axis.
   """
-  stand_ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,), x.dtype), params)
-  return jax.tree.map(lambda x: P(axis) if x.ndim else P(),
-                      jax.eval_shape(inner.init, stand_ins))
+  stand_ins = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct((1,), x.dtype), params
+  )
+  return jax.tree.map(
+    lambda x: P(axis) if x.ndim else P(), jax.eval_shape(inner.init, stand_ins)
+  )
 
 
 def _run(tx_tower, tx_cross, params, grads_at):
@@ -104,7 +113,7 @@ def _assert_first_updates_agree(name, u_tower, u_cross):
 def _grads_at(base):
   # A gradient that changes with the step, so a mismatch in the slice layout or
   # the state shows up in the second step.
-  return lambda step: jax.tree.map(lambda b: b * 0.5 ** step, base)
+  return lambda step: jax.tree.map(lambda b: b * 0.5**step, base)
 
 
 # --------------------------------------------------------------------------
@@ -115,13 +124,19 @@ def _grads_at(base):
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_tower_equals_cross_shard_under_pmap(name):
   rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda x: np.broadcast_to(x, (N,) + x.shape), _tree(rng))
+  params = jax.tree.map(
+    lambda x: np.broadcast_to(x, (N,) + x.shape), _tree(rng)
+  )
   base = _tree(rng, (N,))
   inner = OPTIMIZERS[name]()
 
   def run(p, b):
-    return _run(shardopt.tower(inner, AXIS), shardopt.cross_shard(inner, AXIS),
-                p, _grads_at(b))
+    return _run(
+      shardopt.tower(inner, AXIS),
+      shardopt.cross_shard(inner, AXIS),
+      p,
+      _grads_at(b),
+    )
 
   (p_tower, p_cross), first = jax.pmap(run, axis_name=AXIS)(params, base)
   _assert_first_updates_agree(name, *first)
@@ -129,7 +144,9 @@ def test_tower_equals_cross_shard_under_pmap(name):
   # multiply-add contracted to an FMA in one of them): float32 rounding.
   chex.assert_trees_all_close(p_tower, p_cross, rtol=2e-6, atol=2e-7)
   for leaf in jax.tree.leaves(p_tower):  # every replica holds the same bits
-    np.testing.assert_array_equal(np.asarray(leaf), np.broadcast_to(leaf[0], leaf.shape))
+    np.testing.assert_array_equal(
+      np.asarray(leaf), np.broadcast_to(leaf[0], leaf.shape)
+    )
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -144,13 +161,20 @@ def test_tower_equals_cross_shard_under_shard_map(mesh, name):
   @jax.shard_map(mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P())
   def run(p, b):
     b = jax.tree.map(lambda x: x[0], b)  # this replica's gradient: varying
-    varying = _run(shardopt.tower(inner, AXIS), shardopt.cross_shard(inner, AXIS),
-                   p, _grads_at(b))
+    varying = _run(
+      shardopt.tower(inner, AXIS),
+      shardopt.cross_shard(inner, AXIS),
+      p,
+      _grads_at(b),
+    )
     # Invariant gradients, as autodiff of P() params delivers them: summed.
     summed = jax.tree.map(lambda x: jax.lax.psum(x, AXIS), b)
-    invariant = _run(shardopt.tower(inner, AXIS),
-                     shardopt.cross_shard(inner, AXIS), p,
-                     _grads_at(summed))
+    invariant = _run(
+      shardopt.tower(inner, AXIS),
+      shardopt.cross_shard(inner, AXIS),
+      p,
+      _grads_at(summed),
+    )
     return varying, invariant  # out_specs P(): typed invariant, else an error
 
   ((t_var, c_var), first_var), ((t_inv, c_inv), first_inv) = run(params, base)
@@ -176,9 +200,12 @@ def test_tower_sgd_matches_numpy_reference_for_all_leaf_shapes():
   out = jax.pmap(step, axis_name=AXIS)(stacked, base)
   for k in SHAPES:
     expected = params[k] - 0.1 * base[k].astype(np.float64).mean(axis=0)
-    np.testing.assert_allclose(np.asarray(out[k]),
-                               np.broadcast_to(expected, out[k].shape),
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+      np.asarray(out[k]),
+      np.broadcast_to(expected, out[k].shape),
+      rtol=1e-6,
+      atol=1e-7,
+    )
 
 
 def test_tower_over_a_tuple_of_axes_and_mixed_varying_leaves_equals_cross_shard():
@@ -196,10 +223,18 @@ def test_tower_over_a_tuple_of_axes_and_mixed_varying_leaves_equals_cross_shard(
     g_all = jax.tree.map(lambda x: x[0], g_all)  # varying over a and b
     # varying over "a", invariant over "b" (already summed over b)
     g_row = jax.tree.map(lambda x: x[0], g_row)
-    both = _run(shardopt.tower(inner, axes), shardopt.cross_shard(inner, axes),
-                p, lambda step: g_all)
-    mixed = _run(shardopt.tower(inner, axes), shardopt.cross_shard(inner, axes),
-                 p, lambda step: g_row)
+    both = _run(
+      shardopt.tower(inner, axes),
+      shardopt.cross_shard(inner, axes),
+      p,
+      lambda step: g_all,
+    )
+    mixed = _run(
+      shardopt.tower(inner, axes),
+      shardopt.cross_shard(inner, axes),
+      p,
+      lambda step: g_row,
+    )
     return both, mixed
 
   ((t_all, c_all), _), ((t_mix, c_mix), _) = run(params, per_device, per_row)
@@ -223,8 +258,9 @@ def _tower_loss(c, features, labels):
 
 def _oracle_step(c, features, labels, *, tf_literal, reduction):
   """One GD(lr=1) step in one tower; returns (total loss, new c)."""
-  tx = shardopt.tower(optax.sgd(1.0), AXIS,
-                      reduction="sum" if tf_literal else reduction)
+  tx = shardopt.tower(
+    optax.sgd(1.0), AXIS, reduction="sum" if tf_literal else reduction
+  )
 
   def loss_fn(c):
     loss = _tower_loss(c, features, labels)
@@ -240,48 +276,72 @@ def _oracle_step(c, features, labels, *, tf_literal, reduction):
 
 
 ORACLES = [  # reduction, loss, c after one step (design.md)
-    ("sum", 27.0, 7.0),
-    ("mean", 13.5, 8.5),
+  ("sum", 27.0, 7.0),
+  ("mean", 13.5, 8.5),
 ]
 
 
-@pytest.mark.parametrize("tf_literal", [True, False], ids=["scale_loss+sum", "unscaled"])
+@pytest.mark.parametrize(
+  "tf_literal", [True, False], ids=["scale_loss+sum", "unscaled"]
+)
 @pytest.mark.parametrize("reduction,loss,c", ORACLES)
 def test_tensorflow_tower_oracle_under_pmap(tf_literal, reduction, loss, c):
   with jax.enable_x64(True):
-    step = jax.pmap(lambda c, f, labels: _oracle_step(
-        c, f, labels, tf_literal=tf_literal, reduction=reduction),
-                    axis_name=AXIS, devices=jax.devices()[:2])
+    step = jax.pmap(
+      lambda c, f, labels: _oracle_step(
+        c, f, labels, tf_literal=tf_literal, reduction=reduction
+      ),
+      axis_name=AXIS,
+      devices=jax.devices()[:2],
+    )
     total, new_c = step(jnp.full((2,), 10.0, jnp.float64), FEATURES, LABELS)
     assert new_c.dtype == jnp.float64
     np.testing.assert_array_equal(np.asarray(total), [loss, loss])
     np.testing.assert_array_equal(np.asarray(new_c), [c, c])
 
 
-@pytest.mark.parametrize("tf_literal", [True, False], ids=["scale_loss+sum", "unscaled"])
+@pytest.mark.parametrize(
+  "tf_literal", [True, False], ids=["scale_loss+sum", "unscaled"]
+)
 @pytest.mark.parametrize("reduction,loss,c", ORACLES)
 def test_tensorflow_tower_oracle_under_shard_map_with_replicated_params(
-    tf_literal, reduction, loss, c):
+  tf_literal, reduction, loss, c
+):
   """c is P(): its gradient arrives invariant, already summed by autodiff."""
   mesh2 = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2])
   with jax.enable_x64(True):
-    step = jax.jit(jax.shard_map(
-        lambda c, f, labels: _oracle_step(c, f[0], labels[0], tf_literal=tf_literal,
-                                     reduction=reduction),
-        mesh=mesh2, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=(P(), P())))
-    total, new_c = step(_put(mesh2, jnp.array(10.0, jnp.float64), P()),
-                        _put(mesh2, FEATURES, P(AXIS)), _put(mesh2, LABELS, P(AXIS)))
+    step = jax.jit(
+      jax.shard_map(
+        lambda c, f, labels: _oracle_step(
+          c, f[0], labels[0], tf_literal=tf_literal, reduction=reduction
+        ),
+        mesh=mesh2,
+        in_specs=(P(), P(AXIS), P(AXIS)),
+        out_specs=(P(), P()),
+      )
+    )
+    total, new_c = step(
+      _put(mesh2, jnp.array(10.0, jnp.float64), P()),
+      _put(mesh2, FEATURES, P(AXIS)),
+      _put(mesh2, LABELS, P(AXIS)),
+    )
     assert new_c.dtype == jnp.float64
     assert float(total) == loss
     assert float(new_c) == c
 
 
-@pytest.mark.parametrize("tf_literal", [True, False], ids=["scale_loss+sum", "unscaled"])
+@pytest.mark.parametrize(
+  "tf_literal", [True, False], ids=["scale_loss+sum", "unscaled"]
+)
 def test_tensorflow_tower_oracle_two_sum_steps(tf_literal):
   with jax.enable_x64(True):
-    step = jax.pmap(lambda c, f, labels: _oracle_step(
-        c, f, labels, tf_literal=tf_literal, reduction="sum"),
-                    axis_name=AXIS, devices=jax.devices()[:2])
+    step = jax.pmap(
+      lambda c, f, labels: _oracle_step(
+        c, f, labels, tf_literal=tf_literal, reduction="sum"
+      ),
+      axis_name=AXIS,
+      devices=jax.devices()[:2],
+    )
     _, c = step(jnp.full((2,), 10.0, jnp.float64), FEATURES, LABELS)
     total, c = step(c, FEATURES_2, LABELS_2)
     np.testing.assert_array_equal(np.asarray(total), [24.0, 24.0])
@@ -296,14 +356,20 @@ STATE_SHAPES = {"w": (64, 33), "b": (33,), "s": ()}
 
 
 def _bytes_per_device(tree):
-  return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+  return sum(
+    leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree)
+  )
 
 
 def test_adam_state_bytes_per_replica_are_ceil_size_over_n():
   rng = np.random.default_rng(4)
-  params_np = {k: rng.normal(size=s).astype(np.float32) for k, s in STATE_SHAPES.items()}
-  grads_np = {k: rng.normal(size=(8,) + s).astype(np.float32)
-              for k, s in STATE_SHAPES.items()}
+  params_np = {
+    k: rng.normal(size=s).astype(np.float32) for k, s in STATE_SHAPES.items()
+  }
+  grads_np = {
+    k: rng.normal(size=(8,) + s).astype(np.float32)
+    for k, s in STATE_SHAPES.items()
+  }
   sizes = [math.prod(s) for s in STATE_SHAPES.values()]
   rows = []
   for n in (2, 4, 8):
@@ -313,22 +379,32 @@ def test_adam_state_bytes_per_replica_are_ceil_size_over_n():
     tower_tx = shardopt.tower(optax.adam(0.1), AXIS)
     cross_tx = shardopt.cross_shard(optax.adam(0.1), AXIS)
     tower_specs = _tower_state_specs(optax.adam(0.1), params)
-    tower_state = jax.jit(jax.shard_map(
-        tower_tx.init, mesh=mesh_n, in_specs=P(), out_specs=tower_specs))(params)
-    cross_state = jax.jit(jax.shard_map(
-        cross_tx.init, mesh=mesh_n, in_specs=P(), out_specs=P()))(params)
+    tower_state = jax.jit(
+      jax.shard_map(
+        tower_tx.init, mesh=mesh_n, in_specs=P(), out_specs=tower_specs
+      )
+    )(params)
+    cross_state = jax.jit(
+      jax.shard_map(cross_tx.init, mesh=mesh_n, in_specs=P(), out_specs=P())
+    )(params)
 
     # One step that carries the sharded state in and out of shard_map.
     def step(tx, state_specs):
       @jax.jit
-      @jax.shard_map(mesh=mesh_n, in_specs=(P(), state_specs, P(AXIS)),
-                     out_specs=(P(), state_specs))
+      @jax.shard_map(
+        mesh=mesh_n,
+        in_specs=(P(), state_specs, P(AXIS)),
+        out_specs=(P(), state_specs),
+      )
       def run(p, state, g):
         updates, state = tx.update(jax.tree.map(lambda x: x[0], g), state, p)
         return optax.apply_updates(p, updates), state
+
       return run
 
-    p_tower, tower_state = step(tower_tx, tower_specs)(params, tower_state, grads)
+    p_tower, tower_state = step(tower_tx, tower_specs)(
+      params, tower_state, grads
+    )
     p_cross, cross_state = step(cross_tx, P())(params, cross_state, grads)
     chex.assert_trees_all_close(p_tower, p_cross, rtol=2e-6, atol=2e-7)
     # The owned slices, laid side by side, are the full moments (padded).
@@ -337,16 +413,23 @@ def test_adam_state_bytes_per_replica_are_ceil_size_over_n():
       full = optax.tree_utils.tree_get(cross_state, field)
       for k in STATE_SHAPES:
         np.testing.assert_allclose(
-            np.asarray(owned[k])[:full[k].size], np.asarray(full[k]).reshape(-1),
-            rtol=2e-6, atol=1e-9)
+          np.asarray(owned[k])[: full[k].size],
+          np.asarray(full[k]).reshape(-1),
+          rtol=2e-6,
+          atol=1e-9,
+        )
 
     tower_bytes = _bytes_per_device(tower_state)
     cross_bytes = _bytes_per_device(cross_state)
     count_bytes = 4  # adam's int32 count, replicated
-    assert tower_bytes == 2 * 4 * sum(-(-size // n) for size in sizes) + count_bytes
+    assert (
+      tower_bytes == 2 * 4 * sum(-(-size // n) for size in sizes) + count_bytes
+    )
     assert cross_bytes == 2 * 4 * sum(sizes) + count_bytes
     rows.append((n, tower_bytes, cross_bytes, tower_bytes / cross_bytes))
-  print(f"\nadam state bytes per replica, params {STATE_SHAPES} ({sum(sizes)} floats)")
+  print(
+    f"\nadam state bytes per replica, params {STATE_SHAPES} ({sum(sizes)} floats)"
+  )
   print(f"{'n':>3} {'tower':>8} {'cross_shard':>12} {'ratio':>7}")
   for n, t, c, r in rows:
     print(f"{n:>3} {t:>8} {c:>12} {r:>7.4f}")
@@ -358,9 +441,14 @@ def test_adam_state_bytes_per_replica_are_ceil_size_over_n():
 
 
 def _collectives(text):
-  return sorted(set(re.findall(
-      r"\b(all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)\b",
-      text)))
+  return sorted(
+    set(
+      re.findall(
+        r"\b(all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)\b",
+        text,
+      )
+    )
+  )
 
 
 def test_compiled_step_reduce_scatters_and_all_gathers_without_all_reduce(mesh):
@@ -373,16 +461,19 @@ def test_compiled_step_reduce_scatters_and_all_gathers_without_all_reduce(mesh):
       g = jax.tree.map(lambda x: x.reshape(x.shape[-2:]), g)
       updates, _ = tx.update(g, tx.init(p), p)
       return updates
+
     return _collectives(jax.jit(step).lower(params, grads).compile().as_text())
 
   varying = collectives_of_step(
-      P(AXIS), {"w": _put(mesh, np.ones((N, 5, 7), np.float32), P(AXIS))})
+    P(AXIS), {"w": _put(mesh, np.ones((N, 5, 7), np.float32), P(AXIS))}
+  )
   print("\ncollectives in the compiled step, varying gradients:", varying)
   assert varying == ["all-gather", "reduce-scatter"]
   # Invariant gradients (P(): already summed, as autodiff delivers them for
   # replicated params): no reduction at all, only the all-gather.
   invariant = collectives_of_step(
-      P(), {"w": _put(mesh, np.ones((5, 7), np.float32), P())})
+    P(), {"w": _put(mesh, np.ones((5, 7), np.float32), P())}
+  )
   print("collectives in the compiled step, invariant gradients:", invariant)
   assert invariant == ["all-gather"]
 
@@ -402,17 +493,26 @@ def test_comm_dtype_bfloat16_is_on_the_wire_and_rounds_like_numpy(mesh):
   text = step.lower(g).as_text()
   # 11 elements padded to 16, each of the 8 replicas reduces 2, in bfloat16;
   # the updates come back in float32.
-  assert re.search(r'"stablehlo.reduce_scatter".*?\}\) : \(tensor<16xbf16>\)'
-                   r' -> tensor<2xbf16>', text, flags=re.S), text
-  assert re.search(r'"stablehlo.all_gather".*: \(tensor<2xf32>\) -> tensor<16xf32>',
-                   text), text
+  assert re.search(
+    r'"stablehlo.reduce_scatter".*?\}\) : \(tensor<16xbf16>\)'
+    r" -> tensor<2xbf16>",
+    text,
+    flags=re.S,
+  ), text
+  assert re.search(
+    r'"stablehlo.all_gather".*: \(tensor<2xf32>\) -> tensor<16xf32>', text
+  ), text
   bf16 = np.asarray(jnp.asarray(g_np, jnp.bfloat16).astype(jnp.float32))
   expected = -bf16.astype(np.float64).sum(0) / N
-  np.testing.assert_allclose(np.asarray(step(g)), expected, rtol=2e-2, atol=1e-2)
+  np.testing.assert_allclose(
+    np.asarray(step(g)), expected, rtol=2e-2, atol=1e-2
+  )
 
 
 def test_comm_dtype_float16_sum_does_not_overflow():
-  tx = shardopt.tower(optax.sgd(1.0), AXIS, reduction="sum", comm_dtype=jnp.float16)
+  tx = shardopt.tower(
+    optax.sgd(1.0), AXIS, reduction="sum", comm_dtype=jnp.float16
+  )
 
   def step(g):
     updates, _ = tx.update(g, tx.init(g))
@@ -420,7 +520,9 @@ def test_comm_dtype_float16_sum_does_not_overflow():
 
   out = jax.pmap(step, axis_name=AXIS)(jnp.full((N, 3), 60000.0))
   # 8 * 60000 = 480000 overflows float16 (max 65504) unless pre-divided.
-  np.testing.assert_allclose(np.asarray(out), np.full((N, 3), -480000.0), rtol=1e-3)
+  np.testing.assert_allclose(
+    np.asarray(out), np.full((N, 3), -480000.0), rtol=1e-3
+  )
 
 
 # --------------------------------------------------------------------------
@@ -428,12 +530,16 @@ def test_comm_dtype_float16_sum_does_not_overflow():
 # --------------------------------------------------------------------------
 
 
-def test_none_leaves_pass_through_and_constant_updates_are_typed_invariant(mesh):
+def test_none_leaves_pass_through_and_constant_updates_are_typed_invariant(
+  mesh,
+):
   @jax.jit
   @jax.shard_map(mesh=mesh, in_specs=P(AXIS), out_specs=P())
   def step(g):
     grads = {"w": g[0], "frozen": None}
-    zeros, _ = shardopt.tower(optax.set_to_zero(), AXIS).update(grads, optax.EmptyState())
+    zeros, _ = shardopt.tower(optax.set_to_zero(), AXIS).update(
+      grads, optax.EmptyState()
+    )
     tx = shardopt.tower(optax.sgd(1.0), AXIS)
     updates, _ = tx.update(grads, tx.init(grads))
     return zeros, updates
@@ -451,7 +557,9 @@ def test_multisteps_inside_tower_accumulates_owned_slices(mesh):
   Outside, under a checking shard_map with varying gradients, its lax.cond
   branches disagree on varying-ness (tower's updates are invariant).
   """
-  tx = shardopt.tower(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2), AXIS)
+  tx = shardopt.tower(
+    optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2), AXIS
+  )
 
   @jax.jit
   @jax.shard_map(mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P())
@@ -470,7 +578,9 @@ def test_multisteps_inside_tower_accumulates_owned_slices(mesh):
 
 
 def test_tower_rejects_bad_arguments_up_front():
-  with pytest.raises(ValueError, match=r"shardopt\.tower: axis_name=None.*named axis"):
+  with pytest.raises(
+    ValueError, match=r"shardopt\.tower: axis_name=None.*named axis"
+  ):
     shardopt.tower(optax.sgd(1.0), None)
   with pytest.raises(ValueError, match="Unsupported reduction: 'max'"):
     shardopt.tower(optax.sgd(1.0), AXIS, reduction="max")
@@ -482,20 +592,27 @@ def test_tower_rejects_bad_arguments_up_front():
 
 def test_tower_outside_a_mapping_names_the_axis_and_the_fix():
   tx = shardopt.tower(optax.sgd(1.0), AXIS)
-  with pytest.raises(shardopt.AxisNotBoundError,
-                     match=r"shardopt\.tower: axis name 'batch' is not bound.*pmap"):
+  with pytest.raises(
+    shardopt.AxisNotBoundError,
+    match=r"shardopt\.tower: axis name 'batch' is not bound.*pmap",
+  ):
     jax.jit(tx.init)(jnp.zeros(3))
   clip = shardopt.clip_by_global_norm(1.0, AXIS)
-  with pytest.raises(shardopt.AxisNotBoundError,
-                     match=r"shardopt\.clip_by_global_norm: axis name 'batch' is not bound"):
+  with pytest.raises(
+    shardopt.AxisNotBoundError,
+    match=r"shardopt\.clip_by_global_norm: axis name 'batch' is not bound",
+  ):
     jax.jit(clip.update)(jnp.ones(3), optax.EmptyState())
 
 
 def test_tower_rejects_integer_gradients_naming_the_leaf():
   tx = shardopt.tower(optax.sgd(1.0), AXIS)
-  with pytest.raises(TypeError, match=r"shardopt\.tower: leaf at \['steps'\] has dtype int32"):
+  with pytest.raises(
+    TypeError, match=r"shardopt\.tower: leaf at \['steps'\] has dtype int32"
+  ):
     jax.pmap(lambda g: tx.update(g, tx.init(g))[0], axis_name=AXIS)(
-        {"steps": jnp.zeros((N, 2), jnp.int32)})
+      {"steps": jnp.zeros((N, 2), jnp.int32)}
+    )
 
 
 # --------------------------------------------------------------------------
@@ -504,46 +621,63 @@ def test_tower_rejects_integer_gradients_naming_the_leaf():
 
 
 def _clip_np(tree, max_norm):
-  norm = math.sqrt(sum(float(np.sum(np.asarray(x, np.float64) ** 2))
-                       for x in tree.values()))
+  norm = math.sqrt(
+    sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in tree.values())
+  )
   return {k: x * min(1.0, max_norm / norm) for k, x in tree.items()}, norm
 
 
 def test_sharding_aware_clip_inside_tower_equals_optax_clip_of_full_gradient_pmap():
   rng = np.random.default_rng(6)
   base = _tree(rng, (N,))
-  params = jax.tree.map(lambda x: np.zeros((N,) + x.shape[1:], np.float32), base)
+  params = jax.tree.map(
+    lambda x: np.zeros((N,) + x.shape[1:], np.float32), base
+  )
   full_mean = {k: x.astype(np.float64).mean(0) for k, x in base.items()}
   max_norms = (0.5, 100.0)  # clips, passes
-  assert _clip_np(full_mean, 0.5)[1] > 0.5 and _clip_np(full_mean, 100.0)[1] < 100.0
+  assert (
+    _clip_np(full_mean, 0.5)[1] > 0.5 and _clip_np(full_mean, 100.0)[1] < 100.0
+  )
   # The issue's example, against optax's clip on the full reduced gradient.
-  tower_tx = shardopt.tower(optax.chain(
-      shardopt.clip_by_global_norm(0.5, AXIS), optax.adam(1e-3)), AXIS)
-  cross_tx = shardopt.cross_shard(optax.chain(
-      optax.clip_by_global_norm(0.5), optax.adam(1e-3)), AXIS)
+  tower_tx = shardopt.tower(
+    optax.chain(shardopt.clip_by_global_norm(0.5, AXIS), optax.adam(1e-3)), AXIS
+  )
+  cross_tx = shardopt.cross_shard(
+    optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-3)), AXIS
+  )
 
   def run(p, b):
     out = _run(tower_tx, cross_tx, p, _grads_at(b))
     clipped = []
     for max_norm in max_norms:
-      clip_tx = shardopt.tower(shardopt.clip_by_global_norm(max_norm, AXIS), AXIS)
+      clip_tx = shardopt.tower(
+        shardopt.clip_by_global_norm(max_norm, AXIS), AXIS
+      )
       clipped.append(clip_tx.update(b, clip_tx.init(p), p)[0])
     # optax's own clip inside tower clips each slice by the slice's norm: wrong.
     naive_tx = shardopt.tower(optax.clip_by_global_norm(0.5), AXIS)
     naive, _ = naive_tx.update(b, naive_tx.init(p), p)
     return out, clipped, naive
 
-  ((p_tower, p_cross), _), clipped, naive = jax.pmap(run, axis_name=AXIS)(params, base)
+  ((p_tower, p_cross), _), clipped, naive = jax.pmap(run, axis_name=AXIS)(
+    params, base
+  )
   chex.assert_trees_all_close(p_tower, p_cross, rtol=2e-6, atol=2e-7)
   for max_norm, got in zip(max_norms, clipped):
     expected, _ = _clip_np(full_mean, max_norm)
     for k in SHAPES:
-      np.testing.assert_allclose(np.asarray(got[k]),
-                                 np.broadcast_to(expected[k], got[k].shape),
-                                 rtol=1e-5, atol=1e-7)
+      np.testing.assert_allclose(
+        np.asarray(got[k]),
+        np.broadcast_to(expected[k], got[k].shape),
+        rtol=1e-5,
+        atol=1e-7,
+      )
   with pytest.raises(AssertionError):
-    chex.assert_trees_all_close({k: np.asarray(x[0]) for k, x in naive.items()},
-                                _clip_np(full_mean, 0.5)[0], rtol=1e-3)
+    chex.assert_trees_all_close(
+      {k: np.asarray(x[0]) for k, x in naive.items()},
+      _clip_np(full_mean, 0.5)[0],
+      rtol=1e-3,
+    )
 
 
 def test_sharding_aware_clip_inside_tower_under_shard_map(mesh):
@@ -557,15 +691,22 @@ def test_sharding_aware_clip_inside_tower_under_shard_map(mesh):
   def step(b):
     varying = jax.tree.map(lambda x: x[0], b)
     summed = jax.tree.map(lambda x: jax.lax.psum(x, AXIS), varying)  # invariant
-    return (tx.update(varying, tx.init(varying))[0],
-            tx.update(summed, tx.init(summed))[0])
+    return (
+      tx.update(varying, tx.init(varying))[0],
+      tx.update(summed, tx.init(summed))[0],
+    )
 
   from_varying, from_invariant = step(base)
-  expected, _ = _clip_np({k: x.astype(np.float64).mean(0) for k, x in base_np.items()},
-                         0.5)
+  expected, _ = _clip_np(
+    {k: x.astype(np.float64).mean(0) for k, x in base_np.items()}, 0.5
+  )
   for k in SHAPES:
-    np.testing.assert_allclose(np.asarray(from_varying[k]), expected[k], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(from_invariant[k]), expected[k], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+      np.asarray(from_varying[k]), expected[k], rtol=1e-5, atol=1e-7
+    )
+    np.testing.assert_allclose(
+      np.asarray(from_invariant[k]), expected[k], rtol=1e-5, atol=1e-7
+    )
 
 
 def test_clip_without_axis_is_optax_clip_by_global_norm():
@@ -574,11 +715,14 @@ def test_clip_without_axis_is_optax_clip_by_global_norm():
   for max_norm in (0.5, 100.0):
     ours = jax.jit(shardopt.clip_by_global_norm(max_norm).update)
     theirs = jax.jit(optax.clip_by_global_norm(max_norm).update)
-    chex.assert_trees_all_equal(ours(tree, optax.EmptyState()),
-                                theirs(tree, optax.EmptyState()))
+    chex.assert_trees_all_equal(
+      ours(tree, optax.EmptyState()), theirs(tree, optax.EmptyState())
+    )
 
 
-def test_clip_with_axis_sums_partitioned_parts_and_counts_invariant_leaves_once(mesh):
+def test_clip_with_axis_sums_partitioned_parts_and_counts_invariant_leaves_once(
+  mesh,
+):
   """Outside tower: varying leaves are parts of one tree, invariant ones shared."""
   rng = np.random.default_rng(9)
   parts = rng.normal(size=(N, 4)).astype(np.float32)
@@ -591,9 +735,15 @@ def test_clip_with_axis_sums_partitioned_parts_and_counts_invariant_leaves_once(
     out, _ = clip.update({"part": part, "shared": shared}, optax.EmptyState())
     return out["part"], out["shared"]
 
-  part_out, shared_out = step(_put(mesh, parts, P(AXIS)), _put(mesh, shared, P()))
-  norm = math.sqrt(float(np.sum(parts.astype(np.float64) ** 2)
-                         + np.sum(shared.astype(np.float64) ** 2)))
+  part_out, shared_out = step(
+    _put(mesh, parts, P(AXIS)), _put(mesh, shared, P())
+  )
+  norm = math.sqrt(
+    float(
+      np.sum(parts.astype(np.float64) ** 2)
+      + np.sum(shared.astype(np.float64) ** 2)
+    )
+  )
   assert norm > 1.0
   np.testing.assert_allclose(np.asarray(part_out), parts / norm, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(shared_out), shared / norm, rtol=1e-5)

@@ -31,8 +31,9 @@ def axis_names(axis_name: AxisName) -> tuple:
   return (axis_name,)
 
 
-def check_reduction(reduction: Any, transform: str | None = None,
-                    axis_name: AxisName = None) -> str:
+def check_reduction(
+  reduction: Any, transform: str | None = None, axis_name: AxisName = None
+) -> str:
   """Validates ``reduction``; raises ``ValueError("Unsupported reduction: ...")``.
 
   ``transform`` (and its ``axis_name``), when given, are named in the message.
@@ -40,9 +41,10 @@ def check_reduction(reduction: Any, transform: str | None = None,
   if not isinstance(reduction, str) or reduction not in REDUCTIONS:
     where = f" in {transform} (axis {axis_name!r})" if transform else ""
     raise ValueError(
-        f"Unsupported reduction: {reduction!r}{where}. Use one of {REDUCTIONS}:"
-        " 'mean' averages over replicas (TF's ReductionV2.MEAN), 'sum' adds"
-        " them up.")
+      f"Unsupported reduction: {reduction!r}{where}. Use one of {REDUCTIONS}:"
+      " 'mean' averages over replicas (TF's ReductionV2.MEAN), 'sum' adds"
+      " them up."
+    )
   return reduction
 
 
@@ -54,10 +56,10 @@ def axis_size(axis_name: AxisName, transform: str) -> int:
     # An unbound name raises NameError; an integer, which jax reads as a
     # positional axis, "axis 3 is out of bounds" (ValueError).
     raise AxisNotBoundError(
-        f"{transform}: axis name {axis_name!r} is not bound here. Call it inside"
-        f" jax.pmap(..., axis_name={axis_name!r}) or inside jax.shard_map over a"
-        f" mesh with an axis named {axis_name!r}; under plain jax.jit over sharded"
-        " arrays pass axis_name=None (the compiler already reduces)."
+      f"{transform}: axis name {axis_name!r} is not bound here. Call it inside"
+      f" jax.pmap(..., axis_name={axis_name!r}) or inside jax.shard_map over a"
+      f" mesh with an axis named {axis_name!r}; under plain jax.jit over sharded"
+      " arrays pass axis_name=None (the compiler already reduces)."
     ) from e
 
 
@@ -111,8 +113,10 @@ def split_axes(x: Any, axis_name: AxisName) -> tuple[tuple, tuple]:
   if not vma_checked():
     return names, ()
   vary = varying_axes(x)
-  return (tuple(a for a in names if a in vary),
-          tuple(a for a in names if a not in vary))
+  return (
+    tuple(a for a in names if a in vary),
+    tuple(a for a in names if a not in vary),
+  )
 
 
 def as_axis(names: tuple) -> AxisName:
@@ -120,8 +124,9 @@ def as_axis(names: tuple) -> AxisName:
   return names[0] if len(names) == 1 else names
 
 
-def validate_groups(axis_index_groups: Groups, size: int, transform: str,
-                    axis_name: AxisName) -> tuple | None:
+def validate_groups(
+  axis_index_groups: Groups, size: int, transform: str, axis_name: AxisName
+) -> tuple | None:
   """Checks ``axis_index_groups`` against an axis of ``size`` replicas.
 
   Groups must be a list of lists of ints that uses every index of
@@ -133,26 +138,42 @@ def validate_groups(axis_index_groups: Groups, size: int, transform: str,
   """
   if axis_index_groups is None:
     return None
-  where = f"{transform}: axis_index_groups for axis {axis_name!r} of size {size}"
-  if isinstance(axis_index_groups, (str, bytes)) or not isinstance(
-      axis_index_groups, (Sequence, np.ndarray)) or len(axis_index_groups) == 0:
+  where = (
+    f"{transform}: axis_index_groups for axis {axis_name!r} of size {size}"
+  )
+  if (
+    isinstance(axis_index_groups, (str, bytes))
+    or not isinstance(axis_index_groups, (Sequence, np.ndarray))
+    or len(axis_index_groups) == 0
+  ):
     raise ValueError(
-        f"{where} must be a non-empty list of lists of replica indices, got"
-        f" {axis_index_groups!r}; e.g. [[0, 1], [2, 3]] for 4 replicas in pairs.")
+      f"{where} must be a non-empty list of lists of replica indices, got"
+      f" {axis_index_groups!r}; e.g. [[0, 1], [2, 3]] for 4 replicas in pairs."
+    )
   groups = []
   for group in axis_index_groups:
-    if isinstance(group, (str, bytes)) or not isinstance(
-        group, (Sequence, np.ndarray)) or len(group) == 0:
-      raise ValueError(f"{where}: group {group!r} is not a non-empty list of"
-                       " replica indices.")
+    if (
+      isinstance(group, (str, bytes))
+      or not isinstance(group, (Sequence, np.ndarray))
+      or len(group) == 0
+    ):
+      raise ValueError(
+        f"{where}: group {group!r} is not a non-empty list of replica indices."
+      )
     members = []
     for i in group:
-      if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
-        raise ValueError(f"{where}: group {list(group)!r} holds {i!r}, which is"
-                         " not an integer replica index.")
+      if isinstance(i, (bool, np.bool_)) or not isinstance(
+        i, (int, np.integer)
+      ):
+        raise ValueError(
+          f"{where}: group {list(group)!r} holds {i!r}, which is"
+          " not an integer replica index."
+        )
       if not 0 <= int(i) < size:
-        raise ValueError(f"{where}: group {list(group)!r} holds index {int(i)},"
-                         f" outside range(0, {size}).")
+        raise ValueError(
+          f"{where}: group {list(group)!r} holds index {int(i)},"
+          f" outside range(0, {size})."
+        )
       members.append(int(i))
     groups.append(tuple(members))
   seen = {}
@@ -160,22 +181,25 @@ def validate_groups(axis_index_groups: Groups, size: int, transform: str,
     for i in group:
       if i in seen:
         raise ValueError(
-            f"{where}: index {i} appears more than once (in group"
-            f" {list(seen[i])!r} and group {list(group)!r}); every replica must"
-            " belong to exactly one group.")
+          f"{where}: index {i} appears more than once (in group"
+          f" {list(seen[i])!r} and group {list(group)!r}); every replica must"
+          " belong to exactly one group."
+        )
       seen[i] = group
   missing = sorted(set(range(size)) - set(seen))
   if missing:
     raise ValueError(
-        f"{where}: indices {missing} are in no group; the groups must cover"
-        f" every index of range(0, {size}) exactly once.")
+      f"{where}: indices {missing} are in no group; the groups must cover"
+      f" every index of range(0, {size}) exactly once."
+    )
   sizes = {len(g) for g in groups}
   if len(sizes) != 1:
     odd = next(g for g in groups if len(g) != len(groups[0]))
     raise ValueError(
-        f"{where}: groups have different sizes {sorted(sizes)} (group"
-        f" {list(groups[0])!r} vs group {list(odd)!r}); all groups must be the"
-        " same size.")
+      f"{where}: groups have different sizes {sorted(sizes)} (group"
+      f" {list(groups[0])!r} vs group {list(odd)!r}); all groups must be the"
+      " same size."
+    )
   return tuple(groups)
 
 
@@ -184,35 +208,45 @@ def group_size(groups: tuple | None, size: int) -> int:
   return len(groups[0]) if groups else size
 
 
-def check_float_leaf(path, leaf, transform: str,
-                     axis_name: AxisName = None) -> None:
+def check_float_leaf(
+  path, leaf, transform: str, axis_name: AxisName = None
+) -> None:
   """Raises ``TypeError`` naming the leaf's path if it is not floating point."""
   dtype = getattr(leaf, "dtype", None)
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     across = f" of axis {axis_name!r}" if axis_name is not None else ""
     raise TypeError(
-        f"{transform}: leaf at {jax.tree_util.keystr(path) or '<root>'} has"
-        f" dtype {dtype if dtype is not None else type(leaf).__name__}; only"
-        f" floating-point leaves can be reduced across the replicas{across}."
-        " Drop it from the gradient tree, or wrap the transform in"
-        " optax.masked(...) so it only sees float leaves.")
+      f"{transform}: leaf at {jax.tree_util.keystr(path) or '<root>'} has"
+      f" dtype {dtype if dtype is not None else type(leaf).__name__}; only"
+      f" floating-point leaves can be reduced across the replicas{across}."
+      " Drop it from the gradient tree, or wrap the transform in"
+      " optax.masked(...) so it only sees float leaves."
+    )
 
 
-def check_comm_dtype(comm_dtype: Any, transform: str,
-                     axis_name: AxisName = None):
+def check_comm_dtype(
+  comm_dtype: Any, transform: str, axis_name: AxisName = None
+):
   """Validates ``comm_dtype`` (None or a floating dtype) and returns it."""
   if comm_dtype is None:
     return None
-  on = f" (the wire dtype of reductions over axis {axis_name!r})" if (
-      axis_name is not None) else ""
+  on = (
+    f" (the wire dtype of reductions over axis {axis_name!r})"
+    if (axis_name is not None)
+    else ""
+  )
   try:
     dtype = jnp.dtype(comm_dtype)
   except TypeError as e:
-    raise TypeError(f"{transform}: comm_dtype={comm_dtype!r}{on} is not a dtype;"
-                    " use e.g. jnp.bfloat16 or jnp.float16.") from e
+    raise TypeError(
+      f"{transform}: comm_dtype={comm_dtype!r}{on} is not a dtype;"
+      " use e.g. jnp.bfloat16 or jnp.float16."
+    ) from e
   if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"{transform}: comm_dtype={dtype}{on} is not a floating"
-                    " dtype; use e.g. jnp.bfloat16 or jnp.float16.")
+    raise TypeError(
+      f"{transform}: comm_dtype={dtype}{on} is not a floating"
+      " dtype; use e.g. jnp.bfloat16 or jnp.float16."
+    )
   return dtype
 
 
@@ -222,13 +256,16 @@ def check_transform(inner: Any, transform: str, arg: str = "inner") -> None:
   Anything with callable ``init`` and ``update`` passes
   (``optax.GradientTransformation`` and its ``ExtraArgs`` variant).
   """
-  if not (callable(getattr(inner, "init", None))
-          and callable(getattr(inner, "update", None))):
+  if not (
+    callable(getattr(inner, "init", None))
+    and callable(getattr(inner, "update", None))
+  ):
     raise TypeError(
-        f"{transform}: {arg}={inner!r} is not an optax transform (an object"
-        " with init and update, such as optax.adam(1e-3)); pass the built"
-        " transform, e.g. optax.adam(1e-3) rather than optax.adam, and"
-        " optax.chain(a, b) rather than a tuple (a, b).")
+      f"{transform}: {arg}={inner!r} is not an optax transform (an object"
+      " with init and update, such as optax.adam(1e-3)); pass the built"
+      " transform, e.g. optax.adam(1e-3) rather than optax.adam, and"
+      " optax.chain(a, b) rather than a tuple (a, b)."
+    )
 
 
 def accumulation_dtype(dtype) -> np.dtype:
@@ -258,8 +295,9 @@ def cast_tree_like(tree: Any, *likes: Any) -> Any:
   return jax.tree.map(leaf, tree, *likes)
 
 
-def cond_same_types(pred: Any, true_fn, false_fn, *, true_types: Any = None
-                    ) -> Any:
+def cond_same_types(
+  pred: Any, true_fn, false_fn, *, true_types: Any = None
+) -> Any:
   """``jax.lax.cond(pred, true_fn, false_fn)`` whose branches agree on types.
 
   Under a checking shard_map the branches of a ``lax.cond`` must return the
@@ -274,12 +312,15 @@ def cond_same_types(pred: Any, true_fn, false_fn, *, true_types: Any = None
     true_types = jax.eval_shape(true_fn)
   false_types = jax.eval_shape(false_fn)
   return jax.lax.cond(
-      pred, lambda: cast_tree_like(true_fn(), true_types, false_types),
-      lambda: cast_tree_like(false_fn(), true_types, false_types))
+    pred,
+    lambda: cast_tree_like(true_fn(), true_types, false_types),
+    lambda: cast_tree_like(false_fn(), true_types, false_types),
+  )
 
 
-def scalar_counter(count: Any, transform: str, field: str,
-                   axis_name: AxisName = None) -> jax.Array:
+def scalar_counter(
+  count: Any, transform: str, field: str, axis_name: AxisName = None
+) -> jax.Array:
   """The value of a step counter, as a scalar, however the state arrived.
 
   Step counters are the same on every replica by construction, so a counter
@@ -291,11 +332,12 @@ def scalar_counter(count: Any, transform: str, field: str,
   if jnp.size(count) != 1:
     axis = repr(axis_name) if axis_name is not None else "axis"
     raise ValueError(
-        f"{transform}: {field} has shape {jnp.shape(count)}, expected one step"
-        " count per replica (a scalar, the same on every replica). Under"
-        " jax.shard_map pass the state's scalar counters with spec P() and the"
-        f" other leaves with P({axis}); or stack the whole state"
-        " (jax.vmap(tx.init) over a leading replica axis) and pass every leaf"
-        f" with P({axis}); under jax.pmap build the state with"
-        " jax.pmap(tx.init).")
+      f"{transform}: {field} has shape {jnp.shape(count)}, expected one step"
+      " count per replica (a scalar, the same on every replica). Under"
+      " jax.shard_map pass the state's scalar counters with spec P() and the"
+      f" other leaves with P({axis}); or stack the whole state"
+      " (jax.vmap(tx.init) over a leading replica axis) and pass every leaf"
+      f" with P({axis}); under jax.pmap build the state with"
+      " jax.pmap(tx.init)."
+    )
   return jnp.reshape(count, ())

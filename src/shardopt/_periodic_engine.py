@@ -52,9 +52,9 @@ from shardopt import _axes
 from shardopt.collectives import reduce
 from shardopt.finite import all_finite
 
-GRADIENTS = "gradients"              # a_i = accumulated gradients / period
+GRADIENTS = "gradients"  # a_i = accumulated gradients / period
 PSEUDO_GRADIENT = "pseudo_gradient"  # a_i = center - local params
-PARAMS = "params"                    # a_i = local params (plain averaging)
+PARAMS = "params"  # a_i = local params (plain averaging)
 
 
 class AGNState(NamedTuple):
@@ -88,6 +88,7 @@ class AGNState(NamedTuple):
       over the whole axis (for ``hierarchical_local_sgd``: over this
       replica's groups, so it can differ between groups).
   """
+
   count: chex.Array
   sync_count: chex.Array
   accumulator: Any
@@ -110,6 +111,7 @@ class Sync(NamedTuple):
       ``i // group_size``); None: the transform's ``axis_index_groups``, or
       the whole axis.
   """
+
   period: int
   phase: int = 0
   fragment: int = 0
@@ -118,6 +120,7 @@ class Sync(NamedTuple):
 
 class _Carry(NamedTuple):
   """What a sync may change: the operands and results of the switch."""
+
   updates: list
   accumulator: list
   center: list
@@ -129,6 +132,7 @@ class _Carry(NamedTuple):
 
 # --------------------------------------------------------------------------
 # Schedules.
+
 
 def every(period: int) -> tuple[Sync, ...]:
   """Everything, over the whole axis (or each group), after T, 2T, ..."""
@@ -142,12 +146,14 @@ def hierarchy(period_group_sizes: dict) -> tuple[Sync, ...]:
 
 def streaming(period: int, num_fragments: int) -> tuple[Sync, ...]:
   """Fragment ``f`` after step t iff ``t % period == (f * period) // F``."""
-  return tuple(Sync(period, (f * period) // num_fragments, f)
-               for f in range(num_fragments))
+  return tuple(
+    Sync(period, (f * period) // num_fragments, f) for f in range(num_fragments)
+  )
 
 
-def split_fragments(leaf_bytes: Sequence[int], num_fragments: int
-                    ) -> tuple[tuple[int, ...], ...]:
+def split_fragments(
+  leaf_bytes: Sequence[int], num_fragments: int
+) -> tuple[tuple[int, ...], ...]:
   """Contiguous fragments of leaf indices, balanced by bytes.
 
   The ``k``-th cut goes where the cumulative bytes come closest to ``k *
@@ -167,24 +173,29 @@ def split_fragments(leaf_bytes: Sequence[int], num_fragments: int
 
 
 def _leaf_bytes(params: Any) -> list[int]:
-  return [int(np.prod(np.shape(p))) * np.dtype(p.dtype).itemsize
-          for p in jax.tree.leaves(params)]
+  return [
+    int(np.prod(np.shape(p))) * np.dtype(p.dtype).itemsize
+    for p in jax.tree.leaves(params)
+  ]
 
 
-def check_fragments(params: Any, num_fragments: int, transform: str
-                    ) -> tuple[tuple[int, ...], ...]:
+def check_fragments(
+  params: Any, num_fragments: int, transform: str
+) -> tuple[tuple[int, ...], ...]:
   """The fragments of ``params``, or a ValueError naming the fix."""
   n = len(jax.tree.leaves(params))
   if num_fragments > max(n, 1):
     raise ValueError(
-        f"{transform}: num_fragments={num_fragments} but the params have only"
-        f" {n} leaves; fragments are made of whole leaves (contiguous in"
-        f" jax.tree.leaves order), so use num_fragments <= {n}.")
+      f"{transform}: num_fragments={num_fragments} but the params have only"
+      f" {n} leaves; fragments are made of whole leaves (contiguous in"
+      f" jax.tree.leaves order), so use num_fragments <= {n}."
+    )
   return split_fragments(_leaf_bytes(params), num_fragments)
 
 
 # --------------------------------------------------------------------------
 # Small helpers.
+
 
 def _where_float(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   """``jnp.where(pred, on_true, on_false)`` on the floating-point leaves.
@@ -210,21 +221,29 @@ def _fragment_tree(leaves: list, treedef, num_fragments: int) -> Any:
   return treedef.unflatten(leaves) if num_fragments == 1 else list(leaves)
 
 
-def _groups(group_size: int | None, axis_index_groups, size: int,
-            transform: str, axis_name: Any) -> tuple | None:
+def _groups(
+  group_size: int | None,
+  axis_index_groups,
+  size: int,
+  transform: str,
+  axis_name: Any,
+) -> tuple | None:
   """A sync's replica groups: contiguous ones of ``group_size``, or the
   transform's ``axis_index_groups`` (None: the whole axis)."""
   if group_size is None:
     return _axes.validate_groups(axis_index_groups, size, transform, axis_name)
   if size % group_size:
     raise ValueError(
-        f"{transform}: group size {group_size} does not divide the size"
-        f" {size} of axis {axis_name!r}; every group size in"
-        " period_group_sizes must divide the axis size (contiguous groups of"
-        f" that many replicas), e.g. one of {_divisors(size)}.")
+      f"{transform}: group size {group_size} does not divide the size"
+      f" {size} of axis {axis_name!r}; every group size in"
+      " period_group_sizes must divide the axis size (contiguous groups of"
+      f" that many replicas), e.g. one of {_divisors(size)}."
+    )
   if group_size == size:
     return None
-  return tuple(tuple(range(g, g + group_size)) for g in range(0, size, group_size))
+  return tuple(
+    tuple(range(g, g + group_size)) for g in range(0, size, group_size)
+  )
 
 
 def _divisors(size: int) -> list[int]:
@@ -234,16 +253,20 @@ def _divisors(size: int) -> list[int]:
 # --------------------------------------------------------------------------
 # The steps of update, in order.
 
+
 def _local_step(local, grads, state, params, extra_args):
   """Step 1: the local optimizer's step, and the accumulator (agn)."""
-  updates, local_state = local.update(grads, state.local_state, params,
-                                      **extra_args)
+  updates, local_state = local.update(
+    grads, state.local_state, params, **extra_args
+  )
   # Updates are in the params' dtype on every step (a sync step's updates
   # are target - params), so all branches of the switch agree even when the
   # gradients are narrower (bfloat16 grads for float32 params).
   updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
-  accumulator = [a + g.astype(a.dtype) for a, g in
-                 zip(jax.tree.leaves(state.accumulator), jax.tree.leaves(grads))]
+  accumulator = [
+    a + g.astype(a.dtype)
+    for a, g in zip(jax.tree.leaves(state.accumulator), jax.tree.leaves(grads))
+  ]
   return jax.tree.leaves(updates), local_state, accumulator
 
 
@@ -255,23 +278,35 @@ def _branch(step: jax.Array, syncs: Sequence[Sync]) -> jax.Array:
   return index
 
 
-def _contribution(kind: str, leaves: Sequence[int], carry: _Carry,
-                  params: list, period: int) -> list:
+def _contribution(
+  kind: str, leaves: Sequence[int], carry: _Carry, params: list, period: int
+) -> list:
   """Step 3a: this replica's contribution for the sync's ``leaves``."""
   if kind == GRADIENTS:  # AGN: a_i = (g_1 + ... + g_T) / T
-    return [carry.accumulator[i] / jnp.asarray(period, carry.accumulator[i].dtype)
-            for i in leaves]
+    return [
+      carry.accumulator[i] / jnp.asarray(period, carry.accumulator[i].dtype)
+      for i in leaves
+    ]
   mine = []
   for i in leaves:  # the params after this step's local update
     wide = _axes.accumulation_dtype(params[i].dtype)
     local = optax.apply_updates(params[i], carry.updates[i]).astype(wide)
-    mine.append(carry.center[i].astype(wide) - local
-                if kind == PSEUDO_GRADIENT else local)
+    mine.append(
+      carry.center[i].astype(wide) - local if kind == PSEUDO_GRADIENT else local
+    )
   return mine
 
 
-def _combine(mine: list, axis_name, groups, *, reduction: str, comm_dtype,
-             whole_axis_count: bool, transform: str):
+def _combine(
+  mine: list,
+  axis_name,
+  groups,
+  *,
+  reduction: str,
+  comm_dtype,
+  whole_axis_count: bool,
+  transform: str,
+):
   """Step 3b: one collective round; a non-finite contribution is left out.
 
   Returns the combined contribution (sum or mean over the finite replicas of
@@ -284,34 +319,52 @@ def _combine(mine: list, axis_name, groups, *, reduction: str, comm_dtype,
   if _axes.vma_checked():
     flag = _axes.cast_varying(flag, _axes.axis_names(axis_name))
   # The finite flag travels with the contributions: same groups, one round.
-  *total, in_group = reduce(masked + [flag], axis_name, reduction="sum",
-                            axis_index_groups=groups, comm_dtype=comm_dtype,
-                            _transform=transform)
+  *total, in_group = reduce(
+    masked + [flag],
+    axis_name,
+    reduction="sum",
+    axis_index_groups=groups,
+    comm_dtype=comm_dtype,
+    _transform=transform,
+  )
   in_group = jnp.round(in_group)
   in_axis = in_group
   if groups is not None and whole_axis_count:
-    in_axis = jnp.round(reduce(flag, axis_name, reduction="sum",
-                               _transform=transform))
+    in_axis = jnp.round(
+      reduce(flag, axis_name, reduction="sum", _transform=transform)
+    )
   if reduction == "mean":
     divisor = jnp.maximum(in_group, 1.0)
     total = [t / divisor.astype(t.dtype) for t in total]
   return total, finite, in_group, in_axis
 
 
-def _global_step(global_optimizer, combined: list, center: list, global_state,
-                 any_finite: jax.Array, view):
+def _global_step(
+  global_optimizer,
+  combined: list,
+  center: list,
+  global_state,
+  any_finite: jax.Array,
+  view,
+):
   """Step 3c: the global optimizer moves the center (if any replica was
   finite; integer leaves of its state, step counts, advance regardless)."""
   combined = [t.astype(c.dtype) for t, c in zip(combined, center)]
   center_updates, new_state = global_optimizer.update(
-      view(combined), global_state, view(center))
-  new_center = jax.tree.leaves(optax.apply_updates(view(center), center_updates))
-  return (_where_float(any_finite, new_center, center),
-          _where_float(any_finite, new_state, global_state))
+    view(combined), global_state, view(center)
+  )
+  new_center = jax.tree.leaves(
+    optax.apply_updates(view(center), center_updates)
+  )
+  return (
+    _where_float(any_finite, new_center, center),
+    _where_float(any_finite, new_state, global_state),
+  )
 
 
-def _pull(target: list, leaves: Sequence[int], updates: list, params: list
-          ) -> list:
+def _pull(
+  target: list, leaves: Sequence[int], updates: list, params: list
+) -> list:
   """Step 3d: updates that move the synced leaves onto ``target``.
 
   ``params + (target - params)`` lands on the target exactly when
@@ -338,26 +391,33 @@ def _switch(index: jax.Array, branches: list, carry: _Carry) -> _Carry:
   # Every branch's outputs are cast to the union of what any branch makes
   # (a psum turns varying into invariant; a grouped one keeps it varying).
   types = [jax.eval_shape(branch, carry) for branch in branches]
-  typed = [lambda c, b=branch: _axes.cast_tree_like(b(c), *types)
-           for branch in branches]
+  typed = [
+    lambda c, b=branch: _axes.cast_tree_like(b(c), *types)
+    for branch in branches
+  ]
   return jax.lax.switch(index, typed, carry)
 
 
 # --------------------------------------------------------------------------
 # Checks at trace time, before any state is touched.
 
-def _check_update_args(name, grads, state, params, axis_name, has_center,
-                       syncs, axis_index_groups):
+
+def _check_update_args(
+  name, grads, state, params, axis_name, has_center, syncs, axis_index_groups
+):
   """Checks everything ``update`` is given; returns the axis size and each
   sync's replica groups."""
   if params is None:
     raise ValueError(
-        f"{name}: params are required; call tx.update(grads, state, params)."
-        " At a sync the returned updates move params onto the target, which"
-        " needs the current params.")
+      f"{name}: params are required; call tx.update(grads, state, params)."
+      " At a sync the returned updates move params onto the target, which"
+      " needs the current params."
+    )
   size = _axes.axis_size(axis_name, name)
-  groups = [_groups(s.group_size, axis_index_groups, size, name, axis_name)
-            for s in syncs]
+  groups = [
+    _groups(s.group_size, axis_index_groups, size, name, axis_name)
+    for s in syncs
+  ]
   _axes.scalar_counter(state.count, name, "state.count", axis_name)
   _check_local_gradients(grads, params, axis_name, name)
   if not has_center:
@@ -365,26 +425,29 @@ def _check_update_args(name, grads, state, params, axis_name, has_center,
   center_def = jax.tree.structure(state.center)
   if center_def != jax.tree.structure(params):
     raise ValueError(
-        f"{name}: the state does not match the params tree over axis"
-        f" {axis_name!r}: state.center has structure {center_def}, params"
-        f" have {jax.tree.structure(params)}. Build the state with"
-        " tx.init(params) from these params.")
+      f"{name}: the state does not match the params tree over axis"
+      f" {axis_name!r}: state.center has structure {center_def}, params"
+      f" have {jax.tree.structure(params)}. Build the state with"
+      " tx.init(params) from these params."
+    )
   if axis_index_groups is not None and _axes.vma_checked():
     for c in jax.tree.leaves(state.center):
       _, invariant = _axes.split_axes(c, axis_name)
       if invariant:
         raise ValueError(
-            f"{name}: with axis_index_groups each group keeps its own center,"
-            f" so the center must be typed varying over {axis_name!r}, but it"
-            " is invariant (it was initialised from replicated params). Build"
-            " the state with tx.init(params) from params that carry a leading"
-            f" replica axis sharded over {axis_name!r}, or from"
-            f" jax.lax.pcast(params, {axis_name!r}, to='varying').")
+          f"{name}: with axis_index_groups each group keeps its own center,"
+          f" so the center must be typed varying over {axis_name!r}, but it"
+          " is invariant (it was initialised from replicated params). Build"
+          " the state with tx.init(params) from params that carry a leading"
+          f" replica axis sharded over {axis_name!r}, or from"
+          f" jax.lax.pcast(params, {axis_name!r}, to='varying')."
+        )
   return size, groups
 
 
-def _check_local_gradients(grads: Any, params: Any, axis_name: Any,
-                           transform: str) -> None:
+def _check_local_gradients(
+  grads: Any, params: Any, axis_name: Any, transform: str
+) -> None:
   """Checks grads: params' tree structure, floating point, not invariant.
 
   Gradients typed invariant were summed by autodiff: not local gradients.
@@ -393,10 +456,11 @@ def _check_local_gradients(grads: Any, params: Any, axis_name: Any,
   params_def = jax.tree.structure(params)
   if grads_def != params_def:
     raise ValueError(
-        f"{transform}: the gradient tree does not match the params tree over"
-        f" axis {axis_name!r}: grads have structure {grads_def}, params have"
-        f" {params_def}. Pass the gradient of the same params the state was"
-        " built from (tx.init(params)).")
+      f"{transform}: the gradient tree does not match the params tree over"
+      f" axis {axis_name!r}: grads have structure {grads_def}, params have"
+      f" {params_def}. Pass the gradient of the same params the state was"
+      " built from (tx.init(params))."
+    )
   checked = _axes.vma_checked()
 
   def leaf(path, g):
@@ -406,16 +470,17 @@ def _check_local_gradients(grads: Any, params: Any, axis_name: Any,
     _, invariant = _axes.split_axes(g, axis_name)
     if invariant:
       raise ValueError(
-          f"{transform}: the gradient at {jax.tree_util.keystr(path) or '<root>'}"
-          f" is invariant over axis {_axes.as_axis(invariant)!r}: the params were"
-          " replicated (P()), so autodiff has already summed the gradient over"
-          " every replica. That is the synchronous gradient, not this"
-          f" replica's local gradient, and {transform} needs the local one"
-          " (the replicas train apart between synchronisations). Fix: give each"
-          " replica its own params, typed varying: a leading replica axis"
-          f" sharded over {axis_name!r} (in_specs=P({axis_name!r})), or"
-          f" params = jax.lax.pcast(params, {axis_name!r}, to='varying') before"
-          " jax.grad.")
+        f"{transform}: the gradient at {jax.tree_util.keystr(path) or '<root>'}"
+        f" is invariant over axis {_axes.as_axis(invariant)!r}: the params were"
+        " replicated (P()), so autodiff has already summed the gradient over"
+        " every replica. That is the synchronous gradient, not this"
+        f" replica's local gradient, and {transform} needs the local one"
+        " (the replicas train apart between synchronisations). Fix: give each"
+        " replica its own params, typed varying: a leading replica axis"
+        f" sharded over {axis_name!r} (in_specs=P({axis_name!r})), or"
+        f" params = jax.lax.pcast(params, {axis_name!r}, to='varying') before"
+        " jax.grad."
+      )
 
   jax.tree_util.tree_map_with_path(leaf, grads)
 
@@ -423,12 +488,20 @@ def _check_local_gradients(grads: Any, params: Any, axis_name: Any,
 # --------------------------------------------------------------------------
 # The engine.
 
-def periodic(name: str, optimizer: optax.GradientTransformation,
-             global_optimizer: optax.GradientTransformation | None,
-             axis_name: Any, *, syncs: Sequence[Sync], contribution: str,
-             reduction: str = "mean", axis_index_groups=None, comm_dtype=None,
-             num_fragments: int = 1
-             ) -> optax.GradientTransformationExtraArgs:
+
+def periodic(
+  name: str,
+  optimizer: optax.GradientTransformation,
+  global_optimizer: optax.GradientTransformation | None,
+  axis_name: Any,
+  *,
+  syncs: Sequence[Sync],
+  contribution: str,
+  reduction: str = "mean",
+  axis_index_groups=None,
+  comm_dtype=None,
+  num_fragments: int = 1,
+) -> optax.GradientTransformationExtraArgs:
   """The engine: ``optimizer`` every step, the ``syncs`` on their schedule.
 
   Args:
@@ -463,8 +536,9 @@ def periodic(name: str, optimizer: optax.GradientTransformation,
   def init_fn(params):
     fragments = check_fragments(params, num_fragments, name)
     leaves, treedef = jax.tree.flatten(params)
-    view = functools.partial(_fragment_tree, treedef=treedef,
-                             num_fragments=num_fragments)
+    view = functools.partial(
+      _fragment_tree, treedef=treedef, num_fragments=num_fragments
+    )
     skipped = jnp.zeros([], jnp.int32)
     if _axes.vma_checked():
       # Typed as the syncs will make it: varying over the axes the params
@@ -475,81 +549,137 @@ def periodic(name: str, optimizer: optax.GradientTransformation,
       axes = axes - own if whole_axis_count else axes | own
       skipped = _axes.cast_varying(skipped, axes)
     return AGNState(
-        count=jnp.zeros([], jnp.int32),
-        sync_count=jnp.zeros([], jnp.int32),
-        accumulator=jax.tree.map(
-            lambda p: jnp.zeros_like(p, dtype=_axes.accumulation_dtype(p.dtype)),
-            params) if contribution == GRADIENTS else (),
-        center=jax.tree.map(jnp.asarray, params) if has_center else (),
-        local_state=optimizer.init(params),
-        global_state=() if not has_center else (
-            global_optimizer.init(params) if num_fragments == 1 else tuple(
-                global_optimizer.init(view([leaves[i] for i in f]))
-                for f in fragments)),
-        skipped=skipped)
+      count=jnp.zeros([], jnp.int32),
+      sync_count=jnp.zeros([], jnp.int32),
+      accumulator=jax.tree.map(
+        lambda p: jnp.zeros_like(p, dtype=_axes.accumulation_dtype(p.dtype)),
+        params,
+      )
+      if contribution == GRADIENTS
+      else (),
+      center=jax.tree.map(jnp.asarray, params) if has_center else (),
+      local_state=optimizer.init(params),
+      global_state=()
+      if not has_center
+      else (
+        global_optimizer.init(params)
+        if num_fragments == 1
+        else tuple(
+          global_optimizer.init(view([leaves[i] for i in f])) for f in fragments
+        )
+      ),
+      skipped=skipped,
+    )
 
   def update_fn(grads, state, params=None, **extra_args):
-    size, groups = _check_update_args(name, grads, state, params, axis_name,
-                                      has_center, syncs, axis_index_groups)
+    size, groups = _check_update_args(
+      name,
+      grads,
+      state,
+      params,
+      axis_name,
+      has_center,
+      syncs,
+      axis_index_groups,
+    )
     fragments = check_fragments(params, num_fragments, name)
     param_leaves, treedef = jax.tree.flatten(params)
-    view = functools.partial(_fragment_tree, treedef=treedef,
-                             num_fragments=num_fragments)
+    view = functools.partial(
+      _fragment_tree, treedef=treedef, num_fragments=num_fragments
+    )
 
     def sync(k: int, carry: _Carry) -> _Carry:
       leaves = fragments[syncs[k].fragment]
       mine = _contribution(contribution, leaves, carry, param_leaves, period)
       combined, finite, in_group, in_axis = _combine(
-          mine, axis_name, groups[k], reduction=reduction,
-          comm_dtype=comm_dtype, whole_axis_count=whole_axis_count,
-          transform=name)
+        mine,
+        axis_name,
+        groups[k],
+        reduction=reduction,
+        comm_dtype=comm_dtype,
+        whole_axis_count=whole_axis_count,
+        transform=name,
+      )
       center, global_state = carry.center, carry.global_state
       if has_center:
-        fragment_state = (global_state if num_fragments == 1
-                          else global_state[syncs[k].fragment])
+        fragment_state = (
+          global_state
+          if num_fragments == 1
+          else global_state[syncs[k].fragment]
+        )
         target, fragment_state = _global_step(
-            global_optimizer, combined, [center[i] for i in leaves],
-            fragment_state, in_group > 0, view)
+          global_optimizer,
+          combined,
+          [center[i] for i in leaves],
+          fragment_state,
+          in_group > 0,
+          view,
+        )
         center = list(center)
         for i, c in zip(leaves, target):
           center[i] = c
-        global_state = (fragment_state if num_fragments == 1 else tuple(
+        global_state = (
+          fragment_state
+          if num_fragments == 1
+          else tuple(
             fragment_state if f == syncs[k].fragment else s
-            for f, s in enumerate(global_state)))
+            for f, s in enumerate(global_state)
+          )
+        )
       else:  # no finite replica in the group: nothing to average
         target = [jnp.where(in_group > 0, t, m) for t, m in zip(combined, mine)]
       updates = _pull(target, leaves, carry.updates, param_leaves)
-      reference = treedef.unflatten(center if has_center else [
-          p + u for p, u in zip(param_leaves, updates)])
+      reference = treedef.unflatten(
+        center if has_center else [p + u for p, u in zip(param_leaves, updates)]
+      )
       accumulator = list(carry.accumulator)
       for i in leaves if accumulator else ():
         accumulator[i] = jnp.zeros_like(accumulator[i])
       skipped = carry.skipped + jnp.round(
-          (size if whole_axis_count else _axes.group_size(groups[k], size))
-          - in_axis).astype(jnp.int32)
+        (size if whole_axis_count else _axes.group_size(groups[k], size))
+        - in_axis
+      ).astype(jnp.int32)
       return _Carry(
-          updates=updates, accumulator=accumulator, center=center,
-          local_state=_restart_left_out(optimizer, finite, carry.local_state,
-                                        reference),
-          global_state=global_state, sync_count=carry.sync_count + 1,
-          skipped=skipped)
+        updates=updates,
+        accumulator=accumulator,
+        center=center,
+        local_state=_restart_left_out(
+          optimizer, finite, carry.local_state, reference
+        ),
+        global_state=global_state,
+        sync_count=carry.sync_count + 1,
+        skipped=skipped,
+      )
 
-    updates, local_state, accumulator = _local_step(local, grads, state, params,
-                                                    extra_args)
+    updates, local_state, accumulator = _local_step(
+      local, grads, state, params, extra_args
+    )
     count = state.count + 1
-    carry = _Carry(updates=updates, accumulator=accumulator,
-                   center=jax.tree.leaves(state.center), local_state=local_state,
-                   global_state=state.global_state,
-                   sync_count=state.sync_count, skipped=state.skipped)
-    branches = [lambda c: c] + [functools.partial(sync, k)
-                                for k in range(len(syncs))]
+    carry = _Carry(
+      updates=updates,
+      accumulator=accumulator,
+      center=jax.tree.leaves(state.center),
+      local_state=local_state,
+      global_state=state.global_state,
+      sync_count=state.sync_count,
+      skipped=state.skipped,
+    )
+    branches = [lambda c: c] + [
+      functools.partial(sync, k) for k in range(len(syncs))
+    ]
     carry = _switch(_branch(jnp.reshape(count, ()), syncs), branches, carry)
     return treedef.unflatten(carry.updates), AGNState(
-        count=count, sync_count=carry.sync_count,
-        accumulator=(treedef.unflatten(carry.accumulator)
-                     if contribution == GRADIENTS else ()),
-        center=treedef.unflatten(carry.center) if has_center else (),
-        local_state=carry.local_state, global_state=carry.global_state,
-        skipped=carry.skipped)
+      count=count,
+      sync_count=carry.sync_count,
+      accumulator=(
+        treedef.unflatten(carry.accumulator)
+        if contribution == GRADIENTS
+        else ()
+      ),
+      center=treedef.unflatten(carry.center) if has_center else (),
+      local_state=carry.local_state,
+      global_state=carry.global_state,
+      skipped=carry.skipped,
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -43,6 +43,7 @@ class AccumulateState(NamedTuple):
       mini-step to start from zero, which saves a pass over it.
     inner_state: ``inner``'s state.
   """
+
   mini_step: chex.Array
   gradient_step: chex.Array
   acc_grads: Any
@@ -50,17 +51,22 @@ class AccumulateState(NamedTuple):
 
 
 def _check_every_k_steps(every_k_steps: Any) -> int:
-  if isinstance(every_k_steps, (bool, np.bool_)) or not isinstance(
-      every_k_steps, (int, np.integer)) or int(every_k_steps) < 1:
+  if (
+    isinstance(every_k_steps, (bool, np.bool_))
+    or not isinstance(every_k_steps, (int, np.integer))
+    or int(every_k_steps) < 1
+  ):
     raise ValueError(
-        f"{_ACCUMULATE}: every_k_steps={every_k_steps!r} must be a positive"
-        " integer, the number of mini-steps whose gradients make one update"
-        " (e.g. 4); 1 updates on every step.")
+      f"{_ACCUMULATE}: every_k_steps={every_k_steps!r} must be a positive"
+      " integer, the number of mini-steps whose gradients make one update"
+      " (e.g. 4); 1 updates on every step."
+    )
   return int(every_k_steps)
 
 
-def _accumulated(grads: Any, acc_grads: Any, mini_step: jax.Array,
-                 use_grad_mean: bool) -> Any:
+def _accumulated(
+  grads: Any, acc_grads: Any, mini_step: jax.Array, use_grad_mean: bool
+) -> Any:
   """The accumulator after this mini-step's gradients (optax's arithmetic).
 
   The mean is Welford's running mean, ``acc + (g - acc) / (n + 1)`` with
@@ -81,9 +87,12 @@ def _accumulated(grads: Any, acc_grads: Any, mini_step: jax.Array,
   return jax.tree.map(add, grads, acc_grads)
 
 
-def accumulate(inner: optax.GradientTransformation, every_k_steps: int, *,
-               use_grad_mean: bool = True
-               ) -> optax.GradientTransformationExtraArgs:
+def accumulate(
+  inner: optax.GradientTransformation,
+  every_k_steps: int,
+  *,
+  use_grad_mean: bool = True,
+) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k_steps`` mini-steps, updates once.
 
   The same numbers as ``optax.MultiSteps(inner, every_k_steps,
@@ -156,23 +165,28 @@ def accumulate(inner: optax.GradientTransformation, every_k_steps: int, *,
   """
   k = _check_every_k_steps(every_k_steps)
   if not isinstance(use_grad_mean, (bool, np.bool_)):
-    raise TypeError(f"{_ACCUMULATE}: use_grad_mean={use_grad_mean!r} must be"
-                    " True (average the accumulated gradients) or False (sum).")
+    raise TypeError(
+      f"{_ACCUMULATE}: use_grad_mean={use_grad_mean!r} must be"
+      " True (average the accumulated gradients) or False (sum)."
+    )
   _axes.check_transform(inner, _ACCUMULATE)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
     return AccumulateState(
-        mini_step=jnp.zeros([], jnp.int32),
-        gradient_step=jnp.zeros([], jnp.int32),
-        acc_grads=jax.tree.map(
-            lambda p: jnp.zeros(jnp.shape(p), _axes.accumulation_dtype(p.dtype)),
-            params),
-        inner_state=inner.init(params))
+      mini_step=jnp.zeros([], jnp.int32),
+      gradient_step=jnp.zeros([], jnp.int32),
+      acc_grads=jax.tree.map(
+        lambda p: jnp.zeros(jnp.shape(p), _axes.accumulation_dtype(p.dtype)),
+        params,
+      ),
+      inner_state=inner.init(params),
+    )
 
   def update_fn(grads, state, params=None, **extra_args):
-    mini_step = _axes.scalar_counter(state.mini_step, _ACCUMULATE,
-                                     "state.mini_step")
+    mini_step = _axes.scalar_counter(
+      state.mini_step, _ACCUMULATE, "state.mini_step"
+    )
     emit = mini_step == k - 1
 
     # Every mini-step: one pass that adds the gradients to the accumulator in
@@ -180,27 +194,30 @@ def accumulate(inner: optax.GradientTransformation, every_k_steps: int, *,
     acc_grads = _accumulated(grads, state.acc_grads, mini_step, use_grad_mean)
 
     def emit_branch():
-      mean_or_sum = jax.tree.map(lambda a, g: a.astype(g.dtype), acc_grads,
-                                 grads)
+      mean_or_sum = jax.tree.map(
+        lambda a, g: a.astype(g.dtype), acc_grads, grads
+      )
       return inner.update(mean_or_sum, state.inner_state, params, **extra_args)
 
     emit_types = jax.eval_shape(emit_branch)
 
     def mini_branch():
-      zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype),
-                           emit_types[0])
+      zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), emit_types[0])
       return zeros, state.inner_state
 
     # Both branches return the same types: the zeros take the emit branch's
     # varying axes (invariant where inner's updates are), each inner-state
     # leaf the union of both branches'.
     updates, inner_state = _axes.cond_same_types(
-        emit, emit_branch, mini_branch, true_types=emit_types)
+      emit, emit_branch, mini_branch, true_types=emit_types
+    )
     return updates, AccumulateState(
-        mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
-        gradient_step=jnp.where(
-            emit, optax.safe_increment(state.gradient_step),
-            state.gradient_step).astype(jnp.int32),
-        acc_grads=acc_grads, inner_state=inner_state)
+      mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
+      gradient_step=jnp.where(
+        emit, optax.safe_increment(state.gradient_step), state.gradient_step
+      ).astype(jnp.int32),
+      acc_grads=acc_grads,
+      inner_state=inner_state,
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

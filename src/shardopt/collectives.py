@@ -32,7 +32,9 @@ def _bits_dtype(dtype) -> np.dtype:
   return np.dtype(f"int{np.dtype(dtype).itemsize * 8}")
 
 
-def _grouped_psum_scatter_gather(x: jax.Array, axis, groups: tuple) -> jax.Array:
+def _grouped_psum_scatter_gather(
+  x: jax.Array, axis, groups: tuple
+) -> jax.Array:
   """Grouped all-reduce (sum) as a grouped reduce-scatter + grouped all-gather.
 
   JAX rejects a grouped ``psum`` inside a checking shard_map, but accepts the
@@ -50,7 +52,7 @@ def _grouped_psum_scatter_gather(x: jax.Array, axis, groups: tuple) -> jax.Array
     flat = jnp.pad(flat, (0, pad))
   chunk = jax.lax.psum_scatter(flat, axis, axis_index_groups=groups, tiled=True)
   full = jax.lax.all_gather(chunk, axis, axis_index_groups=groups, tiled=True)
-  return full[:x.size].reshape(x.shape)
+  return full[: x.size].reshape(x.shape)
 
 
 def _psum_leaf(y, varying: tuple, groups: tuple | None):
@@ -63,8 +65,9 @@ def _psum_leaf(y, varying: tuple, groups: tuple | None):
   return jax.lax.psum(y, axis, axis_index_groups=groups)
 
 
-def _reduce_on_wire(x, summing_collective, members: int, comm_dtype,
-                    reduction: str):
+def _reduce_on_wire(
+  x, summing_collective, members: int, comm_dtype, reduction: str
+):
   """Runs ``summing_collective`` on ``x`` with ``comm_dtype`` on the wire.
 
   The one place that casts for the wire: ``x`` is cast to ``comm_dtype`` (or
@@ -85,9 +88,15 @@ def _reduce_on_wire(x, summing_collective, members: int, comm_dtype,
   return total * jnp.asarray(prescale, x.dtype) if prescale != 1.0 else total
 
 
-def reduce(tree: Any, axis_name: Any, *, reduction: str = "mean",
-           axis_index_groups=None, comm_dtype=None,
-           _transform: str = _REDUCE) -> Any:
+def reduce(
+  tree: Any,
+  axis_name: Any,
+  *,
+  reduction: str = "mean",
+  axis_index_groups=None,
+  comm_dtype=None,
+  _transform: str = _REDUCE,
+) -> Any:
   """Sums or averages every leaf of ``tree`` across the replicas of an axis.
 
   Semantics, by where it runs and what the leaf is:
@@ -146,8 +155,9 @@ def reduce(tree: Any, axis_name: Any, *, reduction: str = "mean",
   if axis_name is None:
     if axis_index_groups is not None:
       raise ValueError(
-          f"{_transform}: axis_index_groups={axis_index_groups!r} needs a named"
-          " axis, but axis_name=None. Pass the pmap/mesh axis name.")
+        f"{_transform}: axis_index_groups={axis_index_groups!r} needs a named"
+        " axis, but axis_name=None. Pass the pmap/mesh axis name."
+      )
     return tree
   size = _axes.axis_size(axis_name, _transform)
   groups = _axes.validate_groups(axis_index_groups, size, _transform, axis_name)
@@ -158,17 +168,23 @@ def reduce(tree: Any, axis_name: Any, *, reduction: str = "mean",
     varying, invariant = _axes.split_axes(x, axis_name)
     if invariant and groups is not None:
       raise ValueError(
-          f"{_transform}: the leaf at {jax.tree_util.keystr(path) or '<root>'} is"
-          f" invariant over axis {_axes.as_axis(invariant)!r} (under shard_map,"
-          " the gradient of replicated params is already summed over the whole"
-          " axis by autodiff), so it cannot be reduced within"
-          f" axis_index_groups={list(map(list, groups))!r}."
-          f" Fix: cast the params with jax.lax.pcast(params, {axis_name!r},"
-          " to='varying') before jax.grad, so each replica keeps its own"
-          " gradient.")
+        f"{_transform}: the leaf at {jax.tree_util.keystr(path) or '<root>'} is"
+        f" invariant over axis {_axes.as_axis(invariant)!r} (under shard_map,"
+        " the gradient of replicated params is already summed over the whole"
+        " axis by autodiff), so it cannot be reduced within"
+        f" axis_index_groups={list(map(list, groups))!r}."
+        f" Fix: cast the params with jax.lax.pcast(params, {axis_name!r},"
+        " to='varying') before jax.grad, so each replica keeps its own"
+        " gradient."
+      )
     if varying:
-      return _reduce_on_wire(x, lambda y: _psum_leaf(y, varying, groups),
-                             members, comm_dtype, reduction)
+      return _reduce_on_wire(
+        x,
+        lambda y: _psum_leaf(y, varying, groups),
+        members,
+        comm_dtype,
+        reduction,
+      )
     # Invariant over every requested axis: already summed by autodiff.
     if reduction == "mean":
       return x / jnp.asarray(members, x.dtype)
@@ -202,10 +218,15 @@ def broadcast(tree: Any, axis_name: Any, *, source: int = 0) -> Any:
   """
   name = "shardopt.broadcast"
   size = _axes.axis_size(axis_name, name)
-  if isinstance(source, bool) or not isinstance(source, (int, np.integer)) or not (
-      0 <= int(source) < size):
-    raise ValueError(f"{name}: source={source!r} is not a replica index of axis"
-                     f" {axis_name!r} (size {size}); use 0 <= source < {size}.")
+  if (
+    isinstance(source, bool)
+    or not isinstance(source, (int, np.integer))
+    or not (0 <= int(source) < size)
+  ):
+    raise ValueError(
+      f"{name}: source={source!r} is not a replica index of axis"
+      f" {axis_name!r} (size {size}); use 0 <= source < {size}."
+    )
   is_source = _axes.axis_index(axis_name) == int(source)
 
   def leaf(x):
@@ -216,8 +237,9 @@ def broadcast(tree: Any, axis_name: Any, *, source: int = 0) -> Any:
     as_bool = x.dtype == jnp.bool_
     y = x.astype(jnp.int8) if as_bool else x
     bits = jax.lax.bitcast_convert_type(y, _bits_dtype(y.dtype))
-    bits = jax.lax.psum(jnp.where(is_source, bits, jnp.zeros_like(bits)),
-                        axis_name)
+    bits = jax.lax.psum(
+      jnp.where(is_source, bits, jnp.zeros_like(bits)), axis_name
+    )
     y = jax.lax.bitcast_convert_type(bits, y.dtype)
     return y.astype(jnp.bool_) if as_bool else y
 

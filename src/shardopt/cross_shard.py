@@ -25,9 +25,9 @@ from shardopt import _axes
 from shardopt.collectives import reduce
 
 
-def _reducing_transform(name: str, axis_name: Any, reduction: str,
-                        axis_index_groups, comm_dtype
-                        ) -> optax.GradientTransformation:
+def _reducing_transform(
+  name: str, axis_name: Any, reduction: str, axis_index_groups, comm_dtype
+) -> optax.GradientTransformation:
   _axes.check_reduction(reduction, name, axis_name)
   _axes.check_comm_dtype(comm_dtype, name, axis_name)
 
@@ -37,16 +37,22 @@ def _reducing_transform(name: str, axis_name: Any, reduction: str,
 
   def update_fn(updates, state, params=None):
     del params
-    updates = reduce(updates, axis_name, reduction=reduction,
-                     axis_index_groups=axis_index_groups,
-                     comm_dtype=comm_dtype, _transform=name)
+    updates = reduce(
+      updates,
+      axis_name,
+      reduction=reduction,
+      axis_index_groups=axis_index_groups,
+      comm_dtype=comm_dtype,
+      _transform=name,
+    )
     return updates, state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def cross_shard_mean(axis_name: Any, *, axis_index_groups=None,
-                     comm_dtype=None) -> optax.GradientTransformation:
+def cross_shard_mean(
+  axis_name: Any, *, axis_index_groups=None, comm_dtype=None
+) -> optax.GradientTransformation:
   """Averages updates across the replicas of ``axis_name`` (stateless).
 
   The optax form of ``CrossShardOptimizer(reduction=MEAN)``: put it in an
@@ -77,12 +83,18 @@ def cross_shard_mean(axis_name: Any, *, axis_index_groups=None,
   References:
     TensorFlow, ``tf.compat.v1.tpu.CrossShardOptimizer``.
   """
-  return _reducing_transform("shardopt.cross_shard_mean", axis_name, "mean",
-                             axis_index_groups, comm_dtype)
+  return _reducing_transform(
+    "shardopt.cross_shard_mean",
+    axis_name,
+    "mean",
+    axis_index_groups,
+    comm_dtype,
+  )
 
 
-def cross_shard_sum(axis_name: Any, *, axis_index_groups=None,
-                    comm_dtype=None) -> optax.GradientTransformation:
+def cross_shard_sum(
+  axis_name: Any, *, axis_index_groups=None, comm_dtype=None
+) -> optax.GradientTransformation:
   """Sums updates across the replicas of ``axis_name`` (stateless).
 
   The optax form of ``CrossShardOptimizer(reduction=SUM)``, and, together
@@ -110,13 +122,19 @@ def cross_shard_sum(axis_name: Any, *, axis_index_groups=None,
   References:
     TensorFlow, ``tf.compat.v1.tpu.CrossShardOptimizer``.
   """
-  return _reducing_transform("shardopt.cross_shard_sum", axis_name, "sum",
-                             axis_index_groups, comm_dtype)
+  return _reducing_transform(
+    "shardopt.cross_shard_sum", axis_name, "sum", axis_index_groups, comm_dtype
+  )
 
 
-def cross_shard(inner: optax.GradientTransformation, axis_name: Any, *,
-                reduction: str = "mean", axis_index_groups=None,
-                comm_dtype=None) -> optax.GradientTransformation:
+def cross_shard(
+  inner: optax.GradientTransformation,
+  axis_name: Any,
+  *,
+  reduction: str = "mean",
+  axis_index_groups=None,
+  comm_dtype=None,
+) -> optax.GradientTransformation:
   """Wraps ``inner`` so it sees gradients reduced across replicas.
 
   ``CrossShardOptimizer(inner)`` as one transform. Its state *is* ``inner``'s
@@ -154,16 +172,26 @@ def cross_shard(inner: optax.GradientTransformation, axis_name: Any, *,
   _axes.check_comm_dtype(comm_dtype, name, axis_name)
 
   def update_fn(updates, state, params=None, **extra_args):
-    updates = reduce(updates, axis_name, reduction=reduction,
-                     axis_index_groups=axis_index_groups,
-                     comm_dtype=comm_dtype, _transform=name)
+    updates = reduce(
+      updates,
+      axis_name,
+      reduction=reduction,
+      axis_index_groups=axis_index_groups,
+      comm_dtype=comm_dtype,
+      _transform=name,
+    )
     return inner.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
-def scale_loss(loss: jax.Array, axis_name: Any, *, reduction: str = "mean",
-               axis_index_groups=None) -> jax.Array:
+def scale_loss(
+  loss: jax.Array,
+  axis_name: Any,
+  *,
+  reduction: str = "mean",
+  axis_index_groups=None,
+) -> jax.Array:
   """Scales a per-replica loss the way TensorFlow's cross-shard wrappers do.
 
   ``loss / n`` for ``"mean"`` (``n`` = the axis size, or the group size with
@@ -191,8 +219,9 @@ def scale_loss(loss: jax.Array, axis_name: Any, *, reduction: str = "mean",
   if axis_name is None:
     if axis_index_groups is not None:
       raise ValueError(
-          f"{name}: axis_index_groups={axis_index_groups!r} needs a named"
-          " axis, but axis_name=None. Pass the pmap/mesh axis name.")
+        f"{name}: axis_index_groups={axis_index_groups!r} needs a named"
+        " axis, but axis_name=None. Pass the pmap/mesh axis name."
+      )
     return loss
   size = _axes.axis_size(axis_name, name)
   groups = _axes.validate_groups(axis_index_groups, size, name, axis_name)

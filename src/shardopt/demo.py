@@ -78,10 +78,11 @@ def select_devices(count: int) -> list:
     pool = jax.devices("cpu")
   if len(pool) < count:
     raise RuntimeError(
-        f"shardopt.demo: --devices {count} asked for {count} devices, but only"
-        f" {len(pool)} {pool[0].platform} device(s) exist. Run the demo in a"
-        f" fresh process (XLA_FLAGS={_FORCE_FLAG}={count} is applied before JAX"
-        " starts), or pass a smaller --devices.")
+      f"shardopt.demo: --devices {count} asked for {count} devices, but only"
+      f" {len(pool)} {pool[0].platform} device(s) exist. Run the demo in a"
+      f" fresh process (XLA_FLAGS={_FORCE_FLAG}={count} is applied before JAX"
+      " starts), or pass a smaller --devices."
+    )
   return list(pool[:count])
 
 
@@ -91,7 +92,7 @@ class RunResult(NamedTuple):
   steps: int
   all_reduces: int
   wall_time_s: float
-  losses: Any            # numpy array [steps], mean over replicas
+  losses: Any  # numpy array [steps], mean over replicas
   replica_divergence: float
 
 
@@ -104,8 +105,9 @@ def load_digits_split(seed: int = 0):
   digits = load_digits()
   features = (digits.data / 16.0).astype(np.float32)
   labels = digits.target.astype(np.int32)
-  return train_test_split(features, labels, test_size=0.2, random_state=seed,
-                          stratify=labels)
+  return train_test_split(
+    features, labels, test_size=0.2, random_state=seed, stratify=labels
+  )
 
 
 def init_mlp(key, sizes: Sequence[int]):
@@ -137,7 +139,9 @@ def cross_entropy(params, features, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def make_optimizer(method: str, learning_rate: float, communication_period: int):
+def make_optimizer(
+  method: str, learning_rate: float, communication_period: int
+):
   """The optax transform the demo trains with for ``method``."""
   import optax  # pylint: disable=g-import-not-at-top
 
@@ -153,17 +157,29 @@ def make_optimizer(method: str, learning_rate: float, communication_period: int)
     # The center takes one step per period, so it gets a learning rate
     # `communication_period` times larger (local SGD's "lr * T" rule).
     return shardopt.agn(
-        optax.adam(learning_rate), AXIS,
-        communication_period=communication_period,
-        global_optimizer=optax.adam(learning_rate * communication_period))
-  raise ValueError(f"shardopt.demo: unknown method {method!r}; use one of"
-                   f" {METHODS} or 'all'.")
+      optax.adam(learning_rate),
+      AXIS,
+      communication_period=communication_period,
+      global_optimizer=optax.adam(learning_rate * communication_period),
+    )
+  raise ValueError(
+    f"shardopt.demo: unknown method {method!r}; use one of {METHODS} or 'all'."
+  )
 
 
-def train(method: str, devices: list, data, *, steps: int,
-          batch_per_replica: int = 32, learning_rate: float = 3e-3,
-          communication_period: int = 10, hidden: int = 64, seed: int = 0,
-          progress: bool = True) -> RunResult:
+def train(
+  method: str,
+  devices: list,
+  data,
+  *,
+  steps: int,
+  batch_per_replica: int = 32,
+  learning_rate: float = 3e-3,
+  communication_period: int = 10,
+  hidden: int = 64,
+  seed: int = 0,
+  progress: bool = True,
+) -> RunResult:
   """Trains the MLP with ``method`` over ``devices``; returns its result row.
 
   A plain ``jax.pmap`` loop: every replica holds its own copy of params and
@@ -189,8 +205,9 @@ def train(method: str, devices: list, data, *, steps: int,
       # After a sync, snap params onto the center so every replica holds the
       # same bits (params + (center - params) can be off by an ulp).
       synced = new_state.sync_count > opt_state.sync_count
-      params = jax.tree.map(lambda p, c: jnp.where(synced, c, p), params,
-                            new_state.center)
+      params = jax.tree.map(
+        lambda p, c: jnp.where(synced, c, p), params, new_state.center
+      )
     return params, new_state, loss
 
   pmap = lambda f: jax.pmap(f, axis_name=AXIS, devices=devices)
@@ -211,11 +228,20 @@ def train(method: str, devices: list, data, *, steps: int,
   losses = []
   start = time.perf_counter()
   opt_state = init_state(params)
-  bar = tqdm(range(steps), desc=f"{method:>11}", unit="step", leave=True,
-             disable=not progress, file=sys.stderr, dynamic_ncols=True)
+  bar = tqdm(
+    range(steps),
+    desc=f"{method:>11}",
+    unit="step",
+    leave=True,
+    disable=not progress,
+    file=sys.stderr,
+    dynamic_ncols=True,
+  )
   for i in bar:
     idx = batches[i]
-    params, opt_state, loss = step(params, opt_state, x_train[idx], y_train[idx])
+    params, opt_state, loss = step(
+      params, opt_state, x_train[idx], y_train[idx]
+    )
     # Wait for each step: XLA's CPU backend can deadlock its collectives'
     # rendezvous when many multi-device steps are queued on few cores.
     losses.append(np.asarray(loss))
@@ -230,50 +256,63 @@ def train(method: str, devices: list, data, *, steps: int,
   predictions = np.asarray(mlp_logits(final, x_test)).argmax(axis=1)
   accuracy = float((predictions == y_test).mean())
   if method == "agn":
-    all_reduces = int(np.asarray(
-        optax.tree_utils.tree_get(opt_state, "sync_count"))[0])
+    all_reduces = int(
+      np.asarray(optax.tree_utils.tree_get(opt_state, "sync_count"))[0]
+    )
   else:
     all_reduces = steps  # one gradient reduction per step
   divergence = float(np.asarray(divergence_of(params))[0])
-  return RunResult(method, accuracy, steps, all_reduces, wall, losses,
-                   divergence)
+  return RunResult(
+    method, accuracy, steps, all_reduces, wall, losses, divergence
+  )
 
 
 def format_table(results: Sequence[RunResult], devices: list) -> str:
   """The results as a Markdown table (paste-able into notes)."""
   lines = [
-      f"shardopt demo: MLP on sklearn digits, {len(devices)} x"
-      f" {devices[0].platform} devices",
-      "",
-      "| method      | test accuracy | steps | all-reduces | wall time |",
-      "|-------------|---------------|-------|-------------|-----------|",
+    f"shardopt demo: MLP on sklearn digits, {len(devices)} x"
+    f" {devices[0].platform} devices",
+    "",
+    "| method      | test accuracy | steps | all-reduces | wall time |",
+    "|-------------|---------------|-------|-------------|-----------|",
   ]
   for r in results:
-    lines.append(f"| {r.method:<11} | {r.test_accuracy:>13.1%} | {r.steps:>5d}"
-                 f" | {r.all_reduces:>11d} | {r.wall_time_s:>8.1f}s |")
+    lines.append(
+      f"| {r.method:<11} | {r.test_accuracy:>13.1%} | {r.steps:>5d}"
+      f" | {r.all_reduces:>11d} | {r.wall_time_s:>8.1f}s |"
+    )
   lines.append("")
-  lines.append("all-reduces: cross_shard and tower reduce the gradients once per"
-               " step (tower as reduce-scatter + all-gather); agn all-reduces"
-               " only on sync steps (its sync_count). Wall time includes"
-               " compilation.")
+  lines.append(
+    "all-reduces: cross_shard and tower reduce the gradients once per"
+    " step (tower as reduce-scatter + all-gather); agn all-reduces"
+    " only on sync steps (its sync_count). Wall time includes"
+    " compilation."
+  )
   return "\n".join(lines)
 
 
 def plot_losses(results: Sequence[RunResult], path: str) -> str:
   """Saves the training-loss curves of every run to ``path`` (PNG)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   fig, ax = plt.subplots(figsize=(7, 4.2))
   # cross_shard and tower give (nearly) the same curve: draw tower dashed on
   # top of a wide cross_shard line so both stay visible.
-  styles = {"cross_shard": {"linewidth": 3.0, "alpha": 0.55},
-            "tower": {"linestyle": "--", "linewidth": 1.3}}
+  styles = {
+    "cross_shard": {"linewidth": 3.0, "alpha": 0.55},
+    "tower": {"linestyle": "--", "linewidth": 1.3},
+  }
   for r in results:
-    ax.plot(range(1, len(r.losses) + 1), r.losses, **styles.get(r.method, {}),
-            label=f"{r.method} ({r.all_reduces} all-reduces,"
-                  f" acc {r.test_accuracy:.1%})")
+    ax.plot(
+      range(1, len(r.losses) + 1),
+      r.losses,
+      **styles.get(r.method, {}),
+      label=f"{r.method} ({r.all_reduces} all-reduces,"
+      f" acc {r.test_accuracy:.1%})",
+    )
   ax.set_xlabel("step")
   ax.set_ylabel("training loss (mean over replicas)")
   ax.set_yscale("log")
@@ -288,28 +327,48 @@ def plot_losses(results: Sequence[RunResult], path: str) -> str:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog="python -m shardopt.demo",
-      description="Train an MLP on sklearn digits with shardopt's cross_shard,"
-                  " tower and agn over several devices.")
-  parser.add_argument("--steps", type=int, default=200,
-                      help="training steps per method (default 200)")
-  parser.add_argument("--devices", type=int, default=8,
-                      help="number of devices / replicas (default 8)")
-  parser.add_argument("--method", default="all", choices=METHODS + ("all",),
-                      help="which optimizer to run (default all)")
-  parser.add_argument("--out", default="demo_out",
-                      help="directory for loss_curves.png and results.md"
-                           " (default ./demo_out)")
-  parser.add_argument("--communication-period", type=int, default=10,
-                      help="agn: steps between syncs (default 10)")
+    prog="python -m shardopt.demo",
+    description="Train an MLP on sklearn digits with shardopt's cross_shard,"
+    " tower and agn over several devices.",
+  )
+  parser.add_argument(
+    "--steps",
+    type=int,
+    default=200,
+    help="training steps per method (default 200)",
+  )
+  parser.add_argument(
+    "--devices",
+    type=int,
+    default=8,
+    help="number of devices / replicas (default 8)",
+  )
+  parser.add_argument(
+    "--method",
+    default="all",
+    choices=METHODS + ("all",),
+    help="which optimizer to run (default all)",
+  )
+  parser.add_argument(
+    "--out",
+    default="demo_out",
+    help="directory for loss_curves.png and results.md (default ./demo_out)",
+  )
+  parser.add_argument(
+    "--communication-period",
+    type=int,
+    default=10,
+    help="agn: steps between syncs (default 10)",
+  )
   args = parser.parse_args(argv)
   if args.steps < 1:
     parser.error(f"--steps must be >= 1, got {args.steps}")
   if args.devices < 1:
     parser.error(f"--devices must be >= 1, got {args.devices}")
   if args.communication_period < 1:
-    parser.error("--communication-period must be >= 1, got"
-                 f" {args.communication_period}")
+    parser.error(
+      f"--communication-period must be >= 1, got {args.communication_period}"
+    )
   return args
 
 
@@ -320,17 +379,27 @@ def main(argv: Sequence[str] | None = None) -> list:
   devices = select_devices(args.devices)
   methods = METHODS if args.method == "all" else (args.method,)
   data = load_digits_split()
-  print(f"shardopt demo: {len(devices)} x {devices[0].platform} devices,"
-        f" {args.steps} steps per method, methods: {', '.join(methods)}",
-        flush=True)
+  print(
+    f"shardopt demo: {len(devices)} x {devices[0].platform} devices,"
+    f" {args.steps} steps per method, methods: {', '.join(methods)}",
+    flush=True,
+  )
   results = []
   for method in methods:
-    result = train(method, devices, data, steps=args.steps,
-                   communication_period=args.communication_period,
-                   progress=True)
-    print(f"{method}: test accuracy {result.test_accuracy:.1%},"
-          f" {result.all_reduces} all-reduces, {result.wall_time_s:.1f}s,"
-          f" replica divergence {result.replica_divergence:g}", flush=True)
+    result = train(
+      method,
+      devices,
+      data,
+      steps=args.steps,
+      communication_period=args.communication_period,
+      progress=True,
+    )
+    print(
+      f"{method}: test accuracy {result.test_accuracy:.1%},"
+      f" {result.all_reduces} all-reduces, {result.wall_time_s:.1f}s,"
+      f" replica divergence {result.replica_divergence:g}",
+      flush=True,
+    )
     results.append(result)
   table = format_table(results, devices)
   os.makedirs(args.out, exist_ok=True)

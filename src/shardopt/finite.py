@@ -35,8 +35,9 @@ def _locally_finite(tree: Any) -> jax.Array:
   return functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
 
 
-def all_finite(tree: Any, axis_name: Any = None, *,
-               axis_index_groups=None) -> jax.Array:
+def all_finite(
+  tree: Any, axis_name: Any = None, *, axis_index_groups=None
+) -> jax.Array:
   """True iff every element of ``tree`` is finite on every replica (of a group).
 
   Each replica tests its own leaves, then one all-reduce of a 4-byte flag (the
@@ -77,8 +78,9 @@ def all_finite(tree: Any, axis_name: Any = None, *,
   if axis_name is None:
     if axis_index_groups is not None:
       raise ValueError(
-          f"{_ALL_FINITE}: axis_index_groups={axis_index_groups!r} needs a"
-          " named axis, but axis_name=None. Pass the pmap/mesh axis name.")
+        f"{_ALL_FINITE}: axis_index_groups={axis_index_groups!r} needs a"
+        " named axis, but axis_name=None. Pass the pmap/mesh axis name."
+      )
     return finite
   bad = jnp.logical_not(finite).astype(jnp.float32)
   if axis_index_groups is not None and _axes.vma_checked():
@@ -86,15 +88,21 @@ def all_finite(tree: Any, axis_name: Any = None, *,
     # to be summed within each group (shardopt.reduce rejects invariant
     # leaves with groups).
     bad = _axes.cast_varying(bad, _axes.axis_names(axis_name))
-  bad_replicas = reduce(bad, axis_name, reduction="sum",
-                        axis_index_groups=axis_index_groups,
-                        _transform=_ALL_FINITE)
+  bad_replicas = reduce(
+    bad,
+    axis_name,
+    reduction="sum",
+    axis_index_groups=axis_index_groups,
+    _transform=_ALL_FINITE,
+  )
   return bad_replicas == 0
 
 
-def apply_if_finite(inner: optax.GradientTransformation, axis_name: Any,
-                    max_consecutive_errors: int
-                    ) -> optax.GradientTransformationExtraArgs:
+def apply_if_finite(
+  inner: optax.GradientTransformation,
+  axis_name: Any,
+  max_consecutive_errors: int,
+) -> optax.GradientTransformationExtraArgs:
   """Skips the update on every replica when any replica's gradient is not finite.
 
   ``optax.apply_if_finite`` with the decision made by :func:`all_finite`
@@ -153,32 +161,40 @@ def apply_if_finite(inner: optax.GradientTransformation, axis_name: Any,
     <https://arxiv.org/abs/1710.03740>`_, 2018 (skipping steps whose scaled
     gradients overflow).
   """
-  if isinstance(max_consecutive_errors, (bool, np.bool_)) or not isinstance(
-      max_consecutive_errors, (int, np.integer)) or max_consecutive_errors < 0:
+  if (
+    isinstance(max_consecutive_errors, (bool, np.bool_))
+    or not isinstance(max_consecutive_errors, (int, np.integer))
+    or max_consecutive_errors < 0
+  ):
     raise ValueError(
-        f"{_APPLY_IF_FINITE}: max_consecutive_errors={max_consecutive_errors!r}"
-        " must be a non-negative integer, the number of consecutive"
-        " non-finite steps to skip before an update is applied anyway (e.g."
-        " 5).")
+      f"{_APPLY_IF_FINITE}: max_consecutive_errors={max_consecutive_errors!r}"
+      " must be a non-negative integer, the number of consecutive"
+      " non-finite steps to skip before an update is applied anyway (e.g."
+      " 5)."
+    )
   _axes.check_transform(inner, _APPLY_IF_FINITE)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
     return optax.ApplyIfFiniteState(
-        notfinite_count=jnp.zeros([], jnp.int32),
-        last_finite=jnp.array(True, jnp.bool_),
-        total_notfinite=jnp.zeros([], jnp.int32),
-        inner_state=inner.init(params))
+      notfinite_count=jnp.zeros([], jnp.int32),
+      last_finite=jnp.array(True, jnp.bool_),
+      total_notfinite=jnp.zeros([], jnp.int32),
+      inner_state=inner.init(params),
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     if axis_name is not None:
       _axes.axis_size(axis_name, _APPLY_IF_FINITE)
     finite = all_finite(updates, axis_name)
     notfinite_count = jnp.where(
-        finite, jnp.zeros_like(state.notfinite_count),
-        optax.safe_increment(state.notfinite_count))
+      finite,
+      jnp.zeros_like(state.notfinite_count),
+      optax.safe_increment(state.notfinite_count),
+    )
     consecutive = _axes.scalar_counter(
-        notfinite_count, _APPLY_IF_FINITE, "state.notfinite_count")
+      notfinite_count, _APPLY_IF_FINITE, "state.notfinite_count"
+    )
 
     def apply_branch():
       return inner.update(updates, state.inner_state, params, **extra_args)
@@ -186,21 +202,28 @@ def apply_if_finite(inner: optax.GradientTransformation, axis_name: Any,
     apply_types = jax.eval_shape(apply_branch)
 
     def skip_branch():
-      zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype),
-                           apply_types[0])
+      zeros = jax.tree.map(
+        lambda t: jnp.zeros(t.shape, t.dtype), apply_types[0]
+      )
       return zeros, state.inner_state
 
     new_updates, inner_state = _axes.cond_same_types(
-        jnp.logical_or(finite, consecutive > max_consecutive_errors),
-        apply_branch, skip_branch, true_types=apply_types)
+      jnp.logical_or(finite, consecutive > max_consecutive_errors),
+      apply_branch,
+      skip_branch,
+      true_types=apply_types,
+    )
     return new_updates, optax.ApplyIfFiniteState(
-        notfinite_count=notfinite_count,
-        last_finite=_axes.cast_tree_like(
-            jnp.reshape(finite, jnp.shape(state.last_finite)),
-            state.last_finite),
-        total_notfinite=jnp.where(
-            finite, state.total_notfinite,
-            optax.safe_increment(state.total_notfinite)),
-        inner_state=inner_state)
+      notfinite_count=notfinite_count,
+      last_finite=_axes.cast_tree_like(
+        jnp.reshape(finite, jnp.shape(state.last_finite)), state.last_finite
+      ),
+      total_notfinite=jnp.where(
+        finite,
+        state.total_notfinite,
+        optax.safe_increment(state.total_notfinite),
+      ),
+      inner_state=inner_state,
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -54,32 +54,41 @@ __all__ = ["AGNState", "agn", "diloco", "hierarchical_local_sgd", "local_sgd"]
 
 
 def _check_period(value: Any, arg: str, transform: str) -> int:
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-      value, (int, np.integer)) or int(value) < 1:
+  if (
+    isinstance(value, (bool, np.bool_))
+    or not isinstance(value, (int, np.integer))
+    or int(value) < 1
+  ):
     raise ValueError(
-        f"{transform}: {arg}={value!r} must be an integer >= 1 (the number of"
-        f" local steps between two synchronisations); e.g. {arg}=10.")
+      f"{transform}: {arg}={value!r} must be an integer >= 1 (the number of"
+      f" local steps between two synchronisations); e.g. {arg}=10."
+    )
   return int(value)
 
 
 def _check_axis_name(axis_name: Any, transform: str) -> None:
   if axis_name is None:
     raise ValueError(
-        f"{transform}: axis_name=None, but {transform} needs a named axis: the"
-        " replicas train apart between synchronisations, so they must be"
-        " mapped over a named axis. Call it inside jax.pmap(...,"
-        " axis_name='batch') or jax.shard_map over a mesh axis, and pass that"
-        " name.")
+      f"{transform}: axis_name=None, but {transform} needs a named axis: the"
+      " replicas train apart between synchronisations, so they must be"
+      " mapped over a named axis. Call it inside jax.pmap(...,"
+      " axis_name='batch') or jax.shard_map over a mesh axis, and pass that"
+      " name."
+    )
 
 
 def _check_num_fragments(value: Any, sync_period: int, transform: str) -> int:
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-      value, (int, np.integer)) or not 1 <= int(value) <= sync_period:
+  if (
+    isinstance(value, (bool, np.bool_))
+    or not isinstance(value, (int, np.integer))
+    or not 1 <= int(value) <= sync_period
+  ):
     raise ValueError(
-        f"{transform}: num_fragments={value!r} must be an integer with 1 <="
-        f" num_fragments <= sync_period={sync_period} (each fragment"
-        " synchronises at its own step of the period, and at most one per"
-        " step); 1 is plain DiLoCo.")
+      f"{transform}: num_fragments={value!r} must be an integer with 1 <="
+      f" num_fragments <= sync_period={sync_period} (each fragment"
+      " synchronises at its own step of the period, and at most one per"
+      " step); 1 is plain DiLoCo."
+    )
   return int(value)
 
 
@@ -89,52 +98,72 @@ def _check_period_group_sizes(value: Any, transform: str) -> dict:
   example = " e.g. period_group_sizes={2: 2, 8: 8}"
   if not isinstance(value, Mapping) or not value:
     raise ValueError(
-        f"{transform}: period_group_sizes={value!r} must be a non-empty dict"
-        " {period: group_size}: after local step t the largest period that"
-        f" divides t averages within contiguous groups of its size;{example}.")
+      f"{transform}: period_group_sizes={value!r} must be a non-empty dict"
+      " {period: group_size}: after local step t the largest period that"
+      f" divides t averages within contiguous groups of its size;{example}."
+    )
   for period, size in value.items():
     for what, v in (("period", period), ("group size", size)):
-      if isinstance(v, (bool, np.bool_)) or not isinstance(
-          v, (int, np.integer)) or int(v) < 1:
+      if (
+        isinstance(v, (bool, np.bool_))
+        or not isinstance(v, (int, np.integer))
+        or int(v) < 1
+      ):
         raise ValueError(
-            f"{transform}: period_group_sizes={value!r} has {what} {v!r};"
-            f" periods and group sizes must be integers >= 1;{example}.")
+          f"{transform}: period_group_sizes={value!r} has {what} {v!r};"
+          f" periods and group sizes must be integers >= 1;{example}."
+        )
   items = [(int(p), int(s)) for p, s in value.items()]
   for (p0, s0), (p1, s1) in zip(items, items[1:]):
     if not (p1 > p0 and s1 > s0):
       raise ValueError(
-          f"{transform}: period_group_sizes={value!r}: periods and group sizes"
-          " must both be strictly increasing in the order given (a longer"
-          f" period averages over a larger group), but {p0}: {s0} is followed"
-          f" by {p1}: {s1}. The dict is read in its own order, not sorted;"
-          f"{example}.")
+        f"{transform}: period_group_sizes={value!r}: periods and group sizes"
+        " must both be strictly increasing in the order given (a longer"
+        f" period averages over a larger group), but {p0}: {s0} is followed"
+        f" by {p1}: {s1}. The dict is read in its own order, not sorted;"
+        f"{example}."
+      )
   return dict(items)
 
 
-def _check_outer_args(transform: str, outer_learning_rate: Any,
-                      outer_momentum: Any, nesterov: Any) -> None:
+def _check_outer_args(
+  transform: str, outer_learning_rate: Any, outer_momentum: Any, nesterov: Any
+) -> None:
   if not callable(outer_learning_rate) and (
-      isinstance(outer_learning_rate, (bool, np.bool_))
-      or not isinstance(outer_learning_rate, (int, float, np.number))
-      or not outer_learning_rate > 0):
+    isinstance(outer_learning_rate, (bool, np.bool_))
+    or not isinstance(outer_learning_rate, (int, float, np.number))
+    or not outer_learning_rate > 0
+  ):
     raise ValueError(
-        f"{transform}: outer_learning_rate={outer_learning_rate!r} must be a"
-        " positive number (or an optax schedule); DiLoCo uses 0.7.")
-  if isinstance(outer_momentum, (bool, np.bool_)) or not isinstance(
-      outer_momentum, (int, float, np.number)) or not 0 <= outer_momentum < 1:
+      f"{transform}: outer_learning_rate={outer_learning_rate!r} must be a"
+      " positive number (or an optax schedule); DiLoCo uses 0.7."
+    )
+  if (
+    isinstance(outer_momentum, (bool, np.bool_))
+    or not isinstance(outer_momentum, (int, float, np.number))
+    or not 0 <= outer_momentum < 1
+  ):
     raise ValueError(
-        f"{transform}: outer_momentum={outer_momentum!r} must be a number in"
-        " [0, 1); DiLoCo uses 0.9 (0 turns momentum off).")
+      f"{transform}: outer_momentum={outer_momentum!r} must be a number in"
+      " [0, 1); DiLoCo uses 0.9 (0 turns momentum off)."
+    )
   if not isinstance(nesterov, (bool, np.bool_)):
-    raise ValueError(f"{transform}: nesterov={nesterov!r} must be True or"
-                     " False; DiLoCo uses True.")
+    raise ValueError(
+      f"{transform}: nesterov={nesterov!r} must be True or"
+      " False; DiLoCo uses True."
+    )
 
 
-def agn(optimizer: optax.GradientTransformation, axis_name: Any, *,
-        communication_period: int = 10,
-        global_optimizer: optax.GradientTransformation | None = None,
-        reduction: str = "mean", axis_index_groups=None, comm_dtype=None
-        ) -> optax.GradientTransformationExtraArgs:
+def agn(
+  optimizer: optax.GradientTransformation,
+  axis_name: Any,
+  *,
+  communication_period: int = 10,
+  global_optimizer: optax.GradientTransformation | None = None,
+  reduction: str = "mean",
+  axis_index_groups=None,
+  comm_dtype=None,
+) -> optax.GradientTransformationExtraArgs:
   """Accumulated Gradient Normalization (TensorFlow's ``AGNOptimizer``).
 
   Every step, on every replica: a local step of ``optimizer`` on this
@@ -267,14 +296,26 @@ def agn(optimizer: optax.GradientTransformation, axis_name: Any, *,
   if global_optimizer is None:
     global_optimizer = optimizer
   return engine.periodic(
-      name, optimizer, global_optimizer, axis_name, syncs=engine.every(period),
-      contribution=engine.GRADIENTS, reduction=reduction,
-      axis_index_groups=axis_index_groups, comm_dtype=comm_dtype)
+    name,
+    optimizer,
+    global_optimizer,
+    axis_name,
+    syncs=engine.every(period),
+    contribution=engine.GRADIENTS,
+    reduction=reduction,
+    axis_index_groups=axis_index_groups,
+    comm_dtype=comm_dtype,
+  )
 
 
-def local_sgd(optimizer: optax.GradientTransformation, axis_name: Any, *,
-              period: int, axis_index_groups=None, comm_dtype=None
-              ) -> optax.GradientTransformationExtraArgs:
+def local_sgd(
+  optimizer: optax.GradientTransformation,
+  axis_name: Any,
+  *,
+  period: int,
+  axis_index_groups=None,
+  comm_dtype=None,
+) -> optax.GradientTransformationExtraArgs:
   """Periodic model averaging (local SGD): every ``period`` steps, params ← mean.
 
   Each replica takes ``period`` local steps of ``optimizer``; then the params
@@ -324,15 +365,24 @@ def local_sgd(optimizer: optax.GradientTransformation, axis_name: Any, *,
   _check_axis_name(axis_name, name)
   period = _check_period(period, "period", name)
   return engine.periodic(
-      name, optimizer, optax.sgd(1.0), axis_name, syncs=engine.every(period),
-      contribution=engine.PSEUDO_GRADIENT, axis_index_groups=axis_index_groups,
-      comm_dtype=comm_dtype)
+    name,
+    optimizer,
+    optax.sgd(1.0),
+    axis_name,
+    syncs=engine.every(period),
+    contribution=engine.PSEUDO_GRADIENT,
+    axis_index_groups=axis_index_groups,
+    comm_dtype=comm_dtype,
+  )
 
 
-def hierarchical_local_sgd(optimizer: optax.GradientTransformation,
-                           axis_name: Any, *, period_group_sizes: dict,
-                           comm_dtype=None
-                           ) -> optax.GradientTransformationExtraArgs:
+def hierarchical_local_sgd(
+  optimizer: optax.GradientTransformation,
+  axis_name: Any,
+  *,
+  period_group_sizes: dict,
+  comm_dtype=None,
+) -> optax.GradientTransformationExtraArgs:
   """Hierarchical local SGD: average often in small groups, rarely in big ones.
 
   ``period_group_sizes`` maps a period to a group size, e.g. ``{2: 2, 8: 8}``
@@ -413,15 +463,28 @@ def hierarchical_local_sgd(optimizer: optax.GradientTransformation,
   _check_axis_name(axis_name, name)
   levels = _check_period_group_sizes(period_group_sizes, name)
   return engine.periodic(
-      name, optimizer, None, axis_name, syncs=engine.hierarchy(levels),
-      contribution=engine.PARAMS, comm_dtype=comm_dtype)
+    name,
+    optimizer,
+    None,
+    axis_name,
+    syncs=engine.hierarchy(levels),
+    contribution=engine.PARAMS,
+    comm_dtype=comm_dtype,
+  )
 
 
-def diloco(optimizer: optax.GradientTransformation, axis_name: Any, *,
-           sync_period: int = 500, outer_learning_rate: float = 0.7,
-           outer_momentum: float = 0.9, nesterov: bool = True,
-           axis_index_groups=None, comm_dtype=None, num_fragments: int = 1
-           ) -> optax.GradientTransformationExtraArgs:
+def diloco(
+  optimizer: optax.GradientTransformation,
+  axis_name: Any,
+  *,
+  sync_period: int = 500,
+  outer_learning_rate: float = 0.7,
+  outer_momentum: float = 0.9,
+  nesterov: bool = True,
+  axis_index_groups=None,
+  comm_dtype=None,
+  num_fragments: int = 1,
+) -> optax.GradientTransformationExtraArgs:
   """DiLoCo: local inner steps, then an outer Nesterov step on the mean delta.
 
   Each replica takes ``sync_period`` steps of the inner ``optimizer`` (AdamW
@@ -522,11 +585,20 @@ def diloco(optimizer: optax.GradientTransformation, axis_name: Any, *,
   _check_axis_name(axis_name, name)
   period = _check_period(sync_period, "sync_period", name)
   _check_outer_args(name, outer_learning_rate, outer_momentum, nesterov)
-  outer = optax.sgd(outer_learning_rate, momentum=outer_momentum or None,
-                    nesterov=bool(nesterov))
+  outer = optax.sgd(
+    outer_learning_rate,
+    momentum=outer_momentum or None,
+    nesterov=bool(nesterov),
+  )
   fragments = _check_num_fragments(num_fragments, period, name)
   return engine.periodic(
-      name, optimizer, outer, axis_name,
-      syncs=engine.streaming(period, fragments),
-      contribution=engine.PSEUDO_GRADIENT, axis_index_groups=axis_index_groups,
-      comm_dtype=comm_dtype, num_fragments=fragments)
+    name,
+    optimizer,
+    outer,
+    axis_name,
+    syncs=engine.streaming(period, fragments),
+    contribution=engine.PSEUDO_GRADIENT,
+    axis_index_groups=axis_index_groups,
+    comm_dtype=comm_dtype,
+    num_fragments=fragments,
+  )

@@ -47,12 +47,14 @@ class PowerSGDState(NamedTuple):
       from (an empty ``(0,)`` placeholder for uncompressed leaves); the same on
       every replica (spec ``P()``).
   """
+
   count: chex.Array
   error: Any
   q: Any
 
 
 # --- Which leaves are compressed, and how (static, from shapes only). ---
+
 
 def _matrix_shape(shape: tuple) -> tuple[int, int]:
   """``(n, m)`` of the matrix view ``g.reshape(g.shape[0], -1)``."""
@@ -84,15 +86,18 @@ def _gaussian_q(seed: int, leaf_index: int, step, shape: tuple) -> jax.Array:
 
   Every replica computes the same bits without communicating.
   """
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), leaf_index),
-                           step)
+  key = jax.random.fold_in(
+    jax.random.fold_in(jax.random.key(seed), leaf_index), step
+  )
   return jax.random.normal(key, shape, jnp.float32)
 
 
 # --- The steps of one compressed update, in the order of the docstring. ---
 
-def _with_error(g: jax.Array, error: jax.Array, error_feedback: bool
-                ) -> jax.Array:
+
+def _with_error(
+  g: jax.Array, error: jax.Array, error_feedback: bool
+) -> jax.Array:
   """Step 1: ``M = g + e`` as a float32 ``(n, m)`` matrix."""
   matrix = g.astype(jnp.float32).reshape(_matrix_shape(g.shape))
   return matrix + error.reshape(matrix.shape) if error_feedback else matrix
@@ -128,16 +133,18 @@ def _approximate(p: jax.Array, q: jax.Array) -> jax.Array:
   return jnp.matmul(p, q.T, precision=_PRECISION)
 
 
-def _residual(matrix: jax.Array, approx: jax.Array, error: jax.Array,
-              error_feedback: bool) -> jax.Array:
+def _residual(
+  matrix: jax.Array, approx: jax.Array, error: jax.Array, error_feedback: bool
+) -> jax.Array:
   """Step 8: ``e = M - approx``: local input minus the aggregated approximation."""
   if not error_feedback:
     return error  # the placeholder, unchanged
   return (matrix - approx).reshape(error.shape)
 
 
-def _next_q(q: jax.Array, warm_start: bool, seed: int, leaf_index: int,
-            count: jax.Array) -> jax.Array:
+def _next_q(
+  q: jax.Array, warm_start: bool, seed: int, leaf_index: int, count: jax.Array
+) -> jax.Array:
   """Step 9: the next step's ``Q``: this step's (warm start) or a fresh one."""
   if warm_start:
     return q
@@ -146,85 +153,134 @@ def _next_q(q: jax.Array, warm_start: bool, seed: int, leaf_index: int,
 
 # --- Argument and state checks. ---
 
+
 def _is_int(value: Any) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(
-      value, (bool, np.bool_))
+    value, (bool, np.bool_)
+  )
 
 
-def _check_args(axis_name, rank, start_step, min_compression_rate,
-                error_feedback, warm_start, seed, comm_dtype):
+def _check_args(
+  axis_name,
+  rank,
+  start_step,
+  min_compression_rate,
+  error_feedback,
+  warm_start,
+  seed,
+  comm_dtype,
+):
   """Validates every argument of :func:`powersgd` before anything is traced."""
   if axis_name is None:
     raise ValueError(
-        f"{_POWERSGD}: axis_name=None, but powersgd needs a named axis: it"
-        " replaces the all-reduce of the gradients across the replicas of that"
-        " axis. Call it inside jax.pmap(..., axis_name='batch') or"
-        " jax.shard_map over a mesh axis and pass that name. Under plain"
-        " jax.jit over sharded arrays the compiler reduces the gradients"
-        " itself and there is nothing to compress.")
+      f"{_POWERSGD}: axis_name=None, but powersgd needs a named axis: it"
+      " replaces the all-reduce of the gradients across the replicas of that"
+      " axis. Call it inside jax.pmap(..., axis_name='batch') or"
+      " jax.shard_map over a mesh axis and pass that name. Under plain"
+      " jax.jit over sharded arrays the compiler reduces the gradients"
+      " itself and there is nothing to compress."
+    )
   if not _is_int(rank) or rank < 1:
-    raise ValueError(f"{_POWERSGD}: rank={rank!r} (axis {axis_name!r}) must be"
-                     " an integer >= 1, the rank of the approximation; e.g."
-                     " rank=2 (PyTorch's matrix_approximation_rank).")
-  if not _is_int(start_step) or start_step < 0:
-    raise ValueError(f"{_POWERSGD}: start_step={start_step!r} (axis"
-                     f" {axis_name!r}) must be an integer >= 0, the number of"
-                     " uncompressed warm-up steps; e.g. start_step=0.")
-  if isinstance(min_compression_rate, (bool, np.bool_)) or not isinstance(
-      min_compression_rate, (numbers.Real, np.floating, np.integer)) or not (
-          math.isfinite(min_compression_rate) and min_compression_rate > 0):
     raise ValueError(
-        f"{_POWERSGD}: min_compression_rate={min_compression_rate!r} (axis"
-        f" {axis_name!r}) must be a positive finite number: a leaf is"
-        " compressed only when n*m > rank*(n+m)*min_compression_rate; e.g. 2.0.")
-  for arg, value in (("error_feedback", error_feedback),
-                     ("warm_start", warm_start)):
+      f"{_POWERSGD}: rank={rank!r} (axis {axis_name!r}) must be"
+      " an integer >= 1, the rank of the approximation; e.g."
+      " rank=2 (PyTorch's matrix_approximation_rank)."
+    )
+  if not _is_int(start_step) or start_step < 0:
+    raise ValueError(
+      f"{_POWERSGD}: start_step={start_step!r} (axis"
+      f" {axis_name!r}) must be an integer >= 0, the number of"
+      " uncompressed warm-up steps; e.g. start_step=0."
+    )
+  if (
+    isinstance(min_compression_rate, (bool, np.bool_))
+    or not isinstance(
+      min_compression_rate, (numbers.Real, np.floating, np.integer)
+    )
+    or not (math.isfinite(min_compression_rate) and min_compression_rate > 0)
+  ):
+    raise ValueError(
+      f"{_POWERSGD}: min_compression_rate={min_compression_rate!r} (axis"
+      f" {axis_name!r}) must be a positive finite number: a leaf is"
+      " compressed only when n*m > rank*(n+m)*min_compression_rate; e.g. 2.0."
+    )
+  for arg, value in (
+    ("error_feedback", error_feedback),
+    ("warm_start", warm_start),
+  ):
     if not isinstance(value, (bool, np.bool_)):
-      raise ValueError(f"{_POWERSGD}: {arg}={value!r} (axis {axis_name!r}) must"
-                       " be True or False.")
+      raise ValueError(
+        f"{_POWERSGD}: {arg}={value!r} (axis {axis_name!r}) must"
+        " be True or False."
+      )
   if not _is_int(seed):
-    raise ValueError(f"{_POWERSGD}: seed={seed!r} (axis {axis_name!r}) must be"
-                     " an integer, the seed of the initial Q; e.g. seed=0.")
+    raise ValueError(
+      f"{_POWERSGD}: seed={seed!r} (axis {axis_name!r}) must be"
+      " an integer, the seed of the initial Q; e.g. seed=0."
+    )
   return _axes.check_comm_dtype(comm_dtype, _POWERSGD, axis_name)
 
 
-def _check_leaf(path, g, error, q, *, compressed: bool, rank: int,
-                axis_name: Any, error_feedback: bool) -> None:
+def _check_leaf(
+  path,
+  g,
+  error,
+  q,
+  *,
+  compressed: bool,
+  rank: int,
+  axis_name: Any,
+  error_feedback: bool,
+) -> None:
   """One gradient leaf: floating, per replica, and matching its state."""
   where = jax.tree_util.keystr(path) or "<root>"
   _axes.check_float_leaf(path, g, _POWERSGD, axis_name)
   _, invariant = _axes.split_axes(g, axis_name)
   if invariant:
     raise ValueError(
-        f"{_POWERSGD}: the gradient at {where} is invariant over axis"
-        f" {_axes.as_axis(invariant)!r}: the params were replicated (P()), so"
-        " autodiff has already summed the gradient over every replica and there"
-        " is nothing left to compress. Fix: cast the params with"
-        f" jax.lax.pcast(params, {axis_name!r}, to='varying') before jax.grad,"
-        " so each replica keeps its own gradient and powersgd does the"
-        " reduction.")
+      f"{_POWERSGD}: the gradient at {where} is invariant over axis"
+      f" {_axes.as_axis(invariant)!r}: the params were replicated (P()), so"
+      " autodiff has already summed the gradient over every replica and there"
+      " is nothing left to compress. Fix: cast the params with"
+      f" jax.lax.pcast(params, {axis_name!r}, to='varying') before jax.grad,"
+      " so each replica keeps its own gradient and powersgd does the"
+      " reduction."
+    )
   if not compressed:
     return
   n, m = _matrix_shape(g.shape)
   r = _effective_rank(g.shape, rank)
-  fix = (" Build the state with this transform's init from params shaped like"
-         " the gradients: jax.pmap(tx.init) under pmap; under a checking"
-         " shard_map, jax.shard_map(tx.init, in_specs=P(), out_specs=specs)"
-         f" with specs.error = P({axis_name!r}) and P() elsewhere.")
+  fix = (
+    " Build the state with this transform's init from params shaped like"
+    " the gradients: jax.pmap(tx.init) under pmap; under a checking"
+    " shard_map, jax.shard_map(tx.init, in_specs=P(), out_specs=specs)"
+    f" with specs.error = P({axis_name!r}) and P() elsewhere."
+  )
   if jnp.shape(q) != (m, r):
-    raise ValueError(f"{_POWERSGD}: state.q at {where} has shape"
-                     f" {jnp.shape(q)}, expected {(m, r)} for a gradient of"
-                     f" shape {g.shape} at rank {rank}.{fix}")
+    raise ValueError(
+      f"{_POWERSGD}: state.q at {where} has shape"
+      f" {jnp.shape(q)}, expected {(m, r)} for a gradient of"
+      f" shape {g.shape} at rank {rank}.{fix}"
+    )
   if error_feedback and jnp.shape(error) != g.shape:
-    raise ValueError(f"{_POWERSGD}: state.error at {where} has shape"
-                     f" {jnp.shape(error)}, expected the gradient's shape"
-                     f" {g.shape} (each replica keeps its own error).{fix}")
+    raise ValueError(
+      f"{_POWERSGD}: state.error at {where} has shape"
+      f" {jnp.shape(error)}, expected the gradient's shape"
+      f" {g.shape} (each replica keeps its own error).{fix}"
+    )
 
 
-def powersgd(axis_name: Any, *, rank: int = 1, start_step: int = 0,
-             min_compression_rate: float = 2.0, error_feedback: bool = True,
-             warm_start: bool = True, seed: int = 0, comm_dtype=None
-             ) -> optax.GradientTransformation:
+def powersgd(
+  axis_name: Any,
+  *,
+  rank: int = 1,
+  start_step: int = 0,
+  min_compression_rate: float = 2.0,
+  error_feedback: bool = True,
+  warm_start: bool = True,
+  seed: int = 0,
+  comm_dtype=None,
+) -> optax.GradientTransformation:
   """Averages gradients across replicas as a low-rank approximation (PowerSGD).
 
   A stateful replacement for :func:`shardopt.cross_shard_mean`::
@@ -364,8 +420,16 @@ def powersgd(axis_name: Any, *, rank: int = 1, start_step: int = 0,
     <https://arxiv.org/abs/1905.13727>`_, NeurIPS 2019.
     PyTorch, ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``.
   """
-  comm_dtype = _check_args(axis_name, rank, start_step, min_compression_rate,
-                           error_feedback, warm_start, seed, comm_dtype)
+  comm_dtype = _check_args(
+    axis_name,
+    rank,
+    start_step,
+    min_compression_rate,
+    error_feedback,
+    warm_start,
+    seed,
+    comm_dtype,
+  )
 
   def compressed(x) -> bool:
     return _compresses(jnp.shape(x), rank, min_compression_rate)
@@ -377,15 +441,20 @@ def powersgd(axis_name: Any, *, rank: int = 1, start_step: int = 0,
       shape = jnp.shape(p)
       if compressed(p):
         _, m = _matrix_shape(shape)
-        errors.append(jnp.zeros(shape, jnp.float32) if error_feedback
-                      else _placeholder())
-        qs.append(_gaussian_q(seed, index, 0, (m, _effective_rank(shape, rank))))
+        errors.append(
+          jnp.zeros(shape, jnp.float32) if error_feedback else _placeholder()
+        )
+        qs.append(
+          _gaussian_q(seed, index, 0, (m, _effective_rank(shape, rank)))
+        )
       else:
         errors.append(_placeholder())
         qs.append(_placeholder())
-    return PowerSGDState(count=jnp.zeros([], jnp.int32),
-                         error=treedef.unflatten(errors),
-                         q=treedef.unflatten(qs))
+    return PowerSGDState(
+      count=jnp.zeros([], jnp.int32),
+      error=treedef.unflatten(errors),
+      q=treedef.unflatten(qs),
+    )
 
   def warm_up_step(grads, errors, qs, count):
     """Every leaf mean-reduced; ``error`` and ``q`` kept."""
@@ -397,20 +466,24 @@ def powersgd(axis_name: Any, *, rank: int = 1, start_step: int = 0,
     big = [i for i, g in enumerate(grads) if compressed(g)]
     small = [i for i, g in enumerate(grads) if not compressed(g)]
     updates, errors, qs = list(grads), list(errors), list(qs)
-    means = _mean([grads[i] for i in small], axis_name, comm_dtype)    # 0
-    matrices = [_with_error(grads[i], errors[i], error_feedback)
-                for i in big]                                          # 1
-    p = [_project(mat, qs[i]) for mat, i in zip(matrices, big)]        # 2
+    means = _mean([grads[i] for i in small], axis_name, comm_dtype)  # 0
+    matrices = [
+      _with_error(grads[i], errors[i], error_feedback) for i in big
+    ]  # 1
+    p = [_project(mat, qs[i]) for mat, i in zip(matrices, big)]  # 2
     p = [_orthonormalize(x) for x in _mean(p, axis_name, comm_dtype)]  # 3, 4
-    q = _mean([_back_project(mat, x) for mat, x in zip(matrices, p)],
-              axis_name, comm_dtype)                                   # 5, 6
+    q = _mean(
+      [_back_project(mat, x) for mat, x in zip(matrices, p)],
+      axis_name,
+      comm_dtype,
+    )  # 5, 6
     for i, mean in zip(small, means):
       updates[i] = mean
     for i, mat, pi, qi in zip(big, matrices, p, q):
-      approx = _approximate(pi, qi)                                    # 7
+      approx = _approximate(pi, qi)  # 7
       updates[i] = approx.reshape(grads[i].shape).astype(grads[i].dtype)
-      errors[i] = _residual(mat, approx, errors[i], error_feedback)    # 8
-      qs[i] = _next_q(qi, warm_start, seed, i, count)                  # 9
+      errors[i] = _residual(mat, approx, errors[i], error_feedback)  # 8
+      qs[i] = _next_q(qi, warm_start, seed, i, count)  # 9
     return updates, errors, qs
 
   def update_fn(updates, state, params=None):
@@ -425,23 +498,32 @@ def powersgd(axis_name: Any, *, rank: int = 1, start_step: int = 0,
       qs = treedef.flatten_up_to(state.q)
     except (ValueError, TypeError) as e:
       raise ValueError(
-          f"{_POWERSGD}: the gradient tree does not match the state over axis"
-          f" {axis_name!r}: gradients have structure {treedef}. Build the state"
-          " with tx.init(params) from the params these gradients belong to."
+        f"{_POWERSGD}: the gradient tree does not match the state over axis"
+        f" {axis_name!r}: gradients have structure {treedef}. Build the state"
+        " with tx.init(params) from the params these gradients belong to."
       ) from e
     grads = [g for _, g in paths_and_grads]
     for (path, g), error, q in zip(paths_and_grads, errors, qs):
-      _check_leaf(path, g, error, q, compressed=compressed(g), rank=rank,
-                  axis_name=axis_name, error_feedback=error_feedback)
+      _check_leaf(
+        path,
+        g,
+        error,
+        q,
+        compressed=compressed(g),
+        rank=rank,
+        axis_name=axis_name,
+        error_feedback=error_feedback,
+      )
     args = (grads, errors, qs, step + 1)
     if start_step == 0:
       outputs = compressed_step(*args)
     else:
-      outputs = _axes.cond_same_types(step < start_step,
-                                      lambda: warm_up_step(*args),
-                                      lambda: compressed_step(*args))
+      outputs = _axes.cond_same_types(
+        step < start_step,
+        lambda: warm_up_step(*args),
+        lambda: compressed_step(*args),
+      )
     new_updates, errors, qs = (treedef.unflatten(x) for x in outputs)
-    return new_updates, PowerSGDState(count=state.count + 1, error=errors,
-                                      q=qs)
+    return new_updates, PowerSGDState(count=state.count + 1, error=errors, q=qs)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -37,6 +37,7 @@ _CLIP = "shardopt.clip_by_global_norm"
 
 # --- The owned-slice layout: one place for "flatten, pad to n, keep mine". ---
 
+
 def _padded_flat(x: jax.Array, num_owners: int) -> jax.Array:
   """``x`` flattened and zero-padded to a multiple of ``num_owners``."""
   flat = jnp.reshape(x, (-1,))
@@ -60,8 +61,9 @@ def _owned_slice(x: jax.Array, axis_name: Any, num_owners: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(flat, start, chunk)
 
 
-def _owned_sum(y: jax.Array, names: tuple, varying: tuple, sizes: tuple,
-               num_owners: int) -> jax.Array:
+def _owned_sum(
+  y: jax.Array, names: tuple, varying: tuple, sizes: tuple, num_owners: int
+) -> jax.Array:
   """Sum of ``y`` over the ``varying`` axes, keeping only the owned chunk.
 
   Axes of ``names`` not in ``varying`` are ones ``y`` is invariant over (under
@@ -77,11 +79,13 @@ def _owned_sum(y: jax.Array, names: tuple, varying: tuple, sizes: tuple,
   blocks = jnp.reshape(flat, sizes + (-1,))
   for dim, name in enumerate(names):
     if name in varying:
-      blocks = jax.lax.psum_scatter(blocks, name, scatter_dimension=dim,
-                                    tiled=True)
+      blocks = jax.lax.psum_scatter(
+        blocks, name, scatter_dimension=dim, tiled=True
+      )
     else:
-      blocks = jax.lax.dynamic_slice_in_dim(blocks, jax.lax.axis_index(name),
-                                            1, axis=dim)
+      blocks = jax.lax.dynamic_slice_in_dim(
+        blocks, jax.lax.axis_index(name), 1, axis=dim
+      )
   return jnp.reshape(blocks, (-1,))
 
 
@@ -101,12 +105,16 @@ def _unshard(chunk: jax.Array, like: jax.Array, axis_name: Any) -> jax.Array:
     full = jax.lax.all_gather(chunk, axis_name, tiled=True, to="invarying")
   else:
     full = jax.lax.all_gather(chunk, axis_name, tiled=True)
-  return jnp.reshape(full[:like.size], like.shape)
+  return jnp.reshape(full[: like.size], like.shape)
 
 
-def tower(inner: optax.GradientTransformation, axis_name: Any, *,
-          reduction: str = "mean",
-          comm_dtype=None) -> optax.GradientTransformationExtraArgs:
+def tower(
+  inner: optax.GradientTransformation,
+  axis_name: Any,
+  *,
+  reduction: str = "mean",
+  comm_dtype=None,
+) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` so each replica reduces and updates only the slice it owns.
 
   ``TowerOptimizer(inner)`` with the optimizer's work and state split across
@@ -194,10 +202,11 @@ def tower(inner: optax.GradientTransformation, axis_name: Any, *,
   """
   if axis_name is None:
     raise ValueError(
-        f"{_TOWER}: axis_name=None, but tower needs a named axis whose replicas"
-        " split the optimizer's work. Pass the pmap/mesh axis name (e.g."
-        " 'batch') and call the transform inside jax.pmap or jax.shard_map;"
-        " under plain jax.jit over sharded arrays use `inner` directly.")
+      f"{_TOWER}: axis_name=None, but tower needs a named axis whose replicas"
+      " split the optimizer's work. Pass the pmap/mesh axis name (e.g."
+      " 'batch') and call the transform inside jax.pmap or jax.shard_map;"
+      " under plain jax.jit over sharded arrays use `inner` directly."
+    )
   _axes.check_reduction(reduction, _TOWER, axis_name)
   comm_dtype = _axes.check_comm_dtype(comm_dtype, _TOWER, axis_name)
   _axes.check_transform(inner, _TOWER)
@@ -205,8 +214,9 @@ def tower(inner: optax.GradientTransformation, axis_name: Any, *,
   names = _axes.axis_names(axis_name)
 
   def owned_params(params, num_owners):
-    return jax.tree.map(lambda p: _owned_slice(p, axis_name, num_owners),
-                        params)
+    return jax.tree.map(
+      lambda p: _owned_slice(p, axis_name, num_owners), params
+    )
 
   def init_fn(params):
     num_owners = _axes.axis_size(axis_name, _TOWER)
@@ -221,29 +231,40 @@ def tower(inner: optax.GradientTransformation, axis_name: Any, *,
       varying, _ = _axes.split_axes(g, axis_name)
       if not varying or g.size == 0:  # already summed by autodiff (or empty)
         chunk = _owned_slice(g, axis_name, num_owners)
-        return chunk / jnp.asarray(num_owners, g.dtype) if (
-            reduction == "mean") else chunk
+        return (
+          chunk / jnp.asarray(num_owners, g.dtype)
+          if (reduction == "mean")
+          else chunk
+        )
       return _reduce_on_wire(
-          g, lambda y: _owned_sum(y, names, varying, sizes, num_owners),
-          num_owners, comm_dtype, reduction)
+        g,
+        lambda y: _owned_sum(y, names, varying, sizes, num_owners),
+        num_owners,
+        comm_dtype,
+        reduction,
+      )
 
     owned_updates = jax.tree_util.tree_map_with_path(owned_gradient, updates)
     if params is not None:
       params = owned_params(params, num_owners)
-    owned_updates, state = inner.update(owned_updates, state, params,
-                                        **extra_args)
+    owned_updates, state = inner.update(
+      owned_updates, state, params, **extra_args
+    )
     # A state stacked under shard_map (every leaf under P(axis), counters
     # included) gives inner's updates a leading 1: flatten before gathering.
     updates = jax.tree.map(
-        lambda chunk, g: _unshard(jnp.reshape(chunk, (-1,)), g, axis_name),
-        owned_updates, updates)
+      lambda chunk, g: _unshard(jnp.reshape(chunk, (-1,)), g, axis_name),
+      owned_updates,
+      updates,
+    )
     return updates, state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def clip_by_global_norm(max_norm, axis_name: Any = None
-                        ) -> optax.GradientTransformation:
+def clip_by_global_norm(
+  max_norm, axis_name: Any = None
+) -> optax.GradientTransformation:
   """Clips updates by their global norm, summed across the replicas of an axis.
 
   With ``axis_name=None`` this is ``optax.clip_by_global_norm(max_norm)``.
@@ -289,9 +310,11 @@ def clip_by_global_norm(max_norm, axis_name: Any = None
     <https://arxiv.org/abs/1211.5063>`_, 2012.
   """
   if isinstance(max_norm, (numbers.Real, np.ndarray, np.generic)) and not (
-      np.ndim(max_norm) == 0 and float(max_norm) > 0):
+    np.ndim(max_norm) == 0 and float(max_norm) > 0
+  ):
     raise ValueError(
-        f"{_CLIP}: max_norm={max_norm!r} must be a positive scalar, e.g. 1.0.")
+      f"{_CLIP}: max_norm={max_norm!r} must be a positive scalar, e.g. 1.0."
+    )
 
   def update_fn(updates, state, params=None):
     del params

@@ -17,8 +17,10 @@ import os
 import sys
 
 if __name__ == "__main__":  # before jax is imported; the tests import this
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8")
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+  )
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -35,8 +37,8 @@ R, D, B = 8, 6, 4
 STEPS = 40
 NUM_FAULTS = 6
 MAX_CONSECUTIVE = 3
-K = 2                     # accumulate's every_k_steps
-LOSS_SCALE_PERIOD = 4     # jmp: double the loss scale after 4 finite steps
+K = 2  # accumulate's every_k_steps
+LOSS_SCALE_PERIOD = 4  # jmp: double the loss scale after 4 finite steps
 LR, B1, B2, EPS = 0.02, 0.9, 0.999, 1e-8
 
 
@@ -44,7 +46,8 @@ def data():
   rng = np.random.default_rng(3)
   x = rng.normal(size=(STEPS, R, B, D)).astype(np.float32)
   y = (x @ rng.normal(size=D) + 0.1 * rng.normal(size=(STEPS, R, B))).astype(
-      np.float32)
+    np.float32
+  )
   w0 = rng.normal(size=D).astype(np.float32)
   return x, y, w0
 
@@ -69,10 +72,11 @@ def faults():
 def transform(scenario: str):
   adam = optax.adam(LR, b1=B1, b2=B2, eps=EPS)
   inner = {
-      "cross_shard": lambda: shardopt.cross_shard(adam, AXIS),
-      "tower": lambda: shardopt.tower(adam, AXIS),
-      "accumulate": lambda: shardopt.accumulate(
-          shardopt.cross_shard(adam, AXIS), K),
+    "cross_shard": lambda: shardopt.cross_shard(adam, AXIS),
+    "tower": lambda: shardopt.tower(adam, AXIS),
+    "accumulate": lambda: shardopt.accumulate(
+      shardopt.cross_shard(adam, AXIS), K
+    ),
   }[scenario]()
   return shardopt.apply_if_finite(inner, AXIS, MAX_CONSECUTIVE)
 
@@ -98,8 +102,9 @@ def run(scenario: str, mapping: str):
   if mapping == "pmap":
     w = jnp.tile(w0, (R, 1))
     state = jax.pmap(tx.init, axis_name=AXIS)(w)
-    step = jax.pmap(lambda *a: _step(tx, *a), axis_name=AXIS,
-                    in_axes=(0, 0, 0, 0, 0, None))
+    step = jax.pmap(
+      lambda *a: _step(tx, *a), axis_name=AXIS, in_axes=(0, 0, 0, 0, 0, None)
+    )
     for t in range(STEPS):
       w, state, div = step(w, state, x[t], y[t], mask[t], values[t])
       jax.block_until_ready(w)
@@ -116,22 +121,27 @@ def run(scenario: str, mapping: str):
       w, state, div = _step(tx, w, state, x, y, fault[:, None], value)
       return w, state, div[None]
 
-    step = jax.jit(jax.shard_map(
-        body, mesh=mesh, in_specs=(P(AXIS),) * 5 + (P(),),
-        out_specs=P(AXIS)))
+    step = jax.jit(
+      jax.shard_map(
+        body, mesh=mesh, in_specs=(P(AXIS),) * 5 + (P(),), out_specs=P(AXIS)
+      )
+    )
     w, state = put(w), put(state)
     for t in range(STEPS):
-      w, state, div = step(w, state, put(x[t]), put(y[t]), put(mask[t]),
-                           values[t])
+      w, state, div = step(
+        w, state, put(x[t]), put(y[t]), put(mask[t]), values[t]
+      )
       jax.block_until_ready(w)
       history.append(np.asarray(w))
       divergence.append(float(np.asarray(div).max()))
     counters = state
   return dict(
-      params=np.stack(history), divergence=np.asarray(divergence),
-      total_notfinite=np.asarray(counters.total_notfinite),
-      notfinite_count=np.asarray(counters.notfinite_count),
-      last_finite=np.asarray(counters.last_finite))
+    params=np.stack(history),
+    divergence=np.asarray(divergence),
+    total_notfinite=np.asarray(counters.total_notfinite),
+    notfinite_count=np.asarray(counters.notfinite_count),
+    last_finite=np.asarray(counters.last_finite),
+  )
 
 
 def run_loss_scale():
@@ -143,8 +153,10 @@ def run_loss_scale():
   ``jmp.DynamicLossScale.adjust``: every replica keeps the same loss scale.
   """
   import jmp
-  tx = shardopt.apply_if_finite(shardopt.cross_shard(optax.sgd(LR), AXIS),
-                                AXIS, MAX_CONSECUTIVE)
+
+  tx = shardopt.apply_if_finite(
+    shardopt.cross_shard(optax.sgd(LR), AXIS), AXIS, MAX_CONSECUTIVE
+  )
   x, y, w0 = data()
   mask, values = faults()
 
@@ -157,8 +169,10 @@ def run_loss_scale():
 
   w = jnp.tile(w0, (R, 1))
   state = jax.pmap(tx.init, axis_name=AXIS)(w)
-  scale = jax.tree.map(lambda v: jnp.tile(v, (R,)), jmp.DynamicLossScale(
-      jnp.float32(2.0 ** 10), period=LOSS_SCALE_PERIOD))
+  scale = jax.tree.map(
+    lambda v: jnp.tile(v, (R,)),
+    jmp.DynamicLossScale(jnp.float32(2.0**10), period=LOSS_SCALE_PERIOD),
+  )
   step = jax.pmap(step, axis_name=AXIS, in_axes=(0, 0, 0, 0, 0, 0, None))
   history, scales = [], []
   for t in range(STEPS):
@@ -166,14 +180,18 @@ def run_loss_scale():
     jax.block_until_ready(w)
     history.append(np.asarray(w))
     scales.append(np.asarray(scale.loss_scale))
-  return dict(params=np.stack(history), loss_scale=np.stack(scales),
-              total_notfinite=np.asarray(state.total_notfinite))
+  return dict(
+    params=np.stack(history),
+    loss_scale=np.stack(scales),
+    total_notfinite=np.asarray(state.total_notfinite),
+  )
 
 
 def main():
   scenario, mapping, out = sys.argv[1:4]
-  result = run_loss_scale() if scenario == "loss_scale" else run(scenario,
-                                                                  mapping)
+  result = (
+    run_loss_scale() if scenario == "loss_scale" else run(scenario, mapping)
+  )
   np.savez(out, **result)
   print(f"finite_faults {scenario} {mapping}: done")
 

@@ -38,24 +38,30 @@ def main() -> int:
   started = time.perf_counter()
 
   import jax  # after XLA_FLAGS
+
   try:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   except Exception as e:  # an older or newer jax without gloo
-    print(f"SKIP: CPU collectives through gloo are unavailable: {e!r}",
-          flush=True)
+    print(
+      f"SKIP: CPU collectives through gloo are unavailable: {e!r}", flush=True
+    )
     return SKIP
   jax.distributed.initialize(
-      coordinator_address=f"127.0.0.1:{args.port}",
-      num_processes=args.num_processes, process_id=args.process_id,
-      initialization_timeout=60)
+    coordinator_address=f"127.0.0.1:{args.port}",
+    num_processes=args.num_processes,
+    process_id=args.process_id,
+    initialization_timeout=60,
+  )
 
   import numpy as np
 
   from _workers import tiny_training
 
-  print(f"process {jax.process_index()}/{jax.process_count()}:"
-        f" {jax.local_device_count()} local devices of {jax.device_count()}",
-        flush=True)
+  print(
+    f"process {jax.process_index()}/{jax.process_count()}:"
+    f" {jax.local_device_count()} local devices of {jax.device_count()}",
+    flush=True,
+  )
   mesh = tiny_training.make_mesh()
   results = {}
   for name in tiny_training.TRANSFORMS:
@@ -64,8 +70,11 @@ def main() -> int:
       results[f"{name}/{key}"] = value
   if jax.process_index() == 0:
     np.savez(os.path.join(args.out, "params.npz"), **results)
-  print(f"process {jax.process_index()} done in"
-        f" {time.perf_counter() - started:.1f}s", flush=True)
+  print(
+    f"process {jax.process_index()} done in"
+    f" {time.perf_counter() - started:.1f}s",
+    flush=True,
+  )
   jax.distributed.shutdown()
   return 0
 

@@ -26,20 +26,22 @@ import shardopt
 
 AXIS = "batch"
 NUM_REPLICAS = 8
-DIM = 5                      # weights per replica (plus one bias)
-BATCH = 4                    # examples per replica per step
-EXAMPLES = 24                # examples per replica per epoch
-AGN_PERIOD = 4               # communication_period of the "agn" run
+DIM = 5  # weights per replica (plus one bias)
+BATCH = 4  # examples per replica per step
+EXAMPLES = 24  # examples per replica per epoch
+AGN_PERIOD = 4  # communication_period of the "agn" run
 SEED = 20240611
 
 # Each entry builds a fresh transform. Learning rates are small enough that
 # 40 steps stay far from overflow, large enough that every step moves params.
 TRANSFORMS = {
-    "cross_shard_mean": lambda: optax.chain(shardopt.cross_shard_mean(AXIS),
-                                            optax.sgd(0.05)),
-    "tower_adam": lambda: shardopt.tower(optax.adam(0.02), AXIS),
-    "agn": lambda: shardopt.agn(optax.sgd(0.05), AXIS,
-                                communication_period=AGN_PERIOD),
+  "cross_shard_mean": lambda: optax.chain(
+    shardopt.cross_shard_mean(AXIS), optax.sgd(0.05)
+  ),
+  "tower_adam": lambda: shardopt.tower(optax.adam(0.02), AXIS),
+  "agn": lambda: shardopt.agn(
+    optax.sgd(0.05), AXIS, communication_period=AGN_PERIOD
+  ),
 }
 
 
@@ -49,24 +51,34 @@ TRANSFORMS = {
 # skipped: extend the list here, nowhere else.
 HIERARCHY = {2: NUM_REPLICAS // 2, 4: NUM_REPLICAS}  # period -> group size
 FAULT_TRANSFORMS = {
-    "cross_shard_adam": ("cross_shard", lambda: shardopt.cross_shard(
-        optax.adam(0.02), AXIS)),
-    "tower_adam": ("tower", TRANSFORMS["tower_adam"]),
-    "agn": ("agn", TRANSFORMS["agn"]),
-    # Inner level (groups of 4 = the devices of one process) every 2 steps,
-    # outer level (all 8, across the two processes) every 4 steps.
-    "hierarchical_local_sgd": ("hierarchical_local_sgd", lambda: (
-        shardopt.hierarchical_local_sgd(optax.sgd(0.05), AXIS,
-                                        period_group_sizes=HIERARCHY))),
-    "accumulate_cross_shard_adam": ("accumulate", lambda: shardopt.accumulate(
-        shardopt.cross_shard(optax.adam(0.02), AXIS), 4)),
+  "cross_shard_adam": (
+    "cross_shard",
+    lambda: shardopt.cross_shard(optax.adam(0.02), AXIS),
+  ),
+  "tower_adam": ("tower", TRANSFORMS["tower_adam"]),
+  "agn": ("agn", TRANSFORMS["agn"]),
+  # Inner level (groups of 4 = the devices of one process) every 2 steps,
+  # outer level (all 8, across the two processes) every 4 steps.
+  "hierarchical_local_sgd": (
+    "hierarchical_local_sgd",
+    lambda: shardopt.hierarchical_local_sgd(
+      optax.sgd(0.05), AXIS, period_group_sizes=HIERARCHY
+    ),
+  ),
+  "accumulate_cross_shard_adam": (
+    "accumulate",
+    lambda: shardopt.accumulate(
+      shardopt.cross_shard(optax.adam(0.02), AXIS), 4
+    ),
+  ),
 }
 
 
 def available_fault_transforms() -> tuple[list[str], list[str]]:
   """(names whose shardopt function exists, names skipped as missing)."""
-  have = [n for n, (attr, _) in FAULT_TRANSFORMS.items()
-          if hasattr(shardopt, attr)]
+  have = [
+    n for n, (attr, _) in FAULT_TRANSFORMS.items() if hasattr(shardopt, attr)
+  ]
   return have, [n for n in FAULT_TRANSFORMS if n not in have]
 
 
@@ -82,6 +94,7 @@ def make_mesh() -> jax.sharding.Mesh:
 
 
 # --- Data: an epoch-shuffled dataset whose position is part of a checkpoint. --
+
 
 def _dataset():
   rng = np.random.default_rng(SEED)
@@ -108,7 +121,7 @@ def next_batch(position: np.ndarray):
   """
   epoch, index = int(position[0]), int(position[1])
   order = np.random.default_rng([SEED, epoch]).permutation(EXAMPLES)
-  rows = order[index * BATCH:(index + 1) * BATCH]
+  rows = order[index * BATCH : (index + 1) * BATCH]
   x, y = _DATA[0][:, rows], _DATA[1][:, rows]
   index += 1
   if index * BATCH >= EXAMPLES:
@@ -119,8 +132,10 @@ def next_batch(position: np.ndarray):
 def initial_params() -> dict:
   """The same starting params on every replica (what ``broadcast`` would give)."""
   w0 = np.random.default_rng(SEED + 1).normal(size=DIM).astype(np.float32)
-  return {"w": np.tile(w0, (NUM_REPLICAS, 1)),
-          "b": np.zeros([NUM_REPLICAS], np.float32)}
+  return {
+    "w": np.tile(w0, (NUM_REPLICAS, 1)),
+    "b": np.zeros([NUM_REPLICAS], np.float32),
+  }
 
 
 def put(mesh, tree, spec=P(AXIS)):
@@ -150,6 +165,7 @@ def fetch(tree):
 
 # --- The training step. -------------------------------------------------------
 
+
 def loss_fn(params, x, y):
   """Least squares on this replica's rows; params hold one row per replica."""
   pred = x[0] @ params["w"][0] + params["b"][0]
@@ -159,10 +175,12 @@ def loss_fn(params, x, y):
 def state_specs(tx, params):
   """``P()`` for leaves that are scalars on a replica, ``P("batch")`` otherwise."""
   per_replica = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct((NUM_REPLICAS, 1) + x.shape[1:], x.dtype),
-      params)
+    lambda x: jax.ShapeDtypeStruct((NUM_REPLICAS, 1) + x.shape[1:], x.dtype),
+    params,
+  )
   shapes = jax.eval_shape(
-      jax.vmap(tx.init, axis_name=AXIS, axis_size=NUM_REPLICAS), per_replica)
+    jax.vmap(tx.init, axis_name=AXIS, axis_size=NUM_REPLICAS), per_replica
+  )
   return jax.tree.map(lambda s: P() if s.ndim == 1 else P(AXIS), shapes)
 
 
@@ -182,11 +200,17 @@ class Run:
       return optax.apply_updates(params, updates), state
 
     row = P(AXIS)
-    self.init = jax.jit(jax.shard_map(
-        tx.init, mesh=mesh, in_specs=row, out_specs=self.specs))
-    self.step = jax.jit(jax.shard_map(
-        step, mesh=mesh, in_specs=(row, self.specs, row, row),
-        out_specs=(row, self.specs)))
+    self.init = jax.jit(
+      jax.shard_map(tx.init, mesh=mesh, in_specs=row, out_specs=self.specs)
+    )
+    self.step = jax.jit(
+      jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(row, self.specs, row, row),
+        out_specs=(row, self.specs),
+      )
+    )
 
   def start(self):
     """Fresh (params, state) as global arrays."""

@@ -69,9 +69,12 @@ class Watchdog:
       time.sleep(0.25)
       idle = time.monotonic() - self.last
       if idle > self.timeout_s:
-        print(f"WATCHDOG: {self.name} made no progress for {idle:.0f}s"
-              f" (last: {self.what}); the other process is gone or a"
-              f" collective hangs; exiting with code {WATCHDOG}", flush=True)
+        print(
+          f"WATCHDOG: {self.name} made no progress for {idle:.0f}s"
+          f" (last: {self.what}); the other process is gone or a"
+          f" collective hangs; exiting with code {WATCHDOG}",
+          flush=True,
+        )
         os._exit(WATCHDOG)
 
 
@@ -87,9 +90,13 @@ def main() -> int:
   parser.add_argument("--step-delay", type=float, default=0.0)
   parser.add_argument("--heartbeat-timeout", type=int, default=10)
   parser.add_argument("--watchdog", type=float, default=60.0)
-  parser.add_argument("--hang-at", type=int, default=0,
-                      help="fault injection: after step S, stop taking part"
-                      " (sleep forever) while the process stays alive")
+  parser.add_argument(
+    "--hang-at",
+    type=int,
+    default=0,
+    help="fault injection: after step S, stop taking part"
+    " (sleep forever) while the process stays alive",
+  )
   args = parser.parse_args()
   name = f"process {args.process_id}"
   # Set before the runtime starts: startup (imports, connecting, the first
@@ -98,18 +105,22 @@ def main() -> int:
   watchdog = Watchdog(args.watchdog, name)
 
   import jax  # after XLA_FLAGS
+
   try:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   except Exception as e:  # an older or newer jax without gloo
-    print(f"SKIP: CPU collectives through gloo are unavailable: {e!r}",
-          flush=True)
+    print(
+      f"SKIP: CPU collectives through gloo are unavailable: {e!r}", flush=True
+    )
     return SKIP
   jax.distributed.initialize(
-      coordinator_address=f"127.0.0.1:{args.port}",
-      num_processes=args.num_processes, process_id=args.process_id,
-      initialization_timeout=60,
-      heartbeat_timeout_seconds=args.heartbeat_timeout,
-      shutdown_timeout_seconds=args.heartbeat_timeout)
+    coordinator_address=f"127.0.0.1:{args.port}",
+    num_processes=args.num_processes,
+    process_id=args.process_id,
+    initialization_timeout=60,
+    heartbeat_timeout_seconds=args.heartbeat_timeout,
+    shutdown_timeout_seconds=args.heartbeat_timeout,
+  )
   watchdog.progress("joined")
 
   import numpy as np
@@ -118,12 +129,18 @@ def main() -> int:
   from _workers import tiny_training
 
   names, missing = tiny_training.available_fault_transforms()
-  print(f"{name}/{jax.process_count()}: {jax.local_device_count()} local"
-        f" devices of {jax.device_count()}; training {names};"
-        f" missing {missing}", flush=True)
+  print(
+    f"{name}/{jax.process_count()}: {jax.local_device_count()} local"
+    f" devices of {jax.device_count()}; training {names};"
+    f" missing {missing}",
+    flush=True,
+  )
   mesh = tiny_training.make_mesh()
-  local = sorted(i for i, d in enumerate(mesh.devices.flat)
-                 if d.process_index == jax.process_index())
+  local = sorted(
+    i
+    for i, d in enumerate(mesh.devices.flat)
+    if d.process_index == jax.process_index()
+  )
   print(f"{name}: mesh positions {local}", flush=True)
   runs = {n: tiny_training.Run(n, mesh) for n in names}
 
@@ -132,13 +149,16 @@ def main() -> int:
     for n, run in runs.items():
       params, state = run.start()
       models[n] = {"params": params, "state": state}
-    return {"step": np.zeros([], np.int32),
-            "data_position": tiny_training.initial_data_position(),
-            "models": models}
+    return {
+      "step": np.zeros([], np.int32),
+      "data_position": tiny_training.initial_data_position(),
+      "models": models,
+    }
 
   manager = ocp.CheckpointManager(
-      os.path.abspath(args.ckpt_dir),
-      options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    os.path.abspath(args.ckpt_dir),
+    options=ocp.CheckpointManagerOptions(max_to_keep=2),
+  )
   tree = fresh()
   latest = manager.latest_step()
   if latest is None:
@@ -147,8 +167,11 @@ def main() -> int:
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
     tree = manager.restore(latest, args=ocp.args.StandardRestore(target))
     assert int(tree["step"]) == latest, (int(tree["step"]), latest)
-    print(f"{name}: restored step {latest} data position"
-          f" {np.asarray(tree['data_position']).tolist()}", flush=True)
+    print(
+      f"{name}: restored step {latest} data position"
+      f" {np.asarray(tree['data_position']).tolist()}",
+      flush=True,
+    )
   watchdog.progress("restored" if latest else "initialized")
 
   step = int(tree["step"])
@@ -157,14 +180,22 @@ def main() -> int:
   while step < args.steps:
     batch, position = tiny_training.next_batch(position)
     for n, run in runs.items():
-      params, state = run.advance(models[n]["params"], models[n]["state"],
-                                  batch)
+      params, state = run.advance(
+        models[n]["params"], models[n]["state"], batch
+      )
       models[n] = jax.block_until_ready({"params": params, "state": state})
     step += 1
     if step % args.every == 0:
-      manager.save(step, args=ocp.args.StandardSave(
-          {"step": np.asarray(step, np.int32), "data_position": position,
-           "models": models}))
+      manager.save(
+        step,
+        args=ocp.args.StandardSave(
+          {
+            "step": np.asarray(step, np.int32),
+            "data_position": position,
+            "models": models,
+          }
+        ),
+      )
     watchdog.progress(f"step {step}")
     print(f"step {step}", flush=True)
     if step == args.hang_at:
@@ -174,9 +205,11 @@ def main() -> int:
       time.sleep(args.step_delay)
   manager.wait_until_finished()
   manager.close()
-  final = {f"{n}/{key}": value
-           for n, model in models.items()
-           for key, value in tiny_training.fetch(model["params"]).items()}
+  final = {
+    f"{n}/{key}": value
+    for n, model in models.items()
+    for key, value in tiny_training.fetch(model["params"]).items()
+  }
   if jax.process_index() == 0:
     np.savez(args.out, **final)
   watchdog.progress("finished")

@@ -30,8 +30,12 @@ def main() -> None:
   parser.add_argument("--steps", type=int, required=True)
   parser.add_argument("--every", type=int, required=True)
   parser.add_argument("--out", required=True)
-  parser.add_argument("--step-delay", type=float, default=0.0,
-                      help="seconds to sleep after each step (a slower model)")
+  parser.add_argument(
+    "--step-delay",
+    type=float,
+    default=0.0,
+    help="seconds to sleep after each step (a slower model)",
+  )
   args = parser.parse_args()
 
   import jax
@@ -41,21 +45,25 @@ def main() -> None:
   from _workers import tiny_training
 
   mesh = tiny_training.make_mesh()
-  runs = {name: tiny_training.Run(name, mesh)
-          for name in tiny_training.TRANSFORMS}
+  runs = {
+    name: tiny_training.Run(name, mesh) for name in tiny_training.TRANSFORMS
+  }
 
   def fresh():
     models = {}
     for name, run in runs.items():
       params, state = run.start()
       models[name] = {"params": params, "state": state}
-    return {"step": np.zeros([], np.int32),
-            "data_position": tiny_training.initial_data_position(),
-            "models": models}
+    return {
+      "step": np.zeros([], np.int32),
+      "data_position": tiny_training.initial_data_position(),
+      "models": models,
+    }
 
   manager = ocp.CheckpointManager(
-      os.path.abspath(args.ckpt_dir),
-      options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    os.path.abspath(args.ckpt_dir),
+    options=ocp.CheckpointManagerOptions(max_to_keep=2),
+  )
   tree = fresh()
   latest = manager.latest_step()
   if latest is None:
@@ -64,8 +72,11 @@ def main() -> None:
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
     tree = manager.restore(latest, args=ocp.args.StandardRestore(target))
     assert int(tree["step"]) == latest, (int(tree["step"]), latest)
-    print(f"restored step {latest} data position"
-          f" {np.asarray(tree['data_position']).tolist()}", flush=True)
+    print(
+      f"restored step {latest} data position"
+      f" {np.asarray(tree['data_position']).tolist()}",
+      flush=True,
+    )
 
   step = int(tree["step"])
   position = np.asarray(tree["data_position"])
@@ -73,22 +84,32 @@ def main() -> None:
   while step < args.steps:
     batch, position = tiny_training.next_batch(position)
     for name, run in runs.items():
-      params, state = run.advance(models[name]["params"], models[name]["state"],
-                                  batch)
+      params, state = run.advance(
+        models[name]["params"], models[name]["state"], batch
+      )
       models[name] = {"params": params, "state": state}
     step += 1
     if step % args.every == 0:
-      manager.save(step, args=ocp.args.StandardSave(
-          {"step": np.asarray(step, np.int32), "data_position": position,
-           "models": models}))
+      manager.save(
+        step,
+        args=ocp.args.StandardSave(
+          {
+            "step": np.asarray(step, np.int32),
+            "data_position": position,
+            "models": models,
+          }
+        ),
+      )
     print(f"step {step}", flush=True)
     if args.step_delay:
       time.sleep(args.step_delay)
   manager.wait_until_finished()
   manager.close()
-  final = {f"{name}/{key}": value
-           for name, model in models.items()
-           for key, value in tiny_training.fetch(model["params"]).items()}
+  final = {
+    f"{name}/{key}": value
+    for name, model in models.items()
+    for key, value in tiny_training.fetch(model["params"]).items()
+  }
   np.savez(args.out, **final)
   print("done", flush=True)
 
