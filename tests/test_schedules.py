@@ -806,3 +806,39 @@ def test_a_non_sync_step_copies_at_most_the_center_and_global_state():
     f"param-shaped copies per step, no donation ({leaves} leaves): {report}"
   )
   assert report["plain adam"] == 0
+
+
+def test_streaming_leaves_a_non_finite_replica_out_of_its_fragment_sync():
+  """NaN on one replica in fragment 1's leaf: that fragment's sync averages
+  the other 7 replicas, the center stays bit-identical on every replica and
+  finite, and the other fragment is untouched by the fault."""
+  tx = shardopt.diloco(
+    optax.sgd(1.0),
+    "batch",
+    sync_period=2,
+    num_fragments=2,
+    outer_learning_rate=1.0,
+    outer_momentum=0.0,
+  )
+  params = {"a": jnp.zeros((R, 3)), "b": jnp.zeros((R, 3))}
+  step = jax.pmap(lambda p, s, g: tx.update(g, s, p), axis_name="batch")
+  state = jax.pmap(tx.init)(params)
+  moves = -np.tile(np.arange(R, dtype=np.float32)[:, None], (1, 3))
+  grads = {"a": moves, "b": moves.copy()}
+  grads["b"][5, 0] = np.nan  # fragment 1 ("b") syncs after step 1
+  updates, state = jax.block_until_ready(step(params, state, grads))
+  params = jax.tree.map(lambda p, u: p + u, params, updates)
+  center_b = np.asarray(state.center["b"])
+  finite = [i for i in range(R) if i != 5]
+  np.testing.assert_allclose(center_b, np.mean(finite))  # replica i moved i
+  assert (center_b == center_b[0]).all() and np.isfinite(center_b).all()
+  assert int(np.asarray(state.skipped)[0]) == 1
+  np.testing.assert_array_equal(np.asarray(state.center["a"]), 0.0)
+  # Step 2: fragment 0 ("a") syncs with every replica (all finite).
+  updates, state = jax.block_until_ready(
+    step(params, state, {"a": moves, "b": moves})
+  )
+  np.testing.assert_allclose(
+    np.asarray(state.center["a"]), 2 * np.mean(range(R))
+  )
+  np.testing.assert_allclose(np.asarray(state.center["b"]), center_b)
