@@ -173,15 +173,40 @@ def loss_fn(params, x, y):
 
 
 def state_specs(tx, params):
-  """``P()`` for leaves that are scalars on a replica, ``P("batch")`` otherwise."""
+  """Every state leaf ``P("batch")``: the whole state under ``P(axis)``.
+
+  A leaf that is a scalar on a replica (a step counter; the skip counter of
+  ``hierarchical_local_sgd``, which differs between groups) travels stacked,
+  one element per replica (see :func:`_stack_scalars`).
+  """
+  del params
+  return jax.tree.map(lambda _: P(AXIS), _replica_shapes(tx))
+
+
+def _replica_shapes(tx):
+  """Shapes of ``tx.init``'s state on one replica (traced with the axis bound)."""
   per_replica = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct((NUM_REPLICAS, 1) + x.shape[1:], x.dtype),
-    params,
+    initial_params(),
   )
-  shapes = jax.eval_shape(
+  stacked = jax.eval_shape(
     jax.vmap(tx.init, axis_name=AXIS, axis_size=NUM_REPLICAS), per_replica
   )
-  return jax.tree.map(lambda s: P() if s.ndim == 1 else P(AXIS), shapes)
+  return jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), stacked
+  )
+
+
+def _stack_scalars(state):
+  """Scalars on a replica -> shape ``(1,)``, so they can leave with P(axis)."""
+  return jax.tree.map(lambda x: x[None] if x.ndim == 0 else x, state)
+
+
+def _unstack_scalars(state, shapes):
+  """Inverse of :func:`_stack_scalars`: the transform sees its own shapes."""
+  return jax.tree.map(
+    lambda x, s: x.reshape(()) if s.ndim == 0 else x, state, shapes
+  )
 
 
 class Run:
@@ -193,15 +218,20 @@ class Run:
     self.tx = _make_transform(name)
     self.specs = state_specs(self.tx, initial_params())
     tx = self.tx
+    shapes = _replica_shapes(tx)
+
+    def init(params):
+      return _stack_scalars(tx.init(params))
 
     def step(params, state, x, y):
       grads = jax.grad(loss_fn)(params, x, y)
+      state = _unstack_scalars(state, shapes)
       updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
+      return optax.apply_updates(params, updates), _stack_scalars(state)
 
     row = P(AXIS)
     self.init = jax.jit(
-      jax.shard_map(tx.init, mesh=mesh, in_specs=row, out_specs=self.specs)
+      jax.shard_map(init, mesh=mesh, in_specs=row, out_specs=self.specs)
     )
     self.step = jax.jit(
       jax.shard_map(
