@@ -8,8 +8,6 @@ equal the same run in this process over 8 local devices, to float32 rounding.
 Run with ``pytest -s`` to see the figures.
 """
 
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _workers import children
 from _workers import tiny_training
 
 WORKER = Path(__file__).parent / "_workers" / "multiprocess_worker.py"
@@ -27,25 +26,9 @@ TIMEOUT_S = 150  # for both processes together, start to finish
 SKIP_EXIT_CODE = 3
 
 
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _child_env() -> dict:
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
-  src = str(Path(__file__).resolve().parents[1] / "src")
-  env["PYTHONPATH"] = os.pathsep.join(
-    p for p in (src, env.get("PYTHONPATH")) if p
-  )
-  return env
-
-
 def _run_processes(out_dir: Path, steps: int):
   """Starts the workers, waits (bounded), always reaps them; returns logs."""
-  port = _free_port()
+  port = children.free_port()
   procs, logs = [], []
   try:
     for i in range(NUM_PROCESSES):
@@ -69,7 +52,7 @@ def _run_processes(out_dir: Path, steps: int):
           ],
           stdout=log,
           stderr=subprocess.STDOUT,
-          env=_child_env(),
+          env=children.child_env(),
         )
       )
     deadline = time.monotonic() + TIMEOUT_S

@@ -26,7 +26,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _workers import children
 from _workers import tiny_training
 
 WORKER = Path(__file__).parent / "_workers" / "train_across_processes.py"
@@ -59,22 +59,6 @@ CLEAR_ERRORS = (
   "FAILED: ",
   "WATCHDOG: ",
 )
-
-
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _child_env() -> dict:
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the worker sets its own device count
-  src = str(Path(__file__).resolve().parents[1] / "src")
-  env["PYTHONPATH"] = os.pathsep.join(
-    p for p in (src, env.get("PYTHONPATH")) if p
-  )
-  return env
 
 
 def _reap(proc: subprocess.Popen) -> None:
@@ -103,7 +87,7 @@ class _Launch:
     watchdog_s: float = WATCHDOG_S,
     extra_args=None,
   ):
-    self.port = _free_port()
+    self.port = children.free_port()
     self.logs = [tmp / f"{tag}_process_{i}.log" for i in range(NUM_PROCESSES)]
     self.procs = []
     try:
@@ -139,7 +123,7 @@ class _Launch:
               + list((extra_args or {}).get(i, [])),
               stdout=log,
               stderr=subprocess.STDOUT,
-              env=_child_env(),
+              env=children.child_env(),
               start_new_session=True,
             )
           )  # its own group: killpg reaches all

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _workers import children
 from _workers import tiny_training
 
 WORKER = Path(__file__).parent / "_workers" / "train_with_checkpoints.py"
@@ -34,16 +35,6 @@ PERIOD = tiny_training.AGN_PERIOD
 STEP_DELAY_S = 0.1  # a "slower model", so the kill lands mid-run
 KILL_SLACK = 2  # steps the kill may land late on a busy machine
 TIMEOUT_S = 120  # per launch
-
-
-def _child_env() -> dict:
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  src = str(Path(__file__).resolve().parents[1] / "src")
-  env["PYTHONPATH"] = os.pathsep.join(
-    p for p in (src, env.get("PYTHONPATH")) if p
-  )
-  return env
 
 
 def _command(ckpt_dir: Path, out: Path) -> list:
@@ -96,7 +87,7 @@ def _launch(ckpt_dir, out, kill_at=None):
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,
-    env=_child_env(),
+    env=children.child_env(),
   )
   lines = queue.Queue()
 
