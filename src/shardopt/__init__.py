@@ -26,7 +26,7 @@ from shardopt.powersgd import powersgd
 from shardopt.tower import clip_by_global_norm
 from shardopt.tower import tower
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
   "AxisNotBoundError",
