@@ -724,6 +724,20 @@ def _diloco_has_fragments():
 _PMAPPED = {}
 
 
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+  """Drops the programs a property compiled once it is done.
+
+  A property compiles a program per drawn tree; under the thorough profile one
+  xdist worker would keep all of them (in ``_PMAPPED`` and in jax's caches)
+  for the whole ``make fuzz`` run. A worker died once, silently, late in such
+  a run; memory is our guess at why (the property passed alone, 3 x 500).
+  """
+  yield
+  _PMAPPED.clear()
+  jax.clear_caches()
+
+
 def _pmap_steps(make_tx, key, params, grads_seq):
   """Steps of ``make_tx()`` under pmap, one call and block_until_ready each.
 
