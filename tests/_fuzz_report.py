@@ -69,13 +69,24 @@ class FuzzReport:
       )
 
   def pytest_runtest_logreport(self, report):
-    if report.when != "call":
-      return
-    for key, figures in report.user_properties:
-      if key == _KEY:
-        self.rows[report.nodeid] = dict(
-          figures, outcome=report.outcome, seconds=report.duration
-        )
+    if report.when == "call":
+      for key, figures in report.user_properties:
+        if key == _KEY:
+          self.rows[report.nodeid] = dict(
+            figures, outcome=report.outcome, seconds=report.duration
+          )
+    if report.failed and report.nodeid not in self.rows:
+      # No statistics came back: a failure outside hypothesis's run, or an
+      # xdist worker that died. It must show in the table, not vanish.
+      first = str(report.longrepr).strip().splitlines()
+      self.rows[report.nodeid] = dict(
+        examples=0,
+        discarded=0,
+        failures=1,
+        stopped="",
+        seconds=report.duration,
+        outcome=f"failed ({report.when}: {first[-1] if first else '?'})"[:160],
+      )
 
   def pytest_sessionfinish(self, session):
     if hasattr(session.config, "workerinput"):  # an xdist worker
