@@ -549,6 +549,20 @@ STATEFUL = {
   ),
   "local_sgd": lambda: shardopt.local_sgd(optax.sgd(0.1), AXIS, period=2),
   "diloco": lambda: shardopt.diloco(optax.adam(0.1), AXIS, sync_period=2),
+  "accumulate(cross_shard(adam), 2)": lambda: shardopt.accumulate(
+    shardopt.cross_shard(optax.adam(0.1), AXIS), 2
+  ),
+  "apply_if_finite(cross_shard(adam))": lambda: shardopt.apply_if_finite(
+    shardopt.cross_shard(optax.adam(0.1), AXIS), AXIS, 2
+  ),
+  "accumulate(apply_if_finite(cross_shard(adam)), 2)": lambda: (
+    shardopt.accumulate(
+      shardopt.apply_if_finite(
+        shardopt.cross_shard(optax.adam(0.1), AXIS), AXIS, 2
+      ),
+      2,
+    )
+  ),
 }
 
 

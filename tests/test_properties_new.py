@@ -40,15 +40,12 @@ from jax.sharding import PartitionSpec as P
 from test_properties import _WRONG_NAMES
 from test_properties import AXIS
 from test_properties import INVALID_GROUP_KINDS
-from test_properties import MUTATIONS
 from test_properties import R
 from test_properties import _assert_fails_cleanly
 from test_properties import _build
 from test_properties import _float_params
 from test_properties import _init
 from test_properties import _invalid_groups
-from test_properties import _mutate
-from test_properties import _per_replica
 from test_properties import _report
 from test_properties import _settings
 from test_properties import _stateless
@@ -636,63 +633,6 @@ def test_all_finite_invalid_groups_raise_and_change_nothing(mesh):
     "all_finite with invalid axis_index_groups -> ValueError",
     len(tried),
     f" ({len(set(tried))} kinds)",
-  )
-
-
-STATEFUL_NEW = {
-  "accumulate(cross_shard(adam), 2)": lambda: shardopt.accumulate(
-    shardopt.cross_shard(optax.adam(0.1), AXIS), 2
-  ),
-  "apply_if_finite(cross_shard(adam))": lambda: shardopt.apply_if_finite(
-    shardopt.cross_shard(optax.adam(0.1), AXIS), AXIS, 2
-  ),
-  "accumulate(apply_if_finite(cross_shard(adam)), 2)": lambda: (
-    shardopt.accumulate(
-      shardopt.apply_if_finite(
-        shardopt.cross_shard(optax.adam(0.1), AXIS), AXIS, 2
-      ),
-      2,
-    )
-  ),
-}
-
-
-@pytest.mark.parametrize("name", sorted(STATEFUL_NEW))
-def test_grads_not_matching_the_state_structure_of_the_new_transforms_raise(
-  mesh, name
-):
-  tried = []
-
-  @_settings(6)
-  @given(
-    tree=_trees(dtypes=[jnp.float32]),
-    mutation=st.sampled_from(MUTATIONS),
-    seed=st.integers(0, 2**31 - 1),
-  )
-  def check(tree, mutation, seed):
-    kind, specs = tree
-    rng = np.random.default_rng(seed)
-    specs = [(s if s != (0,) else (2,), d) for s, d in specs]
-    leaves = [_per_replica(rng, s, d) for s, d in specs]
-    state, state_specs = _init(mesh, STATEFUL_NEW[name](), _build(kind, leaves))
-    changed = _mutate(mutation, kind, leaves)
-    message = _assert_fails_cleanly(
-      mesh,
-      STATEFUL_NEW[name](),
-      state,
-      state_specs,
-      changed,
-      changed,
-      (ValueError, TypeError),
-    )
-    assert "structure" in message or "mismatch" in message, message
-    tried.append(mutation)
-
-  check()
-  _report(
-    f"grads/state tree mismatch for {name} -> error",
-    len(tried),
-    f" ({len(set(tried))} kinds of mismatch)",
   )
 
 
