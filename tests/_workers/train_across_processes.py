@@ -124,8 +124,8 @@ def main() -> int:
   watchdog.progress("joined")
 
   import numpy as np
-  import orbax.checkpoint as ocp
 
+  from _workers import checkpointed
   from _workers import tiny_training
 
   names, missing = tiny_training.available_fault_transforms()
@@ -144,34 +144,9 @@ def main() -> int:
   print(f"{name}: mesh positions {local}", flush=True)
   runs = {n: tiny_training.Run(n, mesh) for n in names}
 
-  def fresh():
-    models = {}
-    for n, run in runs.items():
-      params, state = run.start()
-      models[n] = {"params": params, "state": state}
-    return {
-      "step": np.zeros([], np.int32),
-      "data_position": tiny_training.initial_data_position(),
-      "models": models,
-    }
-
-  manager = ocp.CheckpointManager(
-    os.path.abspath(args.ckpt_dir),
-    options=ocp.CheckpointManagerOptions(max_to_keep=2),
+  manager, tree, latest = checkpointed.open_or_restore(
+    args.ckpt_dir, runs, prefix=f"{name}: "
   )
-  tree = fresh()
-  latest = manager.latest_step()
-  if latest is None:
-    print(f"{name}: fresh start", flush=True)
-  else:
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
-    tree = manager.restore(latest, args=ocp.args.StandardRestore(target))
-    assert int(tree["step"]) == latest, (int(tree["step"]), latest)
-    print(
-      f"{name}: restored step {latest} data position"
-      f" {np.asarray(tree['data_position']).tolist()}",
-      flush=True,
-    )
   watchdog.progress("restored" if latest else "initialized")
 
   step = int(tree["step"])
@@ -179,23 +154,10 @@ def main() -> int:
   models = tree["models"]
   while step < args.steps:
     batch, position = tiny_training.next_batch(position)
-    for n, run in runs.items():
-      params, state = run.advance(
-        models[n]["params"], models[n]["state"], batch
-      )
-      models[n] = jax.block_until_ready({"params": params, "state": state})
+    checkpointed.advance_all(runs, models, batch, block=True)
     step += 1
     if step % args.every == 0:
-      manager.save(
-        step,
-        args=ocp.args.StandardSave(
-          {
-            "step": np.asarray(step, np.int32),
-            "data_position": position,
-            "models": models,
-          }
-        ),
-      )
+      checkpointed.save(manager, step, position, models)
     watchdog.progress(f"step {step}")
     print(f"step {step}", flush=True)
     if step == args.hang_at:
@@ -205,11 +167,7 @@ def main() -> int:
       time.sleep(args.step_delay)
   manager.wait_until_finished()
   manager.close()
-  final = {
-    f"{n}/{key}": value
-    for n, model in models.items()
-    for key, value in tiny_training.fetch(model["params"]).items()
-  }
+  final = checkpointed.final_params(models)
   if jax.process_index() == 0:
     np.savez(args.out, **final)
   watchdog.progress("finished")

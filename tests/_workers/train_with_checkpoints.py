@@ -38,10 +38,9 @@ def main() -> None:
   )
   args = parser.parse_args()
 
-  import jax
   import numpy as np
-  import orbax.checkpoint as ocp
 
+  from _workers import checkpointed
   from _workers import tiny_training
 
   mesh = tiny_training.make_mesh()
@@ -49,67 +48,23 @@ def main() -> None:
     name: tiny_training.Run(name, mesh) for name in tiny_training.TRANSFORMS
   }
 
-  def fresh():
-    models = {}
-    for name, run in runs.items():
-      params, state = run.start()
-      models[name] = {"params": params, "state": state}
-    return {
-      "step": np.zeros([], np.int32),
-      "data_position": tiny_training.initial_data_position(),
-      "models": models,
-    }
-
-  manager = ocp.CheckpointManager(
-    os.path.abspath(args.ckpt_dir),
-    options=ocp.CheckpointManagerOptions(max_to_keep=2),
-  )
-  tree = fresh()
-  latest = manager.latest_step()
-  if latest is None:
-    print("fresh start", flush=True)
-  else:
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
-    tree = manager.restore(latest, args=ocp.args.StandardRestore(target))
-    assert int(tree["step"]) == latest, (int(tree["step"]), latest)
-    print(
-      f"restored step {latest} data position"
-      f" {np.asarray(tree['data_position']).tolist()}",
-      flush=True,
-    )
+  manager, tree, _ = checkpointed.open_or_restore(args.ckpt_dir, runs)
 
   step = int(tree["step"])
   position = np.asarray(tree["data_position"])
   models = tree["models"]
   while step < args.steps:
     batch, position = tiny_training.next_batch(position)
-    for name, run in runs.items():
-      params, state = run.advance(
-        models[name]["params"], models[name]["state"], batch
-      )
-      models[name] = {"params": params, "state": state}
+    checkpointed.advance_all(runs, models, batch)
     step += 1
     if step % args.every == 0:
-      manager.save(
-        step,
-        args=ocp.args.StandardSave(
-          {
-            "step": np.asarray(step, np.int32),
-            "data_position": position,
-            "models": models,
-          }
-        ),
-      )
+      checkpointed.save(manager, step, position, models)
     print(f"step {step}", flush=True)
     if args.step_delay:
       time.sleep(args.step_delay)
   manager.wait_until_finished()
   manager.close()
-  final = {
-    f"{name}/{key}": value
-    for name, model in models.items()
-    for key, value in tiny_training.fetch(model["params"]).items()
-  }
+  final = checkpointed.final_params(models)
   np.savez(args.out, **final)
   print("done", flush=True)
 
