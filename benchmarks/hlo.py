@@ -318,14 +318,16 @@ def compiled_collectives(
 
 
 def branch_collectives(
-  hlo_text: str, *, num_devices: int = 0
+  hlo_text: str, *, num_devices: int = 0, outermost: bool = False
 ) -> list[list[list[Collective]]]:
   """The collectives of every branch of every ``conditional``, in text order.
 
   ``lax.cond``/``lax.switch`` compile to a ``conditional`` whose branches are
   indexed as in ``switch`` (a ``cond`` is ``[false branch, true branch]``).
   Each branch lists what it runs, following calls into its sub-computations
-  (context ``"branch"``).
+  (context ``"branch"``). With ``outermost``, only the conditionals that do
+  not sit inside another conditional's branch (a nested one's collectives
+  are listed in the branch that holds it).
 
   Returns:
     ``[conditional][branch] -> [Collective, ...]``.
@@ -347,8 +349,20 @@ def branch_collectives(
       stack.extend(target for target, _, _ in edges.get(name, ()))
     return found
 
+  inside = set()  # computations reached from some conditional's branch
+  for name in computations:
+    for target, marker, _ in edges.get(name, ()):
+      if marker == "conditional":
+        stack = [target]
+        while stack:
+          callee = stack.pop()
+          if callee not in inside:
+            inside.add(callee)
+            stack.extend(t for t, _, _ in edges.get(callee, ()))
   out = []
-  for lines in computations.values():
+  for name, lines in computations.items():
+    if outermost and name in inside:
+      continue
     for line in lines:
       listed = _BRANCHES.search(line)
       if listed:

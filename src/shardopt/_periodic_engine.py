@@ -119,15 +119,15 @@ class Sync(NamedTuple):
 
 
 class _Carry(NamedTuple):
-  """What a sync may change: the operands and results of the switch."""
+  """What a sync may change: the operands and results of its cond."""
 
   updates: list
   accumulator: list
   center: list
-  local_state: Any
   global_state: Any
   sync_count: jax.Array
   skipped: jax.Array
+  left_out: jax.Array  # bool: this replica's contribution was left out
 
 
 # --------------------------------------------------------------------------
@@ -216,6 +216,18 @@ def _where_float(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   return jax.tree.map(leaf, on_true, on_false)
 
 
+def _zeros_after(like: jax.Array, after: jax.Array) -> jax.Array:
+  """Zeros shaped like ``like``, computed from the scalar ``after``.
+
+  A restarted accumulator written as ``zeros_like`` has no data dependence on
+  the accumulator's last read (the contribution), so XLA cannot write it in
+  the accumulator's buffer and copies the accumulator on every step instead.
+  Computed from a result of the collective, they come after that read.
+  """
+  zero = (after * 0).astype(like.dtype)
+  return jnp.broadcast_to(zero, like.shape)
+
+
 def _fragment_tree(leaves: list, treedef, num_fragments: int) -> Any:
   """What the global optimizer sees: the whole tree, or a fragment's list."""
   return treedef.unflatten(leaves) if num_fragments == 1 else list(leaves)
@@ -278,22 +290,15 @@ def _branch(step: jax.Array, syncs: Sequence[Sync]) -> jax.Array:
   return index
 
 
-def _contribution(
-  kind: str, leaves: Sequence[int], carry: _Carry, params: list, period: int
-) -> list:
-  """Step 3a: this replica's contribution for the sync's ``leaves``."""
+def _contribution(kind: str, part: _Carry, params: list, period: int) -> list:
+  """Step 3a: this replica's contribution for the sync's leaves."""
   if kind == GRADIENTS:  # AGN: a_i = (g_1 + ... + g_T) / T
-    return [
-      carry.accumulator[i] / jnp.asarray(period, carry.accumulator[i].dtype)
-      for i in leaves
-    ]
+    return [a / jnp.asarray(period, a.dtype) for a in part.accumulator]
   mine = []
-  for i in leaves:  # the params after this step's local update
-    wide = _axes.accumulation_dtype(params[i].dtype)
-    local = optax.apply_updates(params[i], carry.updates[i]).astype(wide)
-    mine.append(
-      carry.center[i].astype(wide) - local if kind == PSEUDO_GRADIENT else local
-    )
+  for p, u, c in zip(params, part.updates, part.center or params):
+    wide = _axes.accumulation_dtype(p.dtype)
+    local = optax.apply_updates(p, u).astype(wide)  # after the local update
+    mine.append(c.astype(wide) - local if kind == PSEUDO_GRADIENT else local)
   return mine
 
 
@@ -347,55 +352,115 @@ def _global_step(
   any_finite: jax.Array,
   view,
 ):
-  """Step 3c: the global optimizer moves the center (if any replica was
-  finite; integer leaves of its state, step counts, advance regardless)."""
-  combined = [t.astype(c.dtype) for t, c in zip(combined, center)]
-  center_updates, new_state = global_optimizer.update(
-    view(combined), global_state, view(center)
-  )
-  new_center = jax.tree.leaves(
-    optax.apply_updates(view(center), center_updates)
-  )
-  return (
-    _where_float(any_finite, new_center, center),
-    _where_float(any_finite, new_state, global_state),
-  )
+  """Step 3c: the global optimizer moves the center, if any replica of the
+  group was finite; otherwise the center and its state stay as they are."""
+
+  def step(operands):
+    center, state = operands
+    wire = [t.astype(c.dtype) for t, c in zip(combined, center)]
+    center_updates, state = global_optimizer.update(
+      view(wire), state, view(center)
+    )
+    center = optax.apply_updates(view(center), center_updates)
+    return jax.tree.leaves(center), state
+
+  return _cond(any_finite, step, lambda o: o, (center, global_state))
 
 
-def _pull(
-  target: list, leaves: Sequence[int], updates: list, params: list
-) -> list:
+def _pull(target: list, params: list) -> list:
   """Step 3d: updates that move the synced leaves onto ``target``.
 
   ``params + (target - params)`` lands on the target exactly when
   ``target/2 <= params <= 2*target`` (Sterbenz), within one rounding otherwise.
   """
-  updates = list(updates)
-  for i, t in zip(leaves, target):
-    updates[i] = t.astype(params[i].dtype) - params[i]
-  return updates
+  return [t.astype(p.dtype) - p for t, p in zip(target, params)]
 
 
-def _restart_left_out(optimizer, finite, local_state, reference: Any):
-  """A replica left out of a combination restarts the float leaves of its
-  local state (moments, which may hold the non-finite values) from
-  ``optimizer.init``; integer leaves (step counts) are kept."""
-  fresh = _axes.cast_tree_like(optimizer.init(reference), local_state)
-  return _where_float(finite, local_state, fresh)
+def _restart_left_out(optimizer, left_out, local_state, reference):
+  """Step 4: a replica left out of a combination restarts the float leaves of
+  its local state (moments, which may hold the non-finite values) from
+  ``optimizer.init(reference())``; integer leaves (step counts) are kept.
+
+  A cond of its own, after the syncs, on this replica's flag: a sync's cond
+  that also rewrote the local state would make XLA copy the local state on
+  every step that passes it through.
+  """
+
+  def restart(local_state):
+    fresh = _axes.cast_tree_like(optimizer.init(reference()), local_state)
+    return jax.tree.map(
+      lambda old, new: new if jnp.issubdtype(old.dtype, jnp.floating) else old,
+      local_state,
+      fresh,
+    )
+
+  return _cond(left_out, restart, lambda s: s, local_state)
 
 
-def _switch(index: jax.Array, branches: list, carry: _Carry) -> _Carry:
-  """``lax.switch``, its branches typed alike under a checking shard_map."""
+def _cond(pred: jax.Array, true_fn, false_fn, operands: Any) -> Any:
+  """``lax.cond``, its branches typed alike under a checking shard_map (a
+  psum turns varying into invariant, a grouped one keeps it varying: both
+  are cast to the union of the two)."""
   if not _axes.vma_checked():
-    return jax.lax.switch(index, branches, carry)
-  # Every branch's outputs are cast to the union of what any branch makes
-  # (a psum turns varying into invariant; a grouped one keeps it varying).
-  types = [jax.eval_shape(branch, carry) for branch in branches]
+    return jax.lax.cond(pred, true_fn, false_fn, operands)
+  types = [jax.eval_shape(f, operands) for f in (true_fn, false_fn)]
   typed = [
-    lambda c, b=branch: _axes.cast_tree_like(b(c), *types)
-    for branch in branches
+    lambda o, f=f: _axes.cast_tree_like(f(o), *types)
+    for f in (true_fn, false_fn)
   ]
-  return jax.lax.switch(index, typed, carry)
+  return jax.lax.cond(pred, *typed, operands)
+
+
+def _when(
+  pred: jax.Array,
+  sync,
+  carry: _Carry,
+  leaves: Sequence[int],
+  fragment: int | None,
+) -> _Carry:
+  """``sync`` on ``leaves`` (and global state ``fragment``) if ``pred``.
+
+  A ``lax.cond`` whose operands are only what the sync may change: the
+  fragment's slice of the carry, so that no branch hands back leaves it does
+  not own (XLA copies such pass-through outputs of a multi-branch
+  conditional), and the other branch returns its operands unchanged.
+  """
+  part = _Carry(
+    updates=[carry.updates[i] for i in leaves],
+    accumulator=[carry.accumulator[i] for i in leaves]
+    if carry.accumulator
+    else [],
+    center=[carry.center[i] for i in leaves] if carry.center else [],
+    global_state=carry.global_state
+    if fragment is None
+    else carry.global_state[fragment],
+    sync_count=carry.sync_count,
+    skipped=carry.skipped,
+    left_out=carry.left_out,
+  )
+  part = _cond(pred, sync, lambda c: c, part)
+
+  def scatter(full: list, new: list) -> list:
+    full = list(full)
+    for i, x in zip(leaves, new):
+      full[i] = x
+    return full
+
+  global_state = part.global_state
+  if fragment is not None:
+    global_state = tuple(
+      part.global_state if f == fragment else g
+      for f, g in enumerate(carry.global_state)
+    )
+  return _Carry(
+    updates=scatter(carry.updates, part.updates),
+    accumulator=scatter(carry.accumulator, part.accumulator),
+    center=scatter(carry.center, part.center),
+    global_state=global_state,
+    sync_count=part.sync_count,
+    skipped=part.skipped,
+    left_out=part.left_out,
+  )
 
 
 # --------------------------------------------------------------------------
@@ -588,9 +653,11 @@ def periodic(
       _fragment_tree, treedef=treedef, num_fragments=num_fragments
     )
 
-    def sync(k: int, carry: _Carry) -> _Carry:
+    def sync(k: int, part: _Carry) -> _Carry:
+      """Sync ``k`` on its fragment's slice of the carry (steps 3a-3d)."""
       leaves = fragments[syncs[k].fragment]
-      mine = _contribution(contribution, leaves, carry, param_leaves, period)
+      params_part = [param_leaves[i] for i in leaves]
+      mine = _contribution(contribution, part, params_part, period)
       combined, finite, in_group, in_axis = _combine(
         mine,
         axis_name,
@@ -600,55 +667,26 @@ def periodic(
         whole_axis_count=whole_axis_count,
         transform=name,
       )
-      center, global_state = carry.center, carry.global_state
+      center, global_state = part.center, part.global_state
       if has_center:
-        fragment_state = (
-          global_state
-          if num_fragments == 1
-          else global_state[syncs[k].fragment]
+        center, global_state = _global_step(
+          global_optimizer, combined, center, global_state, in_group > 0, view
         )
-        target, fragment_state = _global_step(
-          global_optimizer,
-          combined,
-          [center[i] for i in leaves],
-          fragment_state,
-          in_group > 0,
-          view,
-        )
-        center = list(center)
-        for i, c in zip(leaves, target):
-          center[i] = c
-        global_state = (
-          fragment_state
-          if num_fragments == 1
-          else tuple(
-            fragment_state if f == syncs[k].fragment else s
-            for f, s in enumerate(global_state)
-          )
-        )
+        target = center
       else:  # no finite replica in the group: nothing to average
         target = [jnp.where(in_group > 0, t, m) for t, m in zip(combined, mine)]
-      updates = _pull(target, leaves, carry.updates, param_leaves)
-      reference = treedef.unflatten(
-        center if has_center else [p + u for p, u in zip(param_leaves, updates)]
-      )
-      accumulator = list(carry.accumulator)
-      for i in leaves if accumulator else ():
-        accumulator[i] = jnp.zeros_like(accumulator[i])
-      skipped = carry.skipped + jnp.round(
+      skipped = part.skipped + jnp.round(
         (size if whole_axis_count else _axes.group_size(groups[k], size))
         - in_axis
       ).astype(jnp.int32)
       return _Carry(
-        updates=updates,
-        accumulator=accumulator,
+        updates=_pull(target, params_part),
+        accumulator=[_zeros_after(a, in_group) for a in part.accumulator],
         center=center,
-        local_state=_restart_left_out(
-          optimizer, finite, carry.local_state, reference
-        ),
         global_state=global_state,
-        sync_count=carry.sync_count + 1,
+        sync_count=part.sync_count + 1,
         skipped=skipped,
+        left_out=jnp.logical_not(finite),
       )
 
     updates, local_state, accumulator = _local_step(
@@ -659,15 +697,32 @@ def periodic(
       updates=updates,
       accumulator=accumulator,
       center=jax.tree.leaves(state.center),
-      local_state=local_state,
       global_state=state.global_state,
       sync_count=state.sync_count,
       skipped=state.skipped,
+      left_out=jnp.zeros([], bool),
     )
-    branches = [lambda c: c] + [
-      functools.partial(sync, k) for k in range(len(syncs))
-    ]
-    carry = _switch(_branch(jnp.reshape(count, ()), syncs), branches, carry)
+    index = _branch(jnp.reshape(count, ()), syncs)
+    for k, s in enumerate(syncs):
+      carry = _when(
+        index == k + 1,
+        functools.partial(sync, k),
+        carry,
+        fragments[s.fragment],
+        s.fragment if num_fragments > 1 else None,
+      )
+    # A restarted local state starts from the center, or from the params
+    # after this step's update (both as the syncs left them).
+    local_state = _restart_left_out(
+      optimizer,
+      carry.left_out,
+      local_state,
+      lambda: treedef.unflatten(
+        carry.center
+        if has_center
+        else [p + u for p, u in zip(param_leaves, carry.updates)]
+      ),
+    )
     return treedef.unflatten(carry.updates), AGNState(
       count=count,
       sync_count=carry.sync_count,
@@ -677,7 +732,7 @@ def periodic(
         else ()
       ),
       center=treedef.unflatten(carry.center) if has_center else (),
-      local_state=carry.local_state,
+      local_state=local_state,
       global_state=carry.global_state,
       skipped=carry.skipped,
     )
