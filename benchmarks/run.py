@@ -57,6 +57,7 @@ SECTIONS = (
   "communication",
   "memory",
   "convergence",
+  "schedule_convergence",
   "projection",
   "powersgd",
   "quality_per_byte",

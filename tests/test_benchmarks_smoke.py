@@ -23,6 +23,7 @@ SECTIONS = (
   "communication",
   "memory",
   "convergence",
+  "schedule_convergence",
   "projection",
   "powersgd",
   "quality_per_byte",
