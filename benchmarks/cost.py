@@ -314,13 +314,14 @@ def _break_even_text(bandwidth) -> str:
 
 
 def _copies_text(copies: dict) -> str:
-  """``top MB`` plus ``[branch MB / ...]`` when some copies sit in branches."""
+  """``top MB`` plus ``[cond.N#branch: MB, ...]`` when some copies sit in
+  branches (``#0``: a cond's false branch, the one a non-sync step takes)."""
   text = f"{copies['top'] / 1e6:.1f}"
   if copies["conditional"]:
     text += (
       " + ["
       + ", ".join(
-        f"branch {b.rsplit('#', 1)[-1]}: {copies['conditional'][b] / 1e6:.1f}"
+        f"{b.replace('conditional', 'cond')}: {copies['conditional'][b] / 1e6:.1f}"
         for b in sorted(copies["conditional"])
       )
       + "]"
@@ -475,8 +476,9 @@ def run(quick: bool) -> dict:
     f" to call, periods {HUGE_PERIOD:,} so that no timed call syncs.",
     "copied MB/step: bytes of `copy` instructions in the step's compiled"
     " HLO (memory traffic, no communication), entry computation + [each"
-    " conditional branch, by branch index; a step runs one], vs the"
-    " baseline's. A non-sync step takes the no-sync branch.",
+    " outermost conditional's branch that copies, as cond.N#branch; a"
+    " nested cond's copies count in the branch holding it], vs the"
+    " baseline's. A non-sync step takes every cond's #0 (false) branch.",
     "max |Δparam|: params after one call (no donation) or after the same"
     " number of calls (donated) vs the baseline's; equal up to float"
     " rounding expected for the non-sync steps, the mid step and"

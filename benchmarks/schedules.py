@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 
 from benchmarks import hlo
@@ -89,6 +90,12 @@ def _main_group_size(collectives: list, label: str) -> int:
   return max(ops, key=hlo.allreduce_equivalent_bytes).group_size
 
 
+def _label_key(label: str) -> tuple:
+  """Branch labels (``conditional.12#1``) in numeric order: one cond per
+  fragment, numbered in program order, so ``.9`` comes before ``.10``."""
+  return tuple(int(n) for n in re.findall(r"\d+", label))
+
+
 def per_step(collectives: list, schedule: Schedule) -> dict:
   """Mean and peak all-reduce-equivalent bytes per step of ``schedule``.
 
@@ -118,7 +125,7 @@ def per_step(collectives: list, schedule: Schedule) -> dict:
     offsets = [(f * period) // count for f in range(count)]
     cycle = [top] * period
     if len(sizes) == count:
-      per_fragment = [sizes[label] for label in sorted(sizes)]
+      per_fragment = [sizes[label] for label in sorted(sizes, key=_label_key)]
     else:
       total = sum(sizes.values())
       per_fragment = (

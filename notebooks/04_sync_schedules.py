@@ -18,8 +18,9 @@
 # `agn`, `local_sgd` and `diloco` synchronise everything, over the whole axis,
 # every T steps. Real deployments do three other things, and shardopt's
 # periodic engine runs all of them as a *schedule* (which leaves, over which
-# group of replicas, after which step), with every collective inside one
-# branch of a single `lax.switch`:
+# group of replicas, after which step), with every collective inside the
+# sync branch of one `lax.cond` per sync; the conds' predicates come from one
+# index, so at most one of them fires on a step:
 #
 # 1. **hierarchical local SGD**: average often within small groups, rarely
 #    over everyone (`shardopt.hierarchical_local_sgd`);
@@ -152,18 +153,22 @@ for t in range(8):
 
 # %% [markdown]
 # Each level's collectives run within its groups only. The compiled HLO of the
-# step has one `conditional` with one branch per level; the replica groups of
-# each branch's all-reduce say who talks to whom:
+# step has one `conditional` per level (its false branch: no sync; then one for
+# the local state's restart, which communicates nothing); the replica groups of
+# each sync branch's all-reduce say who talks to whom:
 
 # %%
 text = train_step.lower(params, state, x[0], y[0]).compile().as_text()
-(branches,) = hlo.branch_collectives(text)
-for level, ops in enumerate(branches):
-  sizes = sorted({op.group_size for op in ops if op.kind == "all-reduce"})
-  print(f"branch {level}: {len(ops)} collectives, group sizes {sizes}")
+conds = hlo.branch_collectives(text, outermost=True)
+for level, (no_sync, sync) in enumerate(conds):
+  sizes = sorted({op.group_size for op in sync if op.kind == "all-reduce"})
+  print(
+    f"cond {level}: {len(no_sync)} collectives without a sync,"
+    f" {len(sync)} in the sync branch, group sizes {sizes}"
+  )
 outside = [op for op in hlo.compiled_collectives(text) if op.context == "top"]
 print(
-  f"outside the switch: {[op.kind for op in outside]}"
+  f"outside the conds: {[op.kind for op in outside]}"
   " (the all-gather above is this notebook's own diagnostic)"
 )
 
@@ -229,7 +234,7 @@ print(
 
 # %% [markdown]
 # Bytes per step over each axis, read from the compiled HLO: the all-reduce
-# over `"data"` (groups of 4) runs on every step, outside the switch; the one
+# over `"data"` (groups of 4) runs on every step, outside the conds; the one
 # over `"island"` (groups of 2) runs inside the sync branch, once every H steps.
 
 # %%
@@ -304,8 +309,8 @@ for fragments in (1, 4):
   params = pmap(lambda _: mlp_init(jax.random.key(0)))(np.arange(n))
   state = pmap(tx.init)(params)
   text = step.lower(params, state, x[0], y[0]).compile().as_text()
-  (branches,) = hlo.branch_collectives(text)
-  per_sync = [sum(op.buffer_bytes for op in b) for b in branches[1:]]
+  conds = hlo.branch_collectives(text, outermost=True)
+  per_sync = [sum(op.buffer_bytes for op in c[1]) for c in conds if c[1]]
   for t in range(len(x)):
     params, state = step(params, state, x[t], y[t])
     jax.block_until_ready(params)

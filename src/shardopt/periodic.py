@@ -25,8 +25,9 @@ steps; ``hierarchical_local_sgd`` averages within contiguous groups of several
 sizes at several periods; ``diloco(..., num_fragments=F)`` (Streaming DiLoCo)
 synchronises one fragment of the leaves at a time, staggered over the period.
 Communication happens only on sync steps: the collectives sit inside the
-branches of one ``jax.lax.switch`` whose index is read from the replicated
-step counter. The other steps run no collective at all.
+sync branch of one ``jax.lax.cond`` per sync, whose predicates are read from
+one index computed from the replicated step counter (at most one fires per
+step). The other steps run no collective at all.
 
 TensorFlow's AGNOptimizer is asynchronous: each worker commits its normalized
 accumulator to a parameter server on its own schedule. shardopt is
