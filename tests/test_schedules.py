@@ -814,8 +814,10 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
   for name, (tx, trees) in cases.items():
     donated[name] = _non_sync_copied_bytes(tx, sizes, donate=True)
     kept[name] = _non_sync_copied_bytes(tx, sizes, donate=False)
-  print(f"bytes copied by a non-sync step ({tree} B of params): donated"
-        f" {donated}, not donated {kept}")
+  print(
+    f"bytes copied by a non-sync step ({tree} B of params): donated"
+    f" {donated}, not donated {kept}"
+  )
   for name, (_, trees) in cases.items():
     # Scalars (counters, the finite flag) may be copied: a few bytes.
     assert donated[name] <= donated["plain adam"] + 64, (name, donated)
