@@ -192,6 +192,15 @@ def place(tree: Any, mesh, spec=P()) -> Any:
   return jax.device_put(tree, NamedSharding(mesh, spec))
 
 
+def on_mesh(tree: Any, mesh) -> Any:
+  """pmap's stacked layout placed as :func:`unstack`'s ``P(AXIS)`` blocks
+  (scalars ``P()``), reshaped on the host: no device op on pmap arrays."""
+  tree = unstack(jax.tree.map(np.asarray, tree))
+  return jax.tree.map(
+    lambda a, spec: place(a, mesh, spec), tree, concat_specs(tree)
+  )
+
+
 def batch(
   key: jax.Array, n: int, per_replica: int, features: int, classes: int
 ) -> tuple[jax.Array, jax.Array]:

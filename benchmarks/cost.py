@@ -166,14 +166,7 @@ class _Bench:
   def _donated(self, step, params, state) -> _Runner:
     """A donated runner on jit + shard_map (:func:`_common.unstack` layout)."""
 
-    def on_mesh(tree):  # reshaped on the host: no device op on pmap arrays
-      tree = _common.unstack(jax.tree.map(np.asarray, tree))
-      return jax.tree.map(
-        lambda a, spec: _common.place(a, self.mesh, spec),
-        tree,
-        _common.concat_specs(tree),
-      )
-
+    on_mesh = lambda tree: _common.on_mesh(tree, self.mesh)
     return _Runner(
       step,
       on_mesh(params),

@@ -763,11 +763,7 @@ def _non_sync_copied_bytes(tx, sizes, donate):
   """
   mesh = jax.make_mesh((R,), ("batch",))
 
-  def on_mesh(tree):  # pmap's stacked layout as P("batch") blocks
-    tree = _common.unstack(tree)
-    specs = _common.concat_specs(tree)
-    return jax.tree.map(lambda a, p: _common.place(a, mesh, p), tree, specs)
-
+  on_mesh = lambda tree: _common.on_mesh(tree, mesh)
   stacked = _common.replicate(_common.mlp_init(jax.random.key(0), sizes), R)
   state = on_mesh(jax.pmap(tx.init, axis_name="batch")(stacked))
   step = _common.concat_shard_map_step(

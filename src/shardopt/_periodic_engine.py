@@ -201,25 +201,6 @@ def check_fragments(
 # Small helpers.
 
 
-def _where_float(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-  """``jnp.where(pred, on_true, on_false)`` on the floating-point leaves.
-
-  Integer leaves (step counts) take ``on_true``. Under a checking shard_map a
-  leaf typed invariant while ``pred`` is varying also takes ``on_true``, so
-  that replicated leaves stay replicated.
-  """
-  pred_axes = _axes.varying_axes(pred) if _axes.vma_checked() else frozenset()
-
-  def leaf(t, f):
-    if not jnp.issubdtype(t.dtype, jnp.floating):
-      return t
-    if pred_axes - _axes.varying_axes(t):
-      return t
-    return jnp.where(pred, t, f.astype(t.dtype))
-
-  return jax.tree.map(leaf, on_true, on_false)
-
-
 def _zeros_after(like: jax.Array, after: jax.Array) -> jax.Array:
   """Zeros shaped like ``like``, computed from the scalar ``after``.
 
