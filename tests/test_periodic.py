@@ -627,8 +627,21 @@ def test_nan_in_one_replica_is_left_out_and_the_replica_rejoins_the_center():
   assert np.all(np.isfinite(np.asarray(state.center)))
   assert int(state.skipped[0]) == 1
   assert divergence == 0.0  # the bad replica is back
-  np.testing.assert_array_equal(
-    np.asarray(state.local_state[0].trace[bad]), 0.0
+  # Flagged at the sync, its local momentum restarts (from zero) at its next
+  # step: the others' momentum carries on.
+  restart = np.asarray(state.restart)[:, 0]
+  np.testing.assert_array_equal(restart, np.arange(R) == bad)
+  _, after, _ = run[period]
+  assert not np.asarray(after.restart).any()
+  momentum = np.asarray(after.local_state[0].trace)
+  np.testing.assert_allclose(
+    momentum[bad], grads[period, bad], rtol=1e-6, err_msg="restarted momentum"
+  )
+  np.testing.assert_allclose(
+    momentum[others],
+    MOMENTUM * np.asarray(state.local_state[0].trace)[others]
+    + grads[period, others],
+    rtol=1e-6,
   )
   assert np.all(np.isfinite(run[-1][0]))
   assert int(run[-1][1].skipped[0]) == 1
@@ -786,10 +799,10 @@ def _collective_counts(hlo):
         total += count(callee, skip_conditionals)
     return total
 
-  # The top-level conds: the sync's (its global step is a cond nested in
-  # its sync branch) and the local state's restart (no collective).
+  # One top-level cond, the sync's (its global step is a cond nested in its
+  # sync branch; a left-out replica's restart is a select in its next step).
   conditionals = [line for line in comps[entry] if " conditional(" in line]
-  assert len(conditionals) == 2, conditionals
+  assert len(conditionals) == 1, conditionals
   sync, local = zip(*(_branches(line)[::-1] for line in conditionals))
   return {
     "sync branch": sum(count(b, False) for b in sync),

@@ -254,9 +254,8 @@ def test_hierarchical_groups_are_contiguous_and_collectives_stay_in_them():
   conds = hlo.branch_collectives(text, outermost=True)
   sizes = [[sorted({op.group_size for op in b}) for b in c] for c in conds]
   print(f"hierarchical {{2: 2, 4: 4}}: group sizes per cond branch {sizes}")
-  # One cond per level (false branch: no sync), then the local state's
-  # restart, which communicates nothing.
-  assert sizes == [[[], [2]], [[], [4]], [[], []]]
+  # One cond per level (false branch: no sync), nothing else.
+  assert sizes == [[[], [2]], [[], [4]]]
   groups = re.findall(r"all-reduce\(.*?replica_groups=(\{\{[\d,{}]*\}\})", text)
   assert "{{0,1},{2,3},{4,5},{6,7}}" in groups
   assert "{{0,1,2,3},{4,5,6,7}}" in groups
@@ -392,10 +391,10 @@ def test_each_fragment_sync_all_reduces_only_its_fragment():
       op for op in hlo.compiled_collectives(text) if op.context == "top"
     ]
     conds = hlo.branch_collectives(text, outermost=True)
-    # One cond per fragment, then the local state's restart (no collective).
-    assert len(conds) == num_fragments + 1
-    assert all(c[0] == [] for c in conds) and conds[-1] == [[], []]
-    branches = [c[1] for c in conds[:-1]]
+    # One cond per fragment, nothing else.
+    assert len(conds) == num_fragments
+    assert all(c[0] == [] for c in conds)
+    branches = [c[1] for c in conds]
     per_branch = [sum(op.buffer_bytes for op in b) for b in branches]
     fragments = _periodic_engine.split_fragments(
       [4 * np.prod(s) for s in sizes.values()], num_fragments

@@ -6,7 +6,8 @@ Every replica trains on its own params with a local optimizer. A *schedule*
 replicas, after which local step. ``update`` runs these steps, one small
 function each:
 
-1. :func:`_local_step`: the local optimizer's step on this replica's params,
+1. :func:`_local_step`: the local optimizer's step on this replica's params
+   (restarting first the local state of a replica left out of the last sync),
    and ``accumulator += grads`` (``agn`` only).
 2. :func:`_branch`: ``count += 1``; the index of the sync that fires after
    this step (0: none), read from the replicated counter.
@@ -19,13 +20,13 @@ function each:
       (accumulated gradients / period, ``center - local params``, or the local
       params themselves);
    b. :func:`_combine`: one collective round within the sync's groups, a
-      non-finite contribution left out;
+      non-finite contribution left out (flagged to restart, step 1);
    c. :func:`_global_step`: the global optimizer moves the center (for plain
       averaging the combined params are the target and there is no center);
    d. :func:`_pull`: updates that move the synced leaves onto the target.
 
-4. :func:`_restart_left_out`: a replica left out of a combination restarts
-   its local state (a cond of its own, on this replica's flag).
+4. ``agn`` only, :func:`_pull_after`: its sync does not read this step's
+   updates, so they stay out of the conds and are pulled onto the center here.
 
 Cost of a step without a sync (``benchmarks/cost.py``,
 ``tests/test_schedules.py``): nothing is communicated and, with the params
@@ -34,10 +35,13 @@ every cond's untaken branch aliases its operands (no branch hands back state
 it does not own, and every new value is computed after the last read of the
 buffer it replaces). Without donation XLA copies what the step leaves
 unchanged (center, global state) into fresh output buffers. What remains is
-that XLA does not fuse across a conditional: the local step's updates are
-written out and read back by the caller's ``apply_updates`` instead of being
-fused with it (a bare ``lax.cond`` passing ``adam``'s updates through costs
-about 1.13x the plain step on the benchmark's CPU).
+that XLA does not fuse across a conditional: updates handed through a cond
+are written out and read back by the caller's ``apply_updates`` instead of
+being fused with it, two passes over a params-sized buffer that plain optax
+does not make. ``agn`` avoids them (step 4, one read of the center instead)
+but adds its accumulator's read and write; the others need this step's
+updates inside the sync (``center - (params + updates)``), so they pass them
+through.
 """
 
 from __future__ import annotations
@@ -91,6 +95,11 @@ class AGNState(NamedTuple):
       combination because they were not finite, summed over all syncs and
       over the whole axis (for ``hierarchical_local_sgd``: over this
       replica's groups, so it can differ between groups).
+    restart: bool of shape (1,), this replica's own (one row per replica, like
+      the params: ``P(axis)`` in a shard_map's specs): its contribution was
+      left out of the last sync (not finite), so its local state, which may
+      hold the non-finite values, restarts from ``optimizer.init(params)``
+      (float leaves; step counts are kept) at the start of its next step.
   """
 
   count: chex.Array
@@ -100,6 +109,7 @@ class AGNState(NamedTuple):
   local_state: Any
   global_state: Any
   skipped: chex.Array
+  restart: chex.Array
 
 
 class Sync(NamedTuple):
@@ -251,11 +261,27 @@ def _divisors(size: int) -> list[int]:
 # The steps of update, in order.
 
 
-def _local_step(local, grads, state, params, extra_args):
-  """Step 1: the local optimizer's step, and the accumulator (agn)."""
-  updates, local_state = local.update(
-    grads, state.local_state, params, **extra_args
+def _local_step(optimizer, local, grads, state, params, extra_args):
+  """Step 1: the local optimizer's step, and the accumulator (agn).
+
+  A replica left out of the last sync (``state.restart``) first restarts the
+  float leaves of its local state (moments, which may hold the non-finite
+  values) from ``optimizer.init(params)``; integer leaves (step counts) are
+  kept. A select on the step's inputs, which XLA fuses into the step: a
+  restart written into the state at the sync, after the local step, would
+  keep XLA from fusing the local step with the caller's ``apply_updates``.
+  """
+  fresh = _axes.cast_tree_like(optimizer.init(params), state.local_state)
+  local_state = jax.tree.map(
+    lambda old, new: (
+      jnp.where(jnp.reshape(state.restart, ()), new, old)
+      if jnp.issubdtype(old.dtype, jnp.floating)
+      else old
+    ),
+    state.local_state,
+    fresh,
   )
+  updates, local_state = local.update(grads, local_state, params, **extra_args)
   # Updates are in the params' dtype on every step (a sync step's updates
   # are target - params), so both branches of a cond agree even when the
   # gradients are narrower (bfloat16 grads for float32 params).
@@ -361,25 +387,20 @@ def _pull(target: list, params: list) -> list:
   return [t.astype(p.dtype) - p for t, p in zip(target, params)]
 
 
-def _restart_left_out(optimizer, left_out, local_state, reference):
-  """Step 4: a replica left out of a combination restarts the float leaves of
-  its local state (moments, which may hold the non-finite values) from
-  ``optimizer.init(reference())``; integer leaves (step counts) are kept.
+def _pull_after(
+  synced: list, center: list, params: list, updates: list
+) -> list:
+  """Step 4 (``agn``): updates onto the center for the leaves a sync moved
+  (``synced``, one flag per leaf), the local optimizer's elsewhere.
 
-  A cond of its own, after the syncs, on this replica's flag: a sync's cond
-  that also rewrote the local state would make XLA copy the local state on
-  every step that passes it through.
+  Outside every cond, so that on a step without a sync XLA fuses the local
+  step, this select and the caller's ``apply_updates`` as it does for plain
+  optax.
   """
-
-  def restart(local_state):
-    fresh = _axes.cast_tree_like(optimizer.init(reference()), local_state)
-    return jax.tree.map(
-      lambda old, new: new if jnp.issubdtype(old.dtype, jnp.floating) else old,
-      local_state,
-      fresh,
-    )
-
-  return _cond(left_out, restart, lambda s: s, local_state)
+  return [
+    jnp.where(f, c.astype(p.dtype) - p, u)
+    for f, c, p, u in zip(synced, center, params, updates)
+  ]
 
 
 def _cond(pred: jax.Array, true_fn, false_fn, operands: Any) -> Any:
@@ -411,7 +432,7 @@ def _when(
   conditional), and the other branch returns its operands unchanged.
   """
   part = _Carry(
-    updates=[carry.updates[i] for i in leaves],
+    updates=[carry.updates[i] for i in leaves] if carry.updates else [],
     accumulator=[carry.accumulator[i] for i in leaves]
     if carry.accumulator
     else [],
@@ -590,6 +611,7 @@ def periodic(
       _fragment_tree, treedef=treedef, num_fragments=num_fragments
     )
     skipped = jnp.zeros([], jnp.int32)
+    restart = jnp.zeros([1], bool)
     if _axes.vma_checked():
       # Typed as the syncs will make it: varying over the axes the params
       # vary over (other than the engine's own axis, unless it counts within
@@ -598,6 +620,7 @@ def periodic(
       own = frozenset(_axes.axis_names(axis_name))
       axes = axes - own if whole_axis_count else axes | own
       skipped = _axes.cast_varying(skipped, axes)
+      restart = _axes.cast_varying(restart, own | axes)
     return AGNState(
       count=jnp.zeros([], jnp.int32),
       sync_count=jnp.zeros([], jnp.int32),
@@ -619,6 +642,7 @@ def periodic(
         )
       ),
       skipped=skipped,
+      restart=restart,
     )
 
   def update_fn(grads, state, params=None, **extra_args):
@@ -665,7 +689,7 @@ def periodic(
         - in_axis
       ).astype(jnp.int32)
       return _Carry(
-        updates=_pull(target, params_part),
+        updates=_pull(target, params_part) if part.updates else [],
         accumulator=[_zeros_after(a, in_group) for a in part.accumulator],
         center=center,
         global_state=global_state,
@@ -675,11 +699,13 @@ def periodic(
       )
 
     updates, local_state, accumulator = _local_step(
-      local, grads, state, params, extra_args
+      optimizer, local, grads, state, params, extra_args
     )
     count = state.count + 1
+    # agn's sync does not read this step's updates: step 4 pulls them.
+    pull_outside = contribution == GRADIENTS
     carry = _Carry(
-      updates=updates,
+      updates=[] if pull_outside else updates,
       accumulator=accumulator,
       center=jax.tree.leaves(state.center),
       global_state=state.global_state,
@@ -696,19 +722,15 @@ def periodic(
         fragments[s.fragment],
         s.fragment if num_fragments > 1 else None,
       )
-    # A restarted local state starts from the center, or from the params
-    # after this step's update (both as the syncs left them).
-    local_state = _restart_left_out(
-      optimizer,
-      carry.left_out,
-      local_state,
-      lambda: treedef.unflatten(
-        carry.center
-        if has_center
-        else [p + u for p, u in zip(param_leaves, carry.updates)]
-      ),
-    )
-    return treedef.unflatten(carry.updates), AGNState(
+    if pull_outside:
+      synced = [jnp.zeros([], bool)] * len(param_leaves)
+      for k, s in enumerate(syncs):
+        for i in fragments[s.fragment]:
+          synced[i] = synced[i] | (index == k + 1)
+      updates = _pull_after(synced, carry.center, param_leaves, updates)
+    else:
+      updates = carry.updates
+    return treedef.unflatten(updates), AGNState(
       count=count,
       sync_count=carry.sync_count,
       accumulator=(
@@ -720,6 +742,7 @@ def periodic(
       local_state=local_state,
       global_state=carry.global_state,
       skipped=carry.skipped,
+      restart=jnp.reshape(carry.left_out, (1,)),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -217,8 +217,9 @@ def agn(
 
   A replica left out of a combination also restarts the floating-point
   leaves of its local optimizer state (the moments, which may hold the
-  non-finite values) from ``optimizer.init(center)``; integer leaves (step
-  counts) are kept.
+  non-finite values) from ``optimizer.init(params)`` at the start of its next
+  step (``state.restart`` flags it, one row per replica); integer leaves
+  (step counts) are kept.
 
   Args:
     optimizer: the local optimizer (sgd, momentum, adam, ...), applied on every
@@ -403,7 +404,7 @@ def hierarchical_local_sgd(
   :func:`local_sgd` to rounding (a few ulp: ``local_sgd`` averages through its
   center, ``center - mean(center - params)``). A replica whose params are not
   finite is left out of its group's average (and restarts the float leaves of
-  its local optimizer state from ``optimizer.init``); if no member of a group
+  its local optimizer state from ``optimizer.init`` at its next step); if no member of a group
   is finite the group is left as it is. ``state.skipped`` counts the
   contributions left out of this replica's groups, so it can differ between
   groups: under a checking ``jax.shard_map`` it is typed varying, so pass the
