@@ -206,7 +206,18 @@ def test_hierarchical_2_4_8_matches_numpy_reference_on_8_replicas():
   assert same(w[3][0], w[3][3]) and not same(w[3][3], w[3][4])
   assert all(same(w[7][0], w[7][i]) for i in range(R))
   assert list(state.sync_count[:, 0]) == [(t + 1) // 2 for t in range(16)]
-  assert state.center == () and state.global_state == ()
+  # The center keeps the last sync's group average (what the params were
+  # pulled onto): pairs after step 14, all 8 after step 16; identical bits
+  # within each group.
+  for t, size in ((13, 2), (15, 8)):
+    center = _flat(_at(state.center, t))
+    np.testing.assert_allclose(center, reference[t], rtol=2e-5, atol=2e-6)
+    for g in range(0, R, size):
+      assert (center[g : g + size] == center[g]).all(), (t, g)
+  assert not (
+    _flat(_at(state.center, 13))[1] == _flat(_at(state.center, 13))[2]
+  ).all()
+  assert state.global_state == ()
   print(
     f"hierarchical {LEVELS}: 16 steps match numpy; sync_count"
     f" {int(state.sync_count[-1, 0])}"
@@ -788,7 +799,7 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
   plain = optax.adam(1e-3)
   # Param-shaped trees the step leaves unchanged: local_sgd the center;
   # diloco the center and the outer momentum; agn the center and the global
-  # Adam's two moments; hierarchical (no center) none.
+  # Adam's two moments; hierarchical the center (its last group average).
   cases = {
     "plain adam": (plain, 0),
     "local_sgd(adam)": (shardopt.local_sgd(plain, "batch", period=big), 1),
@@ -802,7 +813,7 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
       shardopt.hierarchical_local_sgd(
         plain, "batch", period_group_sizes={big: 2, 2 * big: 8}
       ),
-      0,
+      1,
     ),
   }
   donated, kept = {}, {}

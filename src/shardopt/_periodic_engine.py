@@ -7,8 +7,8 @@ replicas, after which local step. ``update`` runs these steps, one small
 function each:
 
 1. :func:`_local_step`: the local optimizer's step on this replica's params
-   (restarting first the local state of a replica left out of the last sync),
-   and ``accumulator += grads`` (``agn`` only).
+   (restarting first the local state of a replica left out of the last sync);
+   :func:`_accumulate`: ``accumulator += grads`` (``agn`` only).
 2. :func:`_branch`: ``count += 1``; the index of the sync that fires after
    this step (0: none), read from the replicated counter.
 3. One ``lax.cond`` per sync (:func:`_when`), on ``index == k``: at most one
@@ -22,11 +22,12 @@ function each:
    b. :func:`_combine`: one collective round within the sync's groups, a
       non-finite contribution left out (flagged to restart, step 1);
    c. :func:`_global_step`: the global optimizer moves the center (for plain
-      averaging the combined params are the target and there is no center);
-   d. :func:`_pull`: updates that move the synced leaves onto the target.
+      averaging the combined params are the new center);
+   d. :func:`_pull` (only where this step's updates go through the conds,
+      see below): updates that move the synced leaves onto the center.
 
-4. ``agn`` only, :func:`_pull_after`: its sync does not read this step's
-   updates, so they stay out of the conds and are pulled onto the center here.
+4. :func:`_pull_after`: updates onto the center for the leaves a sync moved,
+   the local optimizer's for the others.
 
 Cost of a step without a sync (``benchmarks/cost.py``,
 ``tests/test_schedules.py``): nothing is communicated and, with the params
@@ -34,14 +35,20 @@ and state donated (``jax.jit(step, donate_argnums=...)``), XLA copies nothing:
 every cond's untaken branch aliases its operands (no branch hands back state
 it does not own, and every new value is computed after the last read of the
 buffer it replaces). Without donation XLA copies what the step leaves
-unchanged (center, global state) into fresh output buffers. What remains is
-that XLA does not fuse across a conditional: updates handed through a cond
-are written out and read back by the caller's ``apply_updates`` instead of
-being fused with it, two passes over a params-sized buffer that plain optax
-does not make. ``agn`` avoids them (step 4, one read of the center instead)
-but adds its accumulator's read and write; the others need this step's
-updates inside the sync (``center - (params + updates)``), so they pass them
-through.
+unchanged (center, global state) into fresh output buffers.
+
+XLA does not fuse across a conditional: updates handed through a cond would
+be written out and read back by the caller's ``apply_updates``, two passes
+over a params-sized buffer that plain optax does not make. So this step's
+updates stay out of the conds: ``agn``'s sync does not read them, and the
+others' syncs (whose contribution ``center - (params + updates)`` does)
+recompute them in their own branch from the state before the step; the local
+step proper then runs after the conds (:func:`_after` orders it) and step 4
+selects per leaf. What a step without a sync adds to the plain local step is
+one read of the center in that select (and ``agn``'s accumulator add). The
+exception: a local optimizer that communicates (``cross_shard`` inside
+``diloco`` across islands) would run its all-reduce a second time in the
+sync branch, so its updates go through the conds as before (step 3d).
 """
 
 from __future__ import annotations
@@ -84,8 +91,9 @@ class AGNState(NamedTuple):
       sync step).
     center: the shared params every replica is pulled onto at a sync,
       bit-identical on every replica (within a group with
-      ``axis_index_groups``); an empty tuple for ``hierarchical_local_sgd``,
-      which averages the params directly.
+      ``axis_index_groups``). For ``hierarchical_local_sgd``, which averages
+      the params directly, the last average of this replica's group (the
+      initial params before the first sync), bit-identical within the group.
     local_state: this replica's state of the local ``optimizer``.
     global_state: the global optimizer's state (for the center), the same on
       every replica (within a group). With ``num_fragments=F > 1`` a tuple of
@@ -223,6 +231,47 @@ def _zeros_after(like: jax.Array, after: jax.Array) -> jax.Array:
   return jnp.broadcast_to(zero, like.shape)
 
 
+def _after(tree: Any, scalar: jax.Array) -> Any:
+  """``tree``'s values, as data that depends on ``scalar``, so that XLA
+  computes what reads them after ``scalar``.
+
+  ``x - 0.0`` is ``x`` for every float (-0.0, inf and NaN included), and
+  XLA does not fold a float multiply by zero away.
+  """
+  zero = scalar.astype(jnp.float32) * 0.0
+  return jax.tree.map(lambda x: x - zero.astype(x.dtype), tree)
+
+
+# Primitives that move data between devices.
+_COLLECTIVES = (
+  "all_gather",
+  "all_to_all",
+  "pmax",
+  "pmin",
+  "ppermute",
+  "psum",
+  "ragged_all_to_all",
+  "reduce_scatter",
+)
+
+
+def _communicates(fn, *args) -> bool:
+  """Whether ``fn(*args)`` runs a collective (read from its jaxpr)."""
+
+  def walk(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name.startswith(_COLLECTIVES):
+        return True
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns") and walk(inner):
+            return True
+    return False
+
+  return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
 def _fragment_tree(leaves: list, treedef, num_fragments: int) -> Any:
   """What the global optimizer sees: the whole tree, or a fragment's list."""
   return treedef.unflatten(leaves) if num_fragments == 1 else list(leaves)
@@ -262,7 +311,7 @@ def _divisors(size: int) -> list[int]:
 
 
 def _local_step(optimizer, local, grads, state, params, extra_args):
-  """Step 1: the local optimizer's step, and the accumulator (agn).
+  """Step 1: the local optimizer's step on this replica's params.
 
   A replica left out of the last sync (``state.restart``) first restarts the
   float leaves of its local state (moments, which may hold the non-finite
@@ -286,11 +335,15 @@ def _local_step(optimizer, local, grads, state, params, extra_args):
   # are target - params), so both branches of a cond agree even when the
   # gradients are narrower (bfloat16 grads for float32 params).
   updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
-  accumulator = [
+  return jax.tree.leaves(updates), local_state
+
+
+def _accumulate(accumulator: Any, grads: Any) -> list:
+  """Step 1 (``agn``): ``accumulator += grads``, in the accumulator's dtype."""
+  return [
     a + g.astype(a.dtype)
-    for a, g in zip(jax.tree.leaves(state.accumulator), jax.tree.leaves(grads))
+    for a, g in zip(jax.tree.leaves(accumulator), jax.tree.leaves(grads))
   ]
-  return jax.tree.leaves(updates), local_state, accumulator
 
 
 def _branch(step: jax.Array, syncs: Sequence[Sync]) -> jax.Array:
@@ -301,12 +354,15 @@ def _branch(step: jax.Array, syncs: Sequence[Sync]) -> jax.Array:
   return index
 
 
-def _contribution(kind: str, part: _Carry, params: list, period: int) -> list:
-  """Step 3a: this replica's contribution for the sync's leaves."""
+def _contribution(
+  kind: str, part: _Carry, params: list, updates: list, period: int
+) -> list:
+  """Step 3a: this replica's contribution for the sync's leaves (``params``
+  and this step's local ``updates`` of them)."""
   if kind == GRADIENTS:  # AGN: a_i = (g_1 + ... + g_T) / T
     return [a / jnp.asarray(period, a.dtype) for a in part.accumulator]
   mine = []
-  for p, u, c in zip(params, part.updates, part.center or params):
+  for p, u, c in zip(params, updates, part.center or params):
     wide = _axes.accumulation_dtype(p.dtype)
     local = optax.apply_updates(p, u).astype(wide)  # after the local update
     mine.append(c.astype(wide) - local if kind == PSEUDO_GRADIENT else local)
@@ -390,7 +446,7 @@ def _pull(target: list, params: list) -> list:
 def _pull_after(
   synced: list, center: list, params: list, updates: list
 ) -> list:
-  """Step 4 (``agn``): updates onto the center for the leaves a sync moved
+  """Step 4: updates onto the center for the leaves a sync moved
   (``synced``, one flag per leaf), the local optimizer's elsewhere.
 
   Outside every cond, so that on a step without a sync XLA fuses the local
@@ -474,7 +530,7 @@ def _when(
 
 
 def _check_update_args(
-  name, grads, state, params, axis_name, has_center, syncs, axis_index_groups
+  name, grads, state, params, axis_name, syncs, axis_index_groups
 ):
   """Checks everything ``update`` is given; returns the axis size and each
   sync's replica groups."""
@@ -491,8 +547,6 @@ def _check_update_args(
   ]
   _axes.scalar_counter(state.count, name, "state.count", axis_name)
   _check_local_gradients(grads, params, axis_name, name)
-  if not has_center:
-    return size, groups
   center_def = jax.tree.structure(state.center)
   if center_def != jax.tree.structure(params):
     raise ValueError(
@@ -579,7 +633,7 @@ def periodic(
     name: the public transform's name, used in error messages.
     optimizer: the local optimizer, applied on every replica at every step.
     global_optimizer: the optimizer that moves the center at a sync; None with
-      the ``PARAMS`` contribution (no center: the average is the target).
+      the ``PARAMS`` contribution (the average is the new center).
     axis_name: the replica axis (or tuple of axes).
     syncs: the schedule (see :class:`Sync`); validated by the caller.
     contribution: ``GRADIENTS``, ``PSEUDO_GRADIENT`` or ``PARAMS``.
@@ -598,7 +652,7 @@ def periodic(
   _axes.check_reduction(reduction, name, axis_name)
   _axes.check_comm_dtype(comm_dtype, name, axis_name)
   local = optax.with_extra_args_support(optimizer)
-  has_center = contribution != PARAMS
+  has_global = contribution != PARAMS  # PARAMS: the average is the target
   # Skips counted over the whole axis keep `skipped` replicated; a schedule
   # of contiguous groups (hierarchical) counts within them (per replica).
   whole_axis_count = all(s.group_size is None for s in syncs)
@@ -630,10 +684,10 @@ def periodic(
       )
       if contribution == GRADIENTS
       else (),
-      center=jax.tree.map(jnp.asarray, params) if has_center else (),
+      center=jax.tree.map(jnp.asarray, params),
       local_state=optimizer.init(params),
       global_state=()
-      if not has_center
+      if not has_global
       else (
         global_optimizer.init(params)
         if num_fragments == 1
@@ -652,7 +706,6 @@ def periodic(
       state,
       params,
       axis_name,
-      has_center,
       syncs,
       axis_index_groups,
     )
@@ -662,11 +715,32 @@ def periodic(
       _fragment_tree, treedef=treedef, num_fragments=num_fragments
     )
 
+    def local_step(g):
+      return _local_step(optimizer, local, g, state, params, extra_args)
+
+    # Where this step's local updates come from. agn's sync does not read
+    # them; the others' does (its contribution is center - (params +
+    # updates)). Handing them through the conds would keep XLA from fusing
+    # the local step with the caller's apply_updates, so a sync recomputes
+    # them in its own branch, unless the local optimizer communicates (an
+    # inner all-reduce would then run twice): then they go through.
+    through = contribution != GRADIENTS and _communicates(
+      lambda g: local_step(g)[0], grads
+    )
+
     def sync(k: int, part: _Carry) -> _Carry:
       """Sync ``k`` on its fragment's slice of the carry (steps 3a-3d)."""
       leaves = fragments[syncs[k].fragment]
       params_part = [param_leaves[i] for i in leaves]
-      mine = _contribution(contribution, part, params_part, period)
+      if part.updates:
+        updates_part = part.updates
+      elif contribution == GRADIENTS:
+        updates_part = []
+      else:  # this step's, recomputed from the state before it
+        updates_part = [local_step(grads)[0][i] for i in leaves]
+      mine = _contribution(
+        contribution, part, params_part, updates_part, period
+      )
       combined, finite, in_group, in_axis = _combine(
         mine,
         axis_name,
@@ -677,19 +751,21 @@ def periodic(
         transform=name,
       )
       center, global_state = part.center, part.global_state
-      if has_center:
+      if has_global:
         center, global_state = _global_step(
           global_optimizer, combined, center, global_state, in_group > 0, view
         )
-        target = center
       else:  # no finite replica in the group: nothing to average
-        target = [jnp.where(in_group > 0, t, m) for t, m in zip(combined, mine)]
+        center = [
+          jnp.where(in_group > 0, t, m).astype(c.dtype)
+          for t, m, c in zip(combined, mine, center)
+        ]
       skipped = part.skipped + jnp.round(
         (size if whole_axis_count else _axes.group_size(groups[k], size))
         - in_axis
       ).astype(jnp.int32)
       return _Carry(
-        updates=_pull(target, params_part) if part.updates else [],
+        updates=_pull(center, params_part) if part.updates else [],
         accumulator=[_zeros_after(a, in_group) for a in part.accumulator],
         center=center,
         global_state=global_state,
@@ -698,15 +774,12 @@ def periodic(
         left_out=jnp.logical_not(finite),
       )
 
-    updates, local_state, accumulator = _local_step(
-      optimizer, local, grads, state, params, extra_args
-    )
     count = state.count + 1
-    # agn's sync does not read this step's updates: step 4 pulls them.
-    pull_outside = contribution == GRADIENTS
+    if through or contribution == GRADIENTS:
+      updates, local_state = local_step(grads)
     carry = _Carry(
-      updates=[] if pull_outside else updates,
-      accumulator=accumulator,
+      updates=updates if through else [],
+      accumulator=_accumulate(state.accumulator, grads),
       center=jax.tree.leaves(state.center),
       global_state=state.global_state,
       sync_count=state.sync_count,
@@ -722,14 +795,19 @@ def periodic(
         fragments[s.fragment],
         s.fragment if num_fragments > 1 else None,
       )
-    if pull_outside:
+    if through:
+      updates = carry.updates
+    else:
+      if contribution != GRADIENTS:
+        # The syncs read the local state before this step; the local step,
+        # which overwrites it in place, reads grads that depend on the
+        # syncs, so XLA runs it after them (else it copies the state).
+        updates, local_state = local_step(_after(grads, carry.sync_count))
       synced = [jnp.zeros([], bool)] * len(param_leaves)
       for k, s in enumerate(syncs):
         for i in fragments[s.fragment]:
           synced[i] = synced[i] | (index == k + 1)
       updates = _pull_after(synced, carry.center, param_leaves, updates)
-    else:
-      updates = carry.updates
     return treedef.unflatten(updates), AGNState(
       count=count,
       sync_count=carry.sync_count,
@@ -738,7 +816,7 @@ def periodic(
         if contribution == GRADIENTS
         else ()
       ),
-      center=treedef.unflatten(carry.center) if has_center else (),
+      center=treedef.unflatten(carry.center),
       local_state=local_state,
       global_state=carry.global_state,
       skipped=carry.skipped,

@@ -10,9 +10,10 @@ the new center::
 
   contribution    AGN: a_i = (sum of the gradients since the last sync) / T
                   local_sgd / diloco: a_i = center - local_params_i
-                  hierarchical_local_sgd: a_i = local_params_i (no center)
+                  hierarchical_local_sgd: a_i = local_params_i
   combination     a = mean_i a_i  (or sum_i a_i for agn(reduction="sum"))
   global step     center <- global_optimizer(center, a)
+                  (hierarchical_local_sgd: center <- a, no global optimizer)
   pull            params_i <- center
 
 With ``global_optimizer = sgd(1)`` and the params contribution,
@@ -399,8 +400,12 @@ def hierarchical_local_sgd(
   axis size: then no global average ever happens.
 
   The params are averaged directly (local SGD semantics, as PyTorch's
-  ``HierarchicalModelAverager``): the state keeps no center and no global
-  optimizer state (empty tuples). One level whose size is the axis size is
+  ``HierarchicalModelAverager``), with no global optimizer (its state is an
+  empty tuple). ``state.center`` keeps the last average of this replica's
+  group (what its params were pulled onto; the initial params before the
+  first sync): one params-sized buffer, as ``local_sgd``'s center, which
+  lets a step without a sync cost what the plain local step costs (see
+  ``benchmarks/README.md``). One level whose size is the axis size is
   :func:`local_sgd` to rounding (a few ulp: ``local_sgd`` averages through its
   center, ``center - mean(center - params)``). A replica whose params are not
   finite is left out of its group's average (and restarts the float leaves of
@@ -430,7 +435,7 @@ def hierarchical_local_sgd(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
-    :class:`AGNState` (``center``, ``global_state`` and ``accumulator`` empty).
+    :class:`AGNState` (``global_state`` and ``accumulator`` empty).
     ``update`` needs ``params``.
 
   Example:
