@@ -231,6 +231,28 @@ def _zeros_after(like: jax.Array, after: jax.Array) -> jax.Array:
   return jnp.broadcast_to(zero, like.shape)
 
 
+def _zeros_accumulator(p: jax.Array) -> jax.Array:
+  """agn's accumulator for leaf ``p`` (float32 for low-precision params)."""
+  return jnp.zeros_like(p, dtype=_axes.accumulation_dtype(p.dtype))
+
+
+def _flags(leaves: list, axis_name: Any, whole_axis_count: bool):
+  """The initial ``skipped`` and ``restart``, typed as the syncs will make
+  them under a checking shard_map: varying over the axes the params vary
+  over (other than the engine's own axis, unless it counts skips within
+  groups; ``restart`` is always this replica's), so that a ``lax.scan`` can
+  carry the state."""
+  skipped = jnp.zeros([], jnp.int32)
+  restart = jnp.zeros([1], bool)
+  if _axes.vma_checked():
+    axes = frozenset().union(*(_axes.varying_axes(p) for p in leaves))
+    own = frozenset(_axes.axis_names(axis_name))
+    axes = axes - own if whole_axis_count else axes | own
+    skipped = _axes.cast_varying(skipped, axes)
+    restart = _axes.cast_varying(restart, own | axes)
+  return skipped, restart
+
+
 def _after(tree: Any, scalar: jax.Array) -> Any:
   """``tree``'s values, as data that depends on ``scalar``, so that XLA
   computes what reads them after ``scalar``.
@@ -354,6 +376,17 @@ def _branch(step: jax.Array, syncs: Sequence[Sync]) -> jax.Array:
   return index
 
 
+def _synced_leaves(
+  index: jax.Array, syncs: Sequence[Sync], fragments, num_leaves: int
+) -> list:
+  """One flag per leaf: whether sync ``index`` moves it (0: none does)."""
+  synced = [jnp.zeros([], bool)] * num_leaves
+  for k, sync in enumerate(syncs):
+    for i in fragments[sync.fragment]:
+      synced[i] = synced[i] | (index == k + 1)
+  return synced
+
+
 def _contribution(
   kind: str, part: _Carry, params: list, updates: list, period: int
 ) -> list:
@@ -414,13 +447,24 @@ def _combine(
 def _global_step(
   global_optimizer,
   combined: list,
-  center: list,
-  global_state,
+  mine: list,
+  part: _Carry,
   any_finite: jax.Array,
   view,
 ):
-  """Step 3c: the global optimizer moves the center, if any replica of the
-  group was finite; otherwise the center and its state stay as they are."""
+  """Step 3c: the new center and global state, if any replica of the group
+  was finite; otherwise they stay as they are.
+
+  The global optimizer moves the center with the combined contribution;
+  without one (``global_optimizer=None``, plain averaging) the combined
+  params are the new center (or, if none was finite, this replica's own).
+  """
+  if global_optimizer is None:
+    center = [
+      jnp.where(any_finite, t, m).astype(c.dtype)
+      for t, m, c in zip(combined, mine, part.center)
+    ]
+    return center, part.global_state
 
   def step(operands):
     center, state = operands
@@ -431,7 +475,7 @@ def _global_step(
     center = optax.apply_updates(view(center), center_updates)
     return jax.tree.leaves(center), state
 
-  return _cond(any_finite, step, lambda o: o, (center, global_state))
+  return _cond(any_finite, step, lambda o: o, (part.center, part.global_state))
 
 
 def _pull(target: list, params: list) -> list:
@@ -652,7 +696,6 @@ def periodic(
   _axes.check_reduction(reduction, name, axis_name)
   _axes.check_comm_dtype(comm_dtype, name, axis_name)
   local = optax.with_extra_args_support(optimizer)
-  has_global = contribution != PARAMS  # PARAMS: the average is the target
   # Skips counted over the whole axis keep `skipped` replicated; a schedule
   # of contiguous groups (hierarchical) counts within them (per replica).
   whole_axis_count = all(s.group_size is None for s in syncs)
@@ -664,50 +707,33 @@ def periodic(
     view = functools.partial(
       _fragment_tree, treedef=treedef, num_fragments=num_fragments
     )
-    skipped = jnp.zeros([], jnp.int32)
-    restart = jnp.zeros([1], bool)
-    if _axes.vma_checked():
-      # Typed as the syncs will make it: varying over the axes the params
-      # vary over (other than the engine's own axis, unless it counts within
-      # groups), so that a lax.scan can carry the state.
-      axes = frozenset().union(*(_axes.varying_axes(p) for p in leaves))
-      own = frozenset(_axes.axis_names(axis_name))
-      axes = axes - own if whole_axis_count else axes | own
-      skipped = _axes.cast_varying(skipped, axes)
-      restart = _axes.cast_varying(restart, own | axes)
+    if global_optimizer is None:
+      global_state = ()
+    elif num_fragments == 1:
+      global_state = global_optimizer.init(params)
+    else:
+      global_state = tuple(
+        global_optimizer.init(view([leaves[i] for i in f])) for f in fragments
+      )
+    skipped, restart = _flags(leaves, axis_name, whole_axis_count)
     return AGNState(
       count=jnp.zeros([], jnp.int32),
       sync_count=jnp.zeros([], jnp.int32),
-      accumulator=jax.tree.map(
-        lambda p: jnp.zeros_like(p, dtype=_axes.accumulation_dtype(p.dtype)),
-        params,
-      )
-      if contribution == GRADIENTS
-      else (),
+      accumulator=(
+        jax.tree.map(_zeros_accumulator, params)
+        if contribution == GRADIENTS
+        else ()
+      ),
       center=jax.tree.map(jnp.asarray, params),
       local_state=optimizer.init(params),
-      global_state=()
-      if not has_global
-      else (
-        global_optimizer.init(params)
-        if num_fragments == 1
-        else tuple(
-          global_optimizer.init(view([leaves[i] for i in f])) for f in fragments
-        )
-      ),
+      global_state=global_state,
       skipped=skipped,
       restart=restart,
     )
 
   def update_fn(grads, state, params=None, **extra_args):
     size, groups = _check_update_args(
-      name,
-      grads,
-      state,
-      params,
-      axis_name,
-      syncs,
-      axis_index_groups,
+      name, grads, state, params, axis_name, syncs, axis_index_groups
     )
     fragments = check_fragments(params, num_fragments, name)
     param_leaves, treedef = jax.tree.flatten(params)
@@ -750,16 +776,9 @@ def periodic(
         whole_axis_count=whole_axis_count,
         transform=name,
       )
-      center, global_state = part.center, part.global_state
-      if has_global:
-        center, global_state = _global_step(
-          global_optimizer, combined, center, global_state, in_group > 0, view
-        )
-      else:  # no finite replica in the group: nothing to average
-        center = [
-          jnp.where(in_group > 0, t, m).astype(c.dtype)
-          for t, m, c in zip(combined, mine, center)
-        ]
+      center, global_state = _global_step(
+        global_optimizer, combined, mine, part, in_group > 0, view
+      )
       skipped = part.skipped + jnp.round(
         (size if whole_axis_count else _axes.group_size(groups[k], size))
         - in_axis
@@ -803,10 +822,7 @@ def periodic(
         # which overwrites it in place, reads grads that depend on the
         # syncs, so XLA runs it after them (else it copies the state).
         updates, local_state = local_step(_after(grads, carry.sync_count))
-      synced = [jnp.zeros([], bool)] * len(param_leaves)
-      for k, s in enumerate(syncs):
-        for i in fragments[s.fragment]:
-          synced[i] = synced[i] | (index == k + 1)
+      synced = _synced_leaves(index, syncs, fragments, len(param_leaves))
       updates = _pull_after(synced, carry.center, param_leaves, updates)
     return treedef.unflatten(updates), AGNState(
       count=count,
