@@ -103,7 +103,8 @@ def _adam_and_center_select() -> optax.GradientTransformation:
   adam = _adam()
 
   def init(params):
-    return adam.init(params), jnp.asarray(params), jnp.zeros([], jnp.int32)
+    center = jax.tree.map(jnp.asarray, params)
+    return adam.init(params), center, jnp.zeros([], jnp.int32)
 
   def update(grads, state, params=None):
     inner, center, count = state

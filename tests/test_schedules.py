@@ -830,6 +830,66 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
     assert kept[name] <= trees * tree + 64, (name, kept)
 
 
+def _params_shaped_cond_outputs(tx, axis_env) -> list[int]:
+  """For each top-level ``cond`` of ``tx.update``'s jaxpr, how many of its
+  outputs have the shape of a params leaf (params of distinct shapes)."""
+  params = {"w": jnp.ones((6, 3)), "b": jnp.ones((3,))}
+  shapes = {tuple(p.shape) for p in jax.tree.leaves(params)}
+  jaxpr = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p), axis_env=axis_env)(
+    params, tx.init(params), params
+  )
+  return [
+    sum(tuple(v.aval.shape) in shapes for v in eqn.outvars)
+    for eqn in jaxpr.jaxpr.eqns
+    if eqn.primitive.name == "cond"
+  ]
+
+
+def test_a_sync_cond_returns_only_what_the_sync_changes():
+  """The conds hand back the center and the global state (what a sync
+  moves), not this step's updates: XLA does not fuse across a conditional,
+  so updates handed through one are written out and read back by
+  apply_updates. The sync branch recomputes them instead, except when the
+  local optimizer communicates (cross_shard over "data" inside an island
+  sync), where recomputing would run the inner all-reduce twice."""
+  batch = [("batch", R)]
+  islands = [("island", ISLANDS), ("data", DATA)]
+  adam = optax.adam(1e-3)
+  big = 10**6
+  cases = {
+    # name: (tx, axis_env, params-shaped trees a sync changes)
+    "local_sgd": (shardopt.local_sgd(adam, "batch", period=3), batch, 1),
+    "diloco": (shardopt.diloco(adam, "batch", sync_period=3), batch, 2),
+    "agn": (shardopt.agn(adam, "batch", communication_period=3), batch, 4),
+    "hierarchical": (
+      shardopt.hierarchical_local_sgd(
+        adam, "batch", period_group_sizes={2: 2, big: 8}
+      ),
+      batch,
+      1,
+    ),
+    "streaming": (
+      shardopt.diloco(adam, "batch", sync_period=4, num_fragments=2),
+      batch,
+      2,
+    ),
+  }
+  found = {}
+  for name, (tx, env, trees) in cases.items():
+    found[name] = _params_shaped_cond_outputs(tx, env)
+    conds = 2 if name in ("hierarchical", "streaming") else 1
+    per_cond = 1 if name == "streaming" else 2  # leaves each cond owns
+    assert found[name] == [trees * per_cond] * conds, (name, found[name])
+  # A communicating local optimizer: its updates go through (+1 tree).
+  inner = shardopt.cross_shard(adam, "data")
+  island = shardopt.diloco(inner, "island", sync_period=3)
+  found["diloco(cross_shard) islands"] = _params_shaped_cond_outputs(
+    island, islands
+  )
+  assert found["diloco(cross_shard) islands"] == [3 * 2]
+  print(f"params-shaped outputs of each sync cond: {found}")
+
+
 def test_streaming_leaves_a_non_finite_replica_out_of_its_fragment_sync():
   """NaN on one replica in fragment 1's leaf: that fragment's sync averages
   the other 7 replicas, the center stays bit-identical on every replica and
