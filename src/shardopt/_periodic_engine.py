@@ -658,6 +658,49 @@ def _check_local_gradients(
 # The engine.
 
 
+def _init(
+  params,
+  *,
+  name: str,
+  optimizer,
+  global_optimizer,
+  contribution: str,
+  axis_name,
+  whole_axis_count: bool,
+  num_fragments: int,
+) -> AGNState:
+  """The engine's ``init``: counters at 0, the center at ``params``, the
+  local and global optimizers' states (one global state per fragment)."""
+  fragments = check_fragments(params, num_fragments, name)
+  leaves, treedef = jax.tree.flatten(params)
+  view = functools.partial(
+    _fragment_tree, treedef=treedef, num_fragments=num_fragments
+  )
+  if global_optimizer is None:
+    global_state = ()
+  elif num_fragments == 1:
+    global_state = global_optimizer.init(params)
+  else:
+    global_state = tuple(
+      global_optimizer.init(view([leaves[i] for i in f])) for f in fragments
+    )
+  skipped, restart = _flags(leaves, axis_name, whole_axis_count)
+  return AGNState(
+    count=jnp.zeros([], jnp.int32),
+    sync_count=jnp.zeros([], jnp.int32),
+    accumulator=(
+      jax.tree.map(_zeros_accumulator, params)
+      if contribution == GRADIENTS
+      else ()
+    ),
+    center=jax.tree.map(jnp.asarray, params),
+    local_state=optimizer.init(params),
+    global_state=global_state,
+    skipped=skipped,
+    restart=restart,
+  )
+
+
 def periodic(
   name: str,
   optimizer: optax.GradientTransformation,
@@ -701,35 +744,16 @@ def periodic(
   whole_axis_count = all(s.group_size is None for s in syncs)
   period = syncs[0].period
 
-  def init_fn(params):
-    fragments = check_fragments(params, num_fragments, name)
-    leaves, treedef = jax.tree.flatten(params)
-    view = functools.partial(
-      _fragment_tree, treedef=treedef, num_fragments=num_fragments
-    )
-    if global_optimizer is None:
-      global_state = ()
-    elif num_fragments == 1:
-      global_state = global_optimizer.init(params)
-    else:
-      global_state = tuple(
-        global_optimizer.init(view([leaves[i] for i in f])) for f in fragments
-      )
-    skipped, restart = _flags(leaves, axis_name, whole_axis_count)
-    return AGNState(
-      count=jnp.zeros([], jnp.int32),
-      sync_count=jnp.zeros([], jnp.int32),
-      accumulator=(
-        jax.tree.map(_zeros_accumulator, params)
-        if contribution == GRADIENTS
-        else ()
-      ),
-      center=jax.tree.map(jnp.asarray, params),
-      local_state=optimizer.init(params),
-      global_state=global_state,
-      skipped=skipped,
-      restart=restart,
-    )
+  init_fn = functools.partial(
+    _init,
+    name=name,
+    optimizer=optimizer,
+    global_optimizer=global_optimizer,
+    contribution=contribution,
+    axis_name=axis_name,
+    whole_axis_count=whole_axis_count,
+    num_fragments=num_fragments,
+  )
 
   def update_fn(grads, state, params=None, **extra_args):
     size, groups = _check_update_args(
