@@ -231,6 +231,17 @@ def _zeros_after(like: jax.Array, after: jax.Array) -> jax.Array:
   return jnp.broadcast_to(zero, like.shape)
 
 
+def _after(tree: Any, scalar: jax.Array) -> Any:
+  """``tree``'s values, as data that depends on ``scalar``, so that XLA
+  computes what reads them after ``scalar``.
+
+  ``x - 0.0`` is ``x`` for every float (-0.0, inf and NaN included), and
+  XLA does not fold a float multiply by zero away.
+  """
+  zero = scalar.astype(jnp.float32) * 0.0
+  return jax.tree.map(lambda x: x - zero.astype(x.dtype), tree)
+
+
 def _zeros_accumulator(p: jax.Array) -> jax.Array:
   """agn's accumulator for leaf ``p`` (float32 for low-precision params)."""
   return jnp.zeros_like(p, dtype=_axes.accumulation_dtype(p.dtype))
@@ -251,17 +262,6 @@ def _flags(leaves: list, axis_name: Any, whole_axis_count: bool):
     skipped = _axes.cast_varying(skipped, axes)
     restart = _axes.cast_varying(restart, own | axes)
   return skipped, restart
-
-
-def _after(tree: Any, scalar: jax.Array) -> Any:
-  """``tree``'s values, as data that depends on ``scalar``, so that XLA
-  computes what reads them after ``scalar``.
-
-  ``x - 0.0`` is ``x`` for every float (-0.0, inf and NaN included), and
-  XLA does not fold a float multiply by zero away.
-  """
-  zero = scalar.astype(jnp.float32) * 0.0
-  return jax.tree.map(lambda x: x - zero.astype(x.dtype), tree)
 
 
 # Primitives that move data between devices.
