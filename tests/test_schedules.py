@@ -856,37 +856,39 @@ def test_a_sync_cond_returns_only_what_the_sync_changes():
   islands = [("island", ISLANDS), ("data", DATA)]
   adam = optax.adam(1e-3)
   big = 10**6
+  # Per cond: the params-shaped trees a sync changes times the leaves the
+  # cond owns (2, or 1 per fragment): local_sgd the center; diloco the center
+  # and the outer momentum; agn the center, the accumulator and the global
+  # Adam's two moments; hierarchical the center (one cond per level).
+  # A communicating local optimizer hands its updates through (+1 tree).
+  inner = shardopt.cross_shard(adam, "data")
   cases = {
-    # name: (tx, axis_env, params-shaped trees a sync changes)
-    "local_sgd": (shardopt.local_sgd(adam, "batch", period=3), batch, 1),
-    "diloco": (shardopt.diloco(adam, "batch", sync_period=3), batch, 2),
-    "agn": (shardopt.agn(adam, "batch", communication_period=3), batch, 4),
+    # name: (tx, axis_env, params-shaped outputs of each cond)
+    "local_sgd": (shardopt.local_sgd(adam, "batch", period=3), batch, [2]),
+    "diloco": (shardopt.diloco(adam, "batch", sync_period=3), batch, [4]),
+    "agn": (shardopt.agn(adam, "batch", communication_period=3), batch, [8]),
     "hierarchical": (
       shardopt.hierarchical_local_sgd(
         adam, "batch", period_group_sizes={2: 2, big: 8}
       ),
       batch,
-      1,
+      [2, 2],
     ),
     "streaming": (
       shardopt.diloco(adam, "batch", sync_period=4, num_fragments=2),
       batch,
-      2,
+      [2, 2],
+    ),
+    "diloco(cross_shard) islands": (
+      shardopt.diloco(inner, "island", sync_period=3),
+      islands,
+      [3 * 2],
     ),
   }
   found = {}
-  for name, (tx, env, trees) in cases.items():
+  for name, (tx, env, expected) in cases.items():
     found[name] = _params_shaped_cond_outputs(tx, env)
-    conds = 2 if name in ("hierarchical", "streaming") else 1
-    per_cond = 1 if name == "streaming" else 2  # leaves each cond owns
-    assert found[name] == [trees * per_cond] * conds, (name, found[name])
-  # A communicating local optimizer: its updates go through (+1 tree).
-  inner = shardopt.cross_shard(adam, "data")
-  island = shardopt.diloco(inner, "island", sync_period=3)
-  found["diloco(cross_shard) islands"] = _params_shaped_cond_outputs(
-    island, islands
-  )
-  assert found["diloco(cross_shard) islands"] == [3 * 2]
+    assert found[name] == expected, (name, found[name])
   print(f"params-shaped outputs of each sync cond: {found}")
 
 
