@@ -103,6 +103,221 @@ def test_accumulated_mean_matches_numpy_and_sum_is_k_times_it():
     np.testing.assert_allclose(updates, want, rtol=1e-6)
 
 
+# --- Mixed precision: any params/gradients/inner-state dtypes MultiSteps takes.
+
+MIXED = [  # (params dtype, gradients dtype)
+  (jnp.float16, jnp.float32),
+  (jnp.float32, jnp.bfloat16),
+  (jnp.float16, jnp.bfloat16),
+  (jnp.bfloat16, jnp.float16),
+]
+MU_DTYPES = [None, jnp.float32]  # adam's moments: the params' dtype, or f32
+
+
+def _mixed_id(case):
+  return getattr(case, "__name__", str(case))
+
+
+def test_f16_params_f32_grads_emit_the_issue_numbers():
+  """The report: f16 params, f32 gradients, adam's mu_dtype=None."""
+  w = jnp.array([1.0, 0.0, -1.0], jnp.float16)
+  g = jnp.array([1.0, 0.0, -1.0], jnp.float32)
+  tx = shardopt.accumulate(optax.adam(0.1), 2)
+  state = tx.init(w)
+  first, state = tx.update(g, state, w)
+  second, state = tx.update(g, state, w)
+  np.testing.assert_array_equal(first, np.zeros(3, np.float32))
+  # optax.MultiSteps(optax.adam(0.1), 2) emits these bits on the same input.
+  np.testing.assert_array_equal(
+    second, np.array([-0.09999934, -0.0, 0.09999934], np.float32)
+  )
+  assert state.inner_state[0].mu.dtype == jnp.float16  # the old state's dtype
+
+
+@pytest.mark.parametrize("mu_dtype", MU_DTYPES, ids=_mixed_id)
+@pytest.mark.parametrize(
+  "dtypes", MIXED, ids=lambda d: "/".join(map(_mixed_id, d))
+)
+def test_mixed_precision_same_numbers_as_optax_multisteps(dtypes, mu_dtype):
+  param_dtype, grad_dtype = dtypes
+  k, rng = 3, np.random.default_rng(11)
+  params = _tree(rng, (param_dtype, param_dtype))
+  tx = shardopt.accumulate(optax.adam(0.05, mu_dtype=mu_dtype), k)
+  ref = optax.MultiSteps(optax.adam(0.05, mu_dtype=mu_dtype), k)
+  state, ref_state = tx.init(params), ref.init(params)
+  update, ref_update = jax.jit(tx.update), jax.jit(ref.update)
+  for step in range(2 * k + 1):
+    grads = _tree(rng, (grad_dtype, grad_dtype))
+    updates, state = update(grads, state, params)
+    want, ref_state = ref_update(grads, ref_state, params)
+    chex.assert_trees_all_equal_dtypes(updates, want)
+    chex.assert_trees_all_equal_dtypes(
+      state.inner_state, ref_state.inner_opt_state
+    )
+    if (step + 1) % k:  # a mini-step: zeros (MultiSteps may give -0.)
+      for u in jax.tree.leaves(updates):
+        np.testing.assert_array_equal(u, np.zeros_like(u))
+    else:
+      chex.assert_trees_all_close(updates, want, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(
+      state.inner_state, ref_state.inner_opt_state, rtol=1e-6, atol=1e-7
+    )
+    assert int(state.gradient_step) == int(ref_state.gradient_step)
+
+
+def _shard_map_run(tx, params, grads):
+  """Like :func:`_pmap_run`, under a checking shard_map: P() params, varying
+  per-replica gradients (steps, R, ...) split over AXIS. Returns every
+  replica's params after every step, (steps, R, ...)."""
+  mesh = _mesh()
+  steps = jax.tree.leaves(grads)[0].shape[0]
+
+  def run(params, grads):
+    state, history = tx.init(params), []
+    for t in range(steps):
+      g = jax.tree.map(lambda a: a[t], grads)
+      updates, state = tx.update(g, state, params)
+      params = optax.apply_updates(params, updates)
+      assert not any(map(_axes.varying_axes, jax.tree.leaves(params)))
+      # Each replica's own bits, to check that they are the same everywhere.
+      history.append(
+        jax.tree.map(lambda p: jax.lax.pcast(p, AXIS, to="varying"), params)
+      )
+    return jax.tree.map(lambda *h: jnp.stack(h)[:, None], *history)
+
+  f = jax.jit(
+    jax.shard_map(
+      run,
+      mesh=mesh,
+      in_specs=(P(), P(None, AXIS)),
+      out_specs=P(None, AXIS),
+    )
+  )
+  split = jax.tree.map(
+    lambda g: g.reshape((g.shape[0], R * g.shape[2]) + g.shape[3:]), grads
+  )
+  out = f(params, _put(mesh, split, P(None, AXIS)))
+  return jax.tree.map(np.asarray, out)
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
+@pytest.mark.parametrize("mu_dtype", MU_DTYPES, ids=_mixed_id)
+@pytest.mark.parametrize(
+  "dtypes", MIXED, ids=lambda d: "/".join(map(_mixed_id, d))
+)
+def test_mixed_precision_cross_shard_matches_multisteps_and_stays_in_sync(
+  dtypes, mu_dtype, mapping
+):
+  param_dtype, grad_dtype = dtypes
+  k, steps = 2, 5
+  rng = np.random.default_rng(12)
+  params = _tree(rng, (param_dtype, param_dtype))
+  grads = _tree(rng, (grad_dtype, grad_dtype), lead=(steps, R))
+
+  def inner():
+    return shardopt.cross_shard(optax.adam(0.05, mu_dtype=mu_dtype), AXIS)
+
+  run = {"pmap": _pmap_run, "shard_map": _shard_map_run}[mapping]
+  got = run(shardopt.accumulate(inner(), k), params, grads)
+  want = _pmap_run(
+    optax.MultiSteps(inner(), k).gradient_transformation(), params, grads
+  )
+  chex.assert_trees_all_equal_dtypes(got, want)
+  chex.assert_trees_all_close(
+    jax.tree.map(lambda a: a.astype(np.float32), got),
+    jax.tree.map(lambda a: a.astype(np.float32), want),
+    rtol=1e-6,
+    atol=1e-7,
+  )
+  for leaf in jax.tree.leaves(got):  # bit-identical on every replica
+    chex.assert_trees_all_equal(*[leaf[:, r] for r in range(R)])
+  for leaf, p in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
+    assert not np.array_equal(leaf[k - 1, 0], p)  # the emit step moved them
+
+
+# --- every_k_steps as a schedule of the gradient step. -------------------------
+
+
+def _growing(step):
+  """1 mini-step for the first update, 2 for the second, then 3."""
+  return jnp.minimum(step + 1, 3)
+
+
+def test_growing_schedule_same_numbers_as_multisteps_on_one_device():
+  rng = np.random.default_rng(13)
+  params = _tree(rng)
+  tx = shardopt.accumulate(_adam(), _growing)
+  ref = optax.MultiSteps(_adam(), _growing)
+  state, ref_state = tx.init(params), ref.init(params)
+  update, ref_update = jax.jit(tx.update), jax.jit(ref.update)
+  emitted = []
+  for step in range(12):
+    grads = _tree(rng)
+    updates, state = update(grads, state, params)
+    want, ref_state = ref_update(grads, ref_state, params)
+    chex.assert_trees_all_close(updates, want, rtol=1e-6, atol=1e-7)
+    assert int(state.mini_step) == int(ref_state.mini_step)
+    assert int(state.gradient_step) == int(ref_state.gradient_step)
+    chex.assert_trees_all_close(
+      state.inner_state, ref_state.inner_opt_state, rtol=1e-6, atol=1e-7
+    )
+    if int(state.mini_step) == 0:
+      emitted.append(step)
+  # Periods of 1, 2, 3, 3, 3 mini-steps end at steps 0, 2, 5, 8, 11.
+  assert emitted == [0, 2, 5, 8, 11]
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
+def test_growing_schedule_under_cross_shard_matches_multisteps_in_sync(mapping):
+  steps = 9
+  rng = np.random.default_rng(14)
+  params = _tree(rng)
+  grads = _tree(rng, lead=(steps, R))
+  inner = INNER_COMMUNICATING["cross_shard(adam)"]
+  run = {"pmap": _pmap_run, "shard_map": _shard_map_run}[mapping]
+  got = run(shardopt.accumulate(inner(), _growing), params, grads)
+  want = _pmap_run(
+    optax.MultiSteps(inner(), _growing).gradient_transformation(),
+    params,
+    grads,
+  )
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+  for leaf in jax.tree.leaves(got):  # bit-identical on every replica
+    chex.assert_trees_all_equal(*[leaf[:, r] for r in range(R)])
+  moved = [
+    t
+    for t in range(steps)
+    if not np.array_equal(
+      got["b"][t, 0], (got["b"][t - 1, 0] if t else params["b"])
+    )
+  ]
+  assert moved == [0, 2, 5, 8]
+
+
+@pytest.mark.parametrize("spelling", ["pmap", "varying"])
+def test_a_schedule_decides_without_a_collective(spelling):
+  text = _compiled_update(
+    shardopt.accumulate(INNER_COMMUNICATING["cross_shard(adam)"](), _growing),
+    spelling,
+  )
+  counts = _contexts(text)
+  print(f"\n[hlo] accumulate(cross_shard(adam), schedule).update: {counts}")
+  assert set(counts) == {"conditional"}, counts  # none at the top level
+
+
+@pytest.mark.parametrize(
+  "returns",
+  [2.0, jnp.float32(2), jnp.array([2, 2]), True, "4", None],
+  ids=["float", "f32 array", "vector", "bool", "str", "None"],
+)
+def test_a_schedule_must_return_an_integer_scalar(returns):
+  tx = shardopt.accumulate(optax.sgd(0.1), lambda step: returns)
+  with pytest.raises(
+    TypeError, match=r"shardopt.accumulate: every_k_steps=.*integer scalar"
+  ):
+    tx.update(jnp.zeros(3), tx.init(jnp.zeros(3)))
+
+
 # --- Under pmap: per-replica gradients, communicating inner transforms. ------
 
 
@@ -403,10 +618,14 @@ def test_mini_step_copies_no_buffer_a_bare_gradient_add_does_not(mapping):
 # --- Counters typed varying, or stacked with the rest of the state. -----------
 
 
+@pytest.mark.parametrize(
+  "k, updates", [(2, 2), (_growing, 2)], ids=["k=2", "schedule"]
+)
 @pytest.mark.parametrize("inner", ["cross_shard(adam)", "tower(adam)"])
-def test_whole_state_under_p_axis_matches_pmap(inner):
-  """The state built stacked (jax.pmap(tx.init)), every leaf under P(AXIS)."""
-  k, steps = 2, 5
+def test_whole_state_under_p_axis_matches_pmap(inner, k, updates):
+  """The state built stacked (jax.pmap(tx.init)), every leaf under P(AXIS):
+  the counters arrive typed varying, and so does a schedule's value."""
+  steps = 5
   rng = np.random.default_rng(8)
   params = _tree(rng)
   grads = _tree(rng, lead=(steps, R))
@@ -436,7 +655,7 @@ def test_whole_state_under_p_axis_matches_pmap(inner):
       atol=1e-7,
     )
   assert state.mini_step.shape == (R,)
-  np.testing.assert_array_equal(np.asarray(state.gradient_step), steps // k)
+  np.testing.assert_array_equal(np.asarray(state.gradient_step), updates)
 
 
 def test_scalar_counter_typed_varying_keeps_replicated_params_replicated():
@@ -474,9 +693,13 @@ def test_a_counter_with_more_than_one_element_is_an_error_with_the_specs():
     tx.update(jnp.zeros(3), state)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "4"])
-def test_every_k_steps_must_be_a_positive_integer(bad):
-  with pytest.raises(ValueError, match=r"shardopt.accumulate: every_k_steps="):
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "4", None])
+def test_every_k_steps_must_be_a_positive_integer_or_a_schedule(bad):
+  with pytest.raises(
+    ValueError,
+    match=r"shardopt.accumulate: every_k_steps=.* must be a positive integer"
+    r".* or a callable of the gradient step",
+  ):
     shardopt.accumulate(optax.sgd(0.1), bad)
 
 

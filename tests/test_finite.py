@@ -196,6 +196,182 @@ def test_only_the_4_byte_flag_is_communicated_outside_the_cond(spelling, inner):
   assert inside
 
 
+# --- The free guard: after the reduce, the decision needs no collective. -------
+
+FAULTS = {  # step: [(replica, value)]: NaN, +-inf, and inf - inf across two
+  2: [(3, np.nan)],
+  5: [(0, np.inf)],
+  6: [(7, -np.inf)],
+  9: [(1, np.inf), (4, -np.inf)],
+}
+STEPS, D, LR = 12, 6, 0.1
+
+
+def _free_guard(max_consecutive_errors=3):
+  return optax.chain(
+    shardopt.cross_shard_mean(AXIS),
+    shardopt.apply_if_finite(optax.adam(LR), None, max_consecutive_errors),
+  )
+
+
+def _faulty_grads(seed=21):
+  g = np.random.default_rng(seed).normal(size=(STEPS, R, D)).astype(np.float32)
+  for t, faults in FAULTS.items():
+    for r, v in faults:
+      g[t, r, t % D] = v
+  return g
+
+
+def _np_adam_skipping_nonfinite(w0, grads):
+  """numpy float64 Adam on the replica mean, skipping non-finite steps."""
+  b1, b2, eps = 0.9, 0.999, 1e-8
+  w, m, v, count, history = w0.astype(np.float64), 0.0, 0.0, 0, []
+  for g in grads.astype(np.float64):
+    with np.errstate(invalid="ignore"):
+      mean = g.mean(axis=0)
+    if np.all(np.isfinite(mean)):
+      count += 1
+      m = b1 * m + (1 - b1) * mean
+      v = b2 * v + (1 - b2) * mean**2
+      w = w - LR * (m / (1 - b1**count)) / (np.sqrt(v / (1 - b2**count)) + eps)
+    history.append(w)
+  return np.stack(history)
+
+
+def _run_free_guard(tx, mapping, w0, grads):
+  """(params per step and replica (STEPS, R, D), total_notfinite per replica,
+  max replica_divergence) of ``tx`` trained on ``grads`` (STEPS, R, D)."""
+
+  def run(w, g):  # g: (STEPS, D), this replica's gradients
+    def step(carry, g):
+      w, state = carry
+      updates, state = tx.update(g, state, w)
+      w = optax.apply_updates(w, updates)
+      mine = jax.lax.pcast(w, AXIS, to="varying") if _axes.vma_checked() else w
+      return (w, state), (mine, shardopt.replica_divergence(mine, AXIS))
+
+    (w, state), (history, divergence) = jax.lax.scan(step, (w, tx.init(w)), g)
+    total = state[1].total_notfinite
+    if _axes.vma_checked():
+      assert not _axes.varying_axes(w)  # P() params stay P()
+      total = jax.lax.pcast(total, AXIS, to="varying")
+    return history[:, None], total[None], jnp.max(divergence)[None]
+
+  if mapping == "pmap":
+    out = jax.pmap(run, axis_name=AXIS)(
+      jnp.broadcast_to(w0, (R, D)), np.swapaxes(grads, 0, 1)
+    )
+    history, total, divergence = map(np.asarray, out)
+    return history[:, :, 0].swapaxes(0, 1), total[:, 0], divergence.max()
+  mesh = jax.make_mesh((R,), (AXIS,))
+  f = jax.jit(
+    jax.shard_map(
+      run,
+      mesh=mesh,
+      in_specs=(P(), P(None, AXIS)),
+      out_specs=(P(None, AXIS), P(AXIS), P(AXIS)),
+    )
+  )
+  g = jax.device_put(
+    grads.reshape(STEPS, R * D), NamedSharding(mesh, P(None, AXIS))
+  )
+  history, total, divergence = map(np.asarray, f(w0, g))
+  return history.reshape(STEPS, R, D), total, divergence.max()
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
+def test_free_guard_after_cross_shard_mean_skips_together_and_equals_numpy(
+  mapping,
+):
+  w0 = np.random.default_rng(20).normal(size=D).astype(np.float32)
+  grads = _faulty_grads()
+  history, total, divergence = _run_free_guard(
+    _free_guard(), mapping, w0, grads
+  )
+  print(
+    f"\n[faults] chain(cross_shard_mean, apply_if_finite(adam, None, 3))"
+    f" under {mapping}: {STEPS} steps, {len(FAULTS)} with NaN/inf on one or"
+    f" two replicas, total_notfinite={total.tolist()}, max"
+    f" replica_divergence={divergence}"
+  )
+  assert divergence == 0.0
+  np.testing.assert_array_equal(total, np.full(R, len(FAULTS)))
+  for r in range(1, R):  # bit-identical on every replica, every step
+    np.testing.assert_array_equal(history[:, r], history[:, 0])
+  for t in FAULTS:  # a skipped step leaves the params as they were
+    np.testing.assert_array_equal(history[t, 0], history[t - 1, 0])
+  want = _np_adam_skipping_nonfinite(w0, grads)
+  np.testing.assert_allclose(history[:, 0], want, rtol=2e-5, atol=5e-6)
+  # optax's own guard in the same place (where it is safe: after the reduce).
+  theirs = optax.chain(
+    shardopt.cross_shard_mean(AXIS), optax.apply_if_finite(optax.adam(LR), 3)
+  )
+  ref, _, _ = _run_free_guard(theirs, "pmap", w0, grads)
+  np.testing.assert_allclose(history[:, 0], ref[:, 0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
+def test_free_guard_step_has_exactly_one_all_reduce(mapping):
+  tx = _free_guard()
+  w = jnp.zeros([D])
+
+  def step(w, state, g):
+    updates, state = tx.update(g, state, w)
+    return optax.apply_updates(w, updates), state
+
+  if mapping == "pmap":
+    stacked = jnp.zeros([R, D])
+    state = jax.pmap(tx.init)(stacked)
+    f = jax.pmap(step, axis_name=AXIS)
+    text = f.lower(stacked, state, stacked).compile().as_text()
+  else:
+    mesh = jax.make_mesh((R,), (AXIS,))
+    f = jax.jit(
+      jax.shard_map(
+        step, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=(P(), P())
+      )
+    )
+    g = jax.device_put(jnp.zeros([R * D]), NamedSharding(mesh, P(AXIS)))
+    text = f.lower(w, tx.init(w), g).compile().as_text()
+  ops = [
+    (o.kind, o.buffer_bytes)
+    for o in hlo.compiled_collectives(text, num_devices=R)
+  ]
+  print(f"\n[hlo] free guard step under {mapping}: {ops}")
+  assert ops == [("all-reduce", 4 * D)]  # the gradient's; no flag
+
+
+# --- Mixed precision: the kept state keeps its dtypes. --------------------------
+
+
+def test_mixed_precision_state_keeps_its_dtypes_as_multisteps_skip_does():
+  """f16 params, f32 gradients, adam's mu_dtype=None (its moments come back
+  f32): the guard keeps the old dtypes, as optax.MultiSteps(adam, 1,
+  should_skip_update_fn=optax.skip_not_finite) does."""
+  rng = np.random.default_rng(22)
+  w = jnp.asarray(rng.normal(size=5), jnp.float16)
+  tx = shardopt.apply_if_finite(optax.adam(0.1), None, 3)
+  ref = optax.MultiSteps(
+    optax.adam(0.1), 1, should_skip_update_fn=optax.skip_not_finite
+  )
+  state, ref_state = tx.init(w), ref.init(w)
+  update, ref_update = jax.jit(tx.update), jax.jit(ref.update)
+  for t in range(6):
+    g = jnp.asarray(rng.normal(size=5), jnp.float32)
+    if t in (2, 3):
+      g = g.at[t].set((jnp.nan, jnp.inf)[t % 2])
+    updates, state = update(g, state, w)
+    want, ref_state = ref_update(g, ref_state, w)
+    chex.assert_trees_all_equal_dtypes(
+      state.inner_state, tx.init(w).inner_state
+    )
+    chex.assert_trees_all_close(updates, want, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(
+      state.inner_state, ref_state.inner_opt_state, rtol=1e-6, atol=1e-7
+    )
+  assert int(state.total_notfinite) == 2
+
+
 # --- Faults on one replica: no hang, every replica skips together. ------------
 
 

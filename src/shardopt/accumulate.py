@@ -15,6 +15,7 @@ imported.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import chex
@@ -50,7 +51,10 @@ class AccumulateState(NamedTuple):
   inner_state: Any
 
 
-def _check_every_k_steps(every_k_steps: Any) -> int:
+def _check_every_k_steps(every_k_steps: Any) -> Callable[[jax.Array], Any]:
+  """``every_k_steps`` as a schedule: a function of the gradient step."""
+  if callable(every_k_steps):
+    return every_k_steps
   if (
     isinstance(every_k_steps, (bool, np.bool_))
     or not isinstance(every_k_steps, (int, np.integer))
@@ -59,9 +63,39 @@ def _check_every_k_steps(every_k_steps: Any) -> int:
     raise ValueError(
       f"{_ACCUMULATE}: every_k_steps={every_k_steps!r} must be a positive"
       " integer, the number of mini-steps whose gradients make one update"
-      " (e.g. 4); 1 updates on every step."
+      " (e.g. 4; 1 updates on every step), or a callable of the gradient"
+      " step that returns one (optax.MultiSteps' every_k_schedule, e.g."
+      " lambda step: jnp.where(step < 100, 1, 4))."
     )
-  return int(every_k_steps)
+  k = int(every_k_steps)
+  return lambda gradient_step: k
+
+
+def _mini_steps_per_update(schedule, gradient_step: jax.Array) -> jax.Array:
+  """``schedule(gradient_step)`` as an int32 scalar, at least 1.
+
+  The gradient step is the same on every replica, so the number is too (for
+  a schedule that depends on nothing else): the emit decision needs no
+  collective. A value below 1 (which ``optax.MultiSteps`` leaves undefined: it
+  takes ``mini_step % 0``) updates on every mini-step.
+  """
+  k = schedule(gradient_step)
+  try:
+    dtype = jnp.result_type(k)
+  except TypeError:  # not an array, e.g. a string or None
+    dtype = None
+  if (
+    dtype is None
+    or not jnp.issubdtype(dtype, jnp.integer)  # bool is not an integer here
+    or jnp.ndim(k) != 0
+  ):
+    raise TypeError(
+      f"{_ACCUMULATE}: every_k_steps={schedule!r} returned {k!r} for the"
+      " gradient step; a schedule must return an integer scalar, the number"
+      " of mini-steps of that update (e.g. lambda step: jnp.where(step < 100,"
+      " 1, 4), or cast a float schedule with .astype(jnp.int32))."
+    )
+  return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
 
 
 def _accumulated(
@@ -89,14 +123,16 @@ def _accumulated(
 
 def accumulate(
   inner: optax.GradientTransformation,
-  every_k_steps: int,
+  every_k_steps: int | Callable[[jax.Array], Any],
   *,
   use_grad_mean: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over ``every_k_steps`` mini-steps, updates once.
 
   The same numbers as ``optax.MultiSteps(inner, every_k_steps,
-  use_grad_mean=use_grad_mean).gradient_transformation()``:
+  use_grad_mean=use_grad_mean).gradient_transformation()``, with ``k =
+  every_k_steps``, or ``k = every_k_steps(gradient_step)`` for a schedule
+  (MultiSteps' ``every_k_schedule``):
 
   1. every mini-step adds the gradients to ``acc_grads`` (Welford's running
      mean, or the sum with ``use_grad_mean=False``; float32 for bfloat16 and
@@ -104,9 +140,11 @@ def accumulate(
   2. mini-steps ``1 .. k - 1`` return zero updates and leave ``inner_state``
      as it is;
   3. the ``k``-th feeds the accumulated gradients (cast to the gradients'
-     dtype) to ``inner.update``, returns its updates, sets ``mini_step`` to
-     zero (the next mini-step restarts ``acc_grads`` from zero) and counts
-     ``gradient_step``.
+     dtype) to ``inner.update``, returns its updates, keeps its new state in
+     the old state's dtypes (as MultiSteps does: adam's ``mu_dtype=None``
+     moments of float16 params fed float32 gradients stay float16), sets
+     ``mini_step`` to zero (the next mini-step restarts ``acc_grads`` from
+     zero) and counts ``gradient_step``.
 
   Unlike ``optax.MultiSteps``, which runs ``inner.update`` on every mini-step
   and masks the result, ``inner.update`` runs only in the emit branch of one
@@ -128,12 +166,24 @@ def accumulate(
 
   The counters may arrive typed varying (the whole state under ``P(axis)``
   under ``shard_map``) or stacked (``jax.pmap(tx.init)``): they are equal on
-  every replica by construction, so either works.
+  every replica by construction, so either works. So is a schedule's ``k``,
+  a function of ``gradient_step`` alone: the emit decision needs no
+  collective.
+
+  To skip non-finite gradients (MultiSteps' ``should_skip_update_fn=
+  optax.skip_not_finite``), guard ``inner``:
+  ``accumulate(shardopt.apply_if_finite(inner, axis, n), k)`` checks the
+  accumulated gradients at the emit step, or wrap the whole transform,
+  ``shardopt.apply_if_finite(accumulate(inner, k), axis, n)``, to drop single
+  mini-steps as MultiSteps does (``docs/reliability.md`` compares the two).
 
   Args:
     inner: the transform applied to the accumulated gradients, e.g.
       ``shardopt.cross_shard(optax.adam(1e-3), "batch")``.
-    every_k_steps: mini-steps per update, a positive integer.
+    every_k_steps: mini-steps per update, a positive integer, or a function
+      of the gradient step (an int32 scalar, the same on every replica) that
+      returns it as an integer scalar, e.g. ``lambda step: jnp.where(step <
+      1000, 1, 4)`` (values below 1 count as 1).
     use_grad_mean: average the accumulated gradients (default) or sum them.
 
   Returns:
@@ -157,13 +207,24 @@ def accumulate(
     >>> int(steps[0])
     1
 
+    A schedule: one mini-step for the first update, then two.
+
+    >>> tx = shardopt.accumulate(optax.sgd(1.0), lambda step: jnp.minimum(step + 1, 2))
+    >>> state = tx.init(jnp.zeros(1))
+    >>> for g in (1.0, 2.0, 4.0):
+    ...   updates, state = tx.update(jnp.array([g]), state)
+    ...   print(updates, int(state.gradient_step))
+    [-1.] 1
+    [0.] 1
+    [-3.] 2
+
   References:
     ``optax.MultiSteps``; PyTorch, ``DistributedDataParallel.no_sync``;
     Sergeev and Del Balso, `Horovod: fast and easy distributed deep learning
     in TensorFlow <https://arxiv.org/abs/1802.05799>`_, 2018
     (``backward_passes_per_step``).
   """
-  k = _check_every_k_steps(every_k_steps)
+  schedule = _check_every_k_steps(every_k_steps)
   if not isinstance(use_grad_mean, (bool, np.bool_)):
     raise TypeError(
       f"{_ACCUMULATE}: use_grad_mean={use_grad_mean!r} must be"
@@ -187,7 +248,12 @@ def accumulate(
     mini_step = _axes.scalar_counter(
       state.mini_step, _ACCUMULATE, "state.mini_step"
     )
-    emit = mini_step == k - 1
+    gradient_step = _axes.scalar_counter(
+      state.gradient_step, _ACCUMULATE, "state.gradient_step"
+    )
+    # ``>=``, not ``==``: a period already past its length (a checkpoint
+    # restored under a shorter schedule) emits now instead of never.
+    emit = mini_step >= _mini_steps_per_update(schedule, gradient_step) - 1
 
     # Every mini-step: one pass that adds the gradients to the accumulator in
     # place (the first mini-step of a period starts from zero).
@@ -197,7 +263,12 @@ def accumulate(
       mean_or_sum = jax.tree.map(
         lambda a, g: a.astype(g.dtype), acc_grads, grads
       )
-      return inner.update(mean_or_sum, state.inner_state, params, **extra_args)
+      updates, inner_state = inner.update(
+        mean_or_sum, state.inner_state, params, **extra_args
+      )
+      # As optax.MultiSteps: the new state in the old state's dtypes (adam's
+      # mu_dtype=None promotes f16 moments fed f32 gradients to f32).
+      return updates, optax.tree.cast_like(inner_state, state.inner_state)
 
     emit_types = jax.eval_shape(emit_branch)
 
