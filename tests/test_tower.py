@@ -355,6 +355,18 @@ def test_tensorflow_tower_oracle_two_sum_steps(tf_literal):
 STATE_SHAPES = {"w": (64, 33), "b": (33,), "s": ()}
 
 
+def _np_owned_slice(x, n, r):
+  """numpy reference of tower's layout: replica r owns every n-th slice (r,
+  r + n, ...) along the first dimension whose size is a multiple of n; other
+  leaves are flattened, zero-padded to a multiple of n and sliced the same
+  way."""
+  for d, size in enumerate(x.shape):
+    if size >= n and size % n == 0:
+      return np.take(x, np.arange(r, size, n), axis=d)
+  flat = np.pad(x.reshape(-1), (0, (-x.size) % n))
+  return flat[r::n]
+
+
 def _bytes_per_device(tree):
   return sum(
     leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree)
@@ -407,17 +419,20 @@ def test_adam_state_bytes_per_replica_are_ceil_size_over_n():
     )
     p_cross, cross_state = step(cross_tx, P())(params, cross_state, grads)
     chex.assert_trees_all_close(p_tower, p_cross, rtol=2e-6, atol=2e-7)
-    # The owned slices, laid side by side, are the full moments (padded).
+    # Replica r's owned slice (the r-th P(axis) block of the state) is the
+    # full moment's r-th slice of the documented layout.
     for field in ("mu", "nu"):
       owned = optax.tree_utils.tree_get(tower_state, field)
       full = optax.tree_utils.tree_get(cross_state, field)
       for k in STATE_SHAPES:
-        np.testing.assert_allclose(
-          np.asarray(owned[k])[: full[k].size],
-          np.asarray(full[k]).reshape(-1),
-          rtol=2e-6,
-          atol=1e-9,
-        )
+        blocks = np.split(np.asarray(owned[k]), n)
+        for r, block in enumerate(blocks):
+          np.testing.assert_allclose(
+            block,
+            _np_owned_slice(np.asarray(full[k]), n, r),
+            rtol=2e-6,
+            atol=1e-9,
+          )
 
     tower_bytes = _bytes_per_device(tower_state)
     cross_bytes = _bytes_per_device(cross_state)
@@ -491,16 +506,16 @@ def test_comm_dtype_bfloat16_is_on_the_wire_and_rounds_like_numpy(mesh):
 
   g = _put(mesh, g_np, P(AXIS))
   text = step.lower(g).as_text()
-  # 11 elements padded to 16, each of the 8 replicas reduces 2, in bfloat16;
-  # the updates come back in float32.
+  # 11 elements padded to 16 (viewed as 2 x 8 owners), each of the 8
+  # replicas reduces 2, in bfloat16; the updates come back in float32.
   assert re.search(
-    r'"stablehlo.reduce_scatter".*?\}\) : \(tensor<16xbf16>\)'
-    r" -> tensor<2xbf16>",
+    r'"stablehlo.reduce_scatter".*?\}\) : \(tensor<2x8xbf16>\)'
+    r" -> tensor<2x1xbf16>",
     text,
     flags=re.S,
   ), text
   assert re.search(
-    r'"stablehlo.all_gather".*: \(tensor<2xf32>\) -> tensor<16xf32>', text
+    r"\"stablehlo.all_gather\".*: \(tensor<2x1xf32>\) -> tensor<2x8xf32>", text
   ), text
   bf16 = np.asarray(jnp.asarray(g_np, jnp.bfloat16).astype(jnp.float32))
   expected = -bf16.astype(np.float64).sum(0) / N

@@ -23,6 +23,7 @@ from shardopt.periodic import hierarchical_local_sgd
 from shardopt.periodic import local_sgd
 from shardopt.powersgd import PowerSGDState
 from shardopt.powersgd import powersgd
+from shardopt.specs import state_specs
 from shardopt.tower import clip_by_global_norm
 from shardopt.tower import tower
 
@@ -45,6 +46,7 @@ __all__ = [
   "PowerSGDState",
   "powersgd",
   "clip_by_global_norm",
+  "state_specs",
   "tower",
   "AccumulateState",
   "accumulate",

@@ -79,7 +79,10 @@ def vma_checked() -> bool:
 
 def varying_axes(x: Any) -> frozenset:
   """The manual mesh axes over which ``x`` is typed as varying (may be empty)."""
-  aval = jax.typeof(x)
+  # A ``jax.ShapeDtypeStruct`` (from ``jax.eval_shape``) carries its type
+  # itself; ``jax.typeof`` of one asserts in a partial-manual shard_map over
+  # an Auto mesh (JAX 0.10), so read it directly.
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
   mat = getattr(aval, "manual_axis_type", None)
   if mat is not None:  # JAX 0.10+
     return frozenset(mat.varying)
@@ -117,6 +120,44 @@ def split_axes(x: Any, axis_name: AxisName) -> tuple[tuple, tuple]:
     tuple(a for a in names if a in vary),
     tuple(a for a in names if a not in vary),
   )
+
+
+def other_axes_present() -> bool:
+  """True inside a partial-manual ``jax.shard_map`` whose mesh has axes of
+  size > 1 left to the compiler (a model axis sharding the params).
+
+  There, XLA's SPMD partitioner (jax 0.10, CPU) replicates the operand of a
+  reduce-scatter or all-gather over a manual axis across the other axes
+  (all-gathers over the model axis), while an all-reduce keeps each device's
+  model shard: transforms then build their collectives from all-reduces.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return False
+  return any(
+    kind != jax.sharding.AxisType.Manual and size > 1
+    for size, kind in zip(mesh.axis_sizes, mesh.axis_types)
+  )
+
+
+def explicit_spec(x: Any):
+  """``x``'s PartitionSpec over Explicit mesh axes, or None if it has none.
+
+  Inside a partial-manual ``jax.shard_map`` over a mesh whose other axes are
+  ``AxisType.Explicit``, a model-sharded leaf's type names those axes
+  (``float32[16,32@model]``). Under Auto axes, ``pmap`` and full-manual
+  ``shard_map`` there is nothing to read, and this returns None.
+  """
+  try:
+    if isinstance(x, jax.ShapeDtypeStruct):
+      spec = x.sharding.spec
+    else:
+      spec = jax.typeof(x).sharding.spec
+  except (AttributeError, TypeError):
+    return None
+  if all(entry is None for entry in spec):
+    return None
+  return spec
 
 
 def as_axis(names: tuple) -> AxisName:
@@ -277,18 +318,36 @@ def accumulation_dtype(dtype) -> np.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
+def explicit_axes_present() -> bool:
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and any(
+    kind == jax.sharding.AxisType.Explicit for kind in mesh.axis_types
+  )
+
+
 def cast_tree_like(tree: Any, *likes: Any) -> Any:
   """Casts each leaf of ``tree`` to be varying wherever a ``likes`` leaf is.
 
   ``likes`` are pytrees of the same structure as ``tree`` (arrays or
   ``jax.eval_shape`` results); a ``None`` in ``likes`` is skipped. The identity
-  outside a checking shard_map.
+  outside a checking shard_map. Under Explicit model axes, a leaf with no
+  sharding over them (zeros built from a shape) also takes the sharding of
+  a ``likes`` leaf that has one, so both branches of a cond agree.
   """
-  if not vma_checked():
+  explicit = explicit_axes_present()
+  if not vma_checked() and not explicit:
     return tree
   likes = tuple(like for like in likes if like is not None)
 
   def leaf(x, *others):
+    if explicit and explicit_spec(x) is None:
+      spec = next(
+        (s for s in map(explicit_spec, others) if s is not None), None
+      )
+      if spec is not None:
+        x = jax.sharding.reshard(x, spec)
+    if not vma_checked():
+      return x
     axes = frozenset().union(*(varying_axes(o) for o in others))
     return cast_varying(x, axes)
 
@@ -306,7 +365,7 @@ def cond_same_types(
   both branches is cast to the union of the two branches' varying axes. Pass
   ``true_types`` (``jax.eval_shape(true_fn)``) when the caller has it already.
   """
-  if not vma_checked():
+  if not vma_checked() and not explicit_axes_present():
     return jax.lax.cond(pred, true_fn, false_fn)
   if true_types is None:
     true_types = jax.eval_shape(true_fn)

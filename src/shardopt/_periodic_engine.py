@@ -102,7 +102,8 @@ class AGNState(NamedTuple):
     skipped: int32 scalar, how many replica contributions were left out of a
       combination because they were not finite, summed over all syncs and
       over the whole axis (for ``hierarchical_local_sgd``: over this
-      replica's groups, so it can differ between groups).
+      replica's groups, so it can differ between groups; there it has shape
+      (1,), one row per replica like ``restart``).
     restart: bool of shape (1,), this replica's own (one row per replica, like
       the params: ``P(axis)`` in a shard_map's specs): its contribution was
       left out of the last sync (not finite), so its local state, which may
@@ -253,7 +254,9 @@ def _flags(leaves: list, axis_name: Any, whole_axis_count: bool):
   over (other than the engine's own axis, unless it counts skips within
   groups; ``restart`` is always this replica's), so that a ``lax.scan`` can
   carry the state."""
-  skipped = jnp.zeros([], jnp.int32)
+  # Counted within groups, skips are this replica's own: shape (1,), like
+  # ``restart``, so that the state lays out as concatenated P(axis) blocks.
+  skipped = jnp.zeros([] if whole_axis_count else [1], jnp.int32)
   restart = jnp.zeros([1], bool)
   if _axes.vma_checked():
     axes = frozenset().union(*(_axes.varying_axes(p) for p in leaves))
@@ -506,8 +509,9 @@ def _pull_after(
 def _cond(pred: jax.Array, true_fn, false_fn, operands: Any) -> Any:
   """``lax.cond``, its branches typed alike under a checking shard_map (a
   psum turns varying into invariant, a grouped one keeps it varying: both
-  are cast to the union of the two)."""
-  if not _axes.vma_checked():
+  are cast to the union of the two) and under Explicit model axes (zeros
+  take the sharding of the other branch's leaf)."""
+  if not _axes.vma_checked() and not _axes.explicit_axes_present():
     return jax.lax.cond(pred, true_fn, false_fn, operands)
   types = [jax.eval_shape(f, operands) for f in (true_fn, false_fn)]
   typed = [

@@ -55,12 +55,40 @@ def _grouped_psum_scatter_gather(
   return full[: x.size].reshape(x.shape)
 
 
+def _grouped_psum_by_slots(x: jax.Array, axis, groups: tuple) -> jax.Array:
+  """Grouped all-reduce (sum) as one all-reduce over the whole axis.
+
+  Each replica writes ``x`` into the slot of its group in a zero buffer of
+  ``len(groups)`` slots; after a ``psum`` over the axis, slot ``g`` holds the
+  sum of group ``g``'s members (adding zeros is exact) and every member reads
+  the same bits. It moves ``len(groups)`` times the leaf's bytes, and it is
+  used only inside model-parallel replicas, where XLA would replicate a
+  grouped reduce-scatter's operand over the model axes (see
+  ``_axes.other_axes_present``); an all-reduce keeps each device's shard.
+  """
+  index = _axes.axis_index(axis)
+  group_of = np.zeros(sum(len(g) for g in groups), np.int32)
+  for g, members in enumerate(groups):
+    group_of[list(members)] = g
+  mine = jnp.asarray(group_of)[index]
+  spec = _axes.explicit_spec(x)
+  if spec is not None:
+    spec = jax.sharding.PartitionSpec(None, *spec)
+  slots = jnp.zeros((len(groups),) + x.shape, x.dtype, out_sharding=spec)
+  slots = jax.lax.dynamic_update_index_in_dim(slots, x, mine, axis=0)
+  return jax.lax.dynamic_index_in_dim(
+    jax.lax.psum(slots, axis), mine, axis=0, keepdims=False
+  )
+
+
 def _psum_leaf(y, varying: tuple, groups: tuple | None):
   """Sums ``y`` over the ``varying`` axes (within groups, if any)."""
   axis = _axes.as_axis(varying)
   if groups is None:
     return jax.lax.psum(y, axis)
   if _axes.vma_checked():
+    if _axes.other_axes_present():
+      return _grouped_psum_by_slots(y, axis, groups)
     return _grouped_psum_scatter_gather(y, axis, groups)
   return jax.lax.psum(y, axis, axis_index_groups=groups)
 

@@ -103,9 +103,28 @@ def _with_error(
   return matrix + error.reshape(matrix.shape) if error_feedback else matrix
 
 
+def _factor_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a @ b`` for a factor (``b`` has ``r`` columns), in float32.
+
+  Under Explicit model axes the contraction may run over a model-sharded
+  dimension; the factor then comes out sharded like ``a``'s rows (the sum
+  over the model axis is a factor-sized reduction, inherent to ``M Q``).
+  """
+  spec = _axes.explicit_spec(a)
+  if spec is None and _axes.explicit_spec(b) is None:
+    return jnp.matmul(a, b, precision=_PRECISION)
+  rows = spec[0] if spec is not None and len(spec) else None
+  return jnp.matmul(
+    a,
+    b,
+    precision=_PRECISION,
+    out_sharding=jax.sharding.PartitionSpec(rows, None),
+  )
+
+
 def _project(matrix: jax.Array, q: jax.Array) -> jax.Array:
   """Step 2: ``P = M Q`` (``n x r``)."""
-  return jnp.matmul(matrix, q, precision=_PRECISION)
+  return _factor_matmul(matrix, q)
 
 
 def _mean(factors: list, axis_name: Any, comm_dtype) -> list:
@@ -119,13 +138,19 @@ def _orthonormalize(p: jax.Array) -> jax.Array:
   QR never divides by a column norm, so an all-zero or rank-deficient ``P``
   gives finite, orthonormal columns (the missing directions are filled with
   unit vectors). The result depends on ``P`` only through its column space.
+
+  Inside model-parallel replicas under Explicit axes, ``P``'s rows may be
+  sharded over a model axis; QR needs them whole, so ``P`` (a factor, ``n x
+  r``) is gathered first (Auto axes: XLA does the same by itself).
   """
+  if _axes.explicit_spec(p) is not None:
+    p = jax.sharding.reshard(p, jax.sharding.PartitionSpec())
   return jnp.linalg.qr(p, mode="reduced")[0]
 
 
 def _back_project(matrix: jax.Array, p: jax.Array) -> jax.Array:
   """Step 5: ``Q = M^T P`` (``m x r``)."""
-  return jnp.matmul(matrix.T, p, precision=_PRECISION)
+  return _factor_matmul(matrix.T, p)
 
 
 def _approximate(p: jax.Array, q: jax.Array) -> jax.Array:

@@ -35,30 +35,75 @@ _TOWER = "shardopt.tower"
 _CLIP = "shardopt.clip_by_global_norm"
 
 
-# --- The owned-slice layout: one place for "flatten, pad to n, keep mine". ---
+# --- The owned-slice layout: one place for "which part of a leaf is mine". ---
+#
+# Each leaf is viewed with one extra dimension of size n (the number of
+# owners) and replica i owns index i along it:
+#
+# * a leaf with a dimension ``d`` whose size is a multiple of n is viewed as
+#   ``shape[:d] + (shape[d] // n, n) + shape[d + 1:]``: replica i owns every
+#   n-th slice along ``d`` (slices i, i + n, i + 2n, ...). The leaf keeps its
+#   other dimensions, so a leaf sharded over a model axis (tensor parallel,
+#   FSDP) is sliced inside each device's own block: XLA neither gathers nor
+#   reshuffles it over the model axis, and every device holds
+#   1 / (n * model degree) of the leaf's optimizer state. Under an Explicit
+#   mesh, a dimension whose model sharding would not divide ``shape[d] // n``
+#   is passed over.
+# * any other leaf (a scalar, a shape with no such dimension) is flattened,
+#   zero-padded to a multiple of n and viewed as ``(size // n, n)``: each
+#   replica owns ``ceil(size / n)`` elements.
+#
+# The owned chunk is the view indexed at ``axis_index`` along the owners'
+# dimension: what ``psum_scatter(..., scatter_dimension=k)`` leaves on the
+# replica and what ``all_gather(..., axis=k)`` puts back in place.
 
 
-def _padded_flat(x: jax.Array, num_owners: int) -> jax.Array:
-  """``x`` flattened and zero-padded to a multiple of ``num_owners``."""
-  flat = jnp.reshape(x, (-1,))
-  pad = (-flat.size) % num_owners
-  return jnp.pad(flat, (0, pad)) if pad else flat
+def _model_degree(x: Any, dim: int) -> int:
+  """How many ways dimension ``dim`` of ``x`` is split over Explicit mesh
+  axes (1 when its type says nothing, as under Auto axes or pmap)."""
+  try:
+    sharding = jax.typeof(x).sharding
+    entry = sharding.spec[dim] if dim < len(sharding.spec) else None
+  except (AttributeError, TypeError, IndexError):
+    return 1
+  if entry is None:
+    return 1
+  names = entry if isinstance(entry, tuple) else (entry,)
+  return int(np.prod([sharding.mesh.shape[name] for name in names]))
+
+
+def _owned_dim(x: Any, num_owners: int) -> int | None:
+  """The dimension sliced for ``x`` (see above), or None to flatten."""
+  for dim, size in enumerate(np.shape(x)):
+    if size >= num_owners and size % num_owners == 0:
+      if (size // num_owners) % _model_degree(x, dim) == 0:
+        return dim
+  return None
+
+
+def _owners_view(x: jax.Array, num_owners: int) -> tuple[jax.Array, int]:
+  """``x`` with the owners' dimension split out, and that dimension's index."""
+  dim = _owned_dim(x, num_owners)
+  if dim is None:
+    if _axes.explicit_spec(x) is not None:
+      # No dimension to slice inside the model blocks: this leaf is gathered
+      # over its Explicit axes (the one case tower communicates over them).
+      x = jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+    flat = jnp.reshape(x, (-1,))
+    pad = (-flat.size) % num_owners
+    flat = jnp.pad(flat, (0, pad)) if pad else flat
+    return jnp.reshape(flat, (flat.size // num_owners, num_owners)), 1
+  shape = tuple(x.shape)
+  view = shape[:dim] + (shape[dim] // num_owners, num_owners) + shape[dim + 1 :]
+  return jnp.reshape(x, view), dim + 1
 
 
 def _owned_slice(x: jax.Array, axis_name: Any, num_owners: int) -> jax.Array:
-  """This replica's chunk (``ceil(x.size / num_owners)`` elements) of ``x``.
-
-  Replica ``i`` (``jax.lax.axis_index(axis_name)``, row-major over a tuple of
-  axes) owns elements ``[i * chunk, (i + 1) * chunk)`` of the padded flat leaf,
-  the same chunk that ``psum_scatter(..., tiled=True)`` leaves on it and that
-  ``all_gather(..., tiled=True)`` puts back in place.
-  """
-  flat = _padded_flat(x, num_owners)
-  chunk = flat.size // num_owners
-  if chunk == 0:
-    return flat
-  start = _axes.axis_index(axis_name) * chunk
-  return jax.lax.dynamic_slice_in_dim(flat, start, chunk)
+  """This replica's chunk of ``x`` (no communication)."""
+  view, dim = _owners_view(x, num_owners)
+  return jax.lax.dynamic_index_in_dim(
+    view, _axes.axis_index(axis_name), axis=dim, keepdims=False
+  )
 
 
 def _owned_sum(
@@ -70,26 +115,42 @@ def _owned_sum(
   a checking shard_map: already summed by autodiff); along them the chunk is
   selected without communication.
   """
-  flat = _padded_flat(y, num_owners)
+  if _axes.other_axes_present():
+    # Model-parallel replicas: an all-reduce of this device's model shard,
+    # then the owned chunk, with no collective over the model axes (see
+    # _axes.other_axes_present); twice a reduce-scatter's bytes.
+    total = jax.lax.psum(y, _axes.as_axis(varying))
+    view, dim = _owners_view(total, num_owners)
+    return jax.lax.dynamic_index_in_dim(
+      view, _axes.axis_index(_axes.as_axis(names)), axis=dim, keepdims=False
+    )
+  view, dim = _owners_view(y, num_owners)
+  shape = view.shape
   if len(varying) == len(names):
-    return jax.lax.psum_scatter(flat, _axes.as_axis(names), tiled=True)
-  # Mixed: view the flat leaf as blocks[i_1, ..., i_k, chunk] (row-major, as
-  # axis_index orders a tuple of axes) and pick this replica's block along each
-  # axis, summing along the varying ones.
-  blocks = jnp.reshape(flat, sizes + (-1,))
-  for dim, name in enumerate(names):
+    # tiled=True keeps the owners' dimension (size 1); the reshape drops it.
+    owned = jax.lax.psum_scatter(
+      view, _axes.as_axis(names), scatter_dimension=dim, tiled=True
+    )
+    return jnp.reshape(owned, shape[:dim] + shape[dim + 1 :])
+  # Mixed: split the owners' dimension into one per axis (row-major, as
+  # axis_index orders a tuple of axes) and pick this replica's index along
+  # each, summing along the varying ones.
+  blocks = jnp.reshape(view, shape[:dim] + sizes + shape[dim + 1 :])
+  for offset, name in enumerate(names):
     if name in varying:
       blocks = jax.lax.psum_scatter(
-        blocks, name, scatter_dimension=dim, tiled=True
+        blocks, name, scatter_dimension=dim + offset, tiled=True
       )
     else:
       blocks = jax.lax.dynamic_slice_in_dim(
-        blocks, jax.lax.axis_index(name), 1, axis=dim
+        blocks, jax.lax.axis_index(name), 1, axis=dim + offset
       )
-  return jnp.reshape(blocks, (-1,))
+  return jnp.reshape(blocks, shape[:dim] + shape[dim + 1 :])
 
 
-def _unshard(chunk: jax.Array, like: jax.Array, axis_name: Any) -> jax.Array:
+def _unshard(
+  chunk: jax.Array, like: jax.Array, axis_name: Any, num_owners: int
+) -> jax.Array:
   """All-gathers the owned chunks into a leaf shaped like ``like``.
 
   Under a checking shard_map the result is typed invariant
@@ -98,14 +159,71 @@ def _unshard(chunk: jax.Array, like: jax.Array, axis_name: Any) -> jax.Array:
   """
   if like.size == 0:
     return jnp.zeros(like.shape, chunk.dtype)
+  dim = _owned_dim(like, num_owners)
+  owned_shape = (
+    (-(-like.size // num_owners),)
+    if dim is None
+    else like.shape[:dim]
+    + (like.shape[dim] // num_owners,)
+    + like.shape[dim + 1 :]
+  )
+  # A state stacked under shard_map (counters of shape (1,)) can broadcast
+  # inner's updates to a leading 1: back to the owned chunk's shape.
+  chunk = jnp.reshape(chunk, owned_shape)
+  gather_dim = 1 if dim is None else dim + 1
+  if _axes.other_axes_present():
+    full = _assemble_by_psum(chunk, axis_name, gather_dim, num_owners)
+  else:
+    full = _all_gather(chunk, axis_name, gather_dim)
+  if dim is None:
+    return jnp.reshape(jnp.reshape(full, (-1,))[: like.size], like.shape)
+  return jnp.reshape(full, like.shape)
+
+
+def _assemble_by_psum(
+  chunk: jax.Array, axis_name: Any, gather_dim: int, num_owners: int
+) -> jax.Array:
+  """An all-gather built from one all-reduce, exact bit for bit.
+
+  Each replica writes its chunk's bit pattern (as integers) into its own
+  slot of a zero buffer; the integer sum over the axis has one non-zero term
+  per element, so every replica ends with every owner's exact bits (-0.0 and
+  NaN payloads included). Used where XLA would replicate an all-gather's
+  operand over the model axes (see ``_axes.other_axes_present``).
+  """
+  bits_dtype = np.dtype(f"int{chunk.dtype.itemsize * 8}")
+  bits = jax.lax.bitcast_convert_type(chunk, bits_dtype)
+  if _axes.vma_checked():
+    bits = _axes.cast_varying(bits, _axes.axis_names(axis_name))
+  shape = bits.shape[:gather_dim] + (num_owners,) + bits.shape[gather_dim:]
+  spec = _axes.explicit_spec(bits)
+  if spec is not None:  # the zero buffer is sharded like the chunk
+    spec = jax.sharding.PartitionSpec(
+      *spec[:gather_dim], None, *spec[gather_dim:]
+    )
+  slots = jax.lax.dynamic_update_index_in_dim(
+    jnp.zeros(shape, bits_dtype, out_sharding=spec),
+    bits,
+    _axes.axis_index(axis_name),
+    axis=gather_dim,
+  )
+  full = jax.lax.psum(slots, axis_name)
+  return jax.lax.bitcast_convert_type(full, chunk.dtype)
+
+
+def _all_gather(chunk: jax.Array, axis_name: Any, gather_dim: int):
+  """The owners' chunks side by side along ``gather_dim`` (an all-gather)."""
+  chunk = jnp.expand_dims(chunk, gather_dim)  # tiled, as in _owned_sum
   if _axes.vma_checked():
     # An inner transform may return constant (invariant) zeros; the
     # all-gather needs every owner's chunk typed varying.
     chunk = _axes.cast_varying(chunk, _axes.axis_names(axis_name))
-    full = jax.lax.all_gather(chunk, axis_name, tiled=True, to="invarying")
+    full = jax.lax.all_gather(
+      chunk, axis_name, axis=gather_dim, tiled=True, to="invarying"
+    )
   else:
-    full = jax.lax.all_gather(chunk, axis_name, tiled=True)
-  return jnp.reshape(full[: like.size], like.shape)
+    full = jax.lax.all_gather(chunk, axis_name, axis=gather_dim, tiled=True)
+  return full
 
 
 def tower(
@@ -250,10 +368,8 @@ def tower(
     owned_updates, state = inner.update(
       owned_updates, state, params, **extra_args
     )
-    # A state stacked under shard_map (every leaf under P(axis), counters
-    # included) gives inner's updates a leading 1: flatten before gathering.
     updates = jax.tree.map(
-      lambda chunk, g: _unshard(jnp.reshape(chunk, (-1,)), g, axis_name),
+      lambda chunk, g: _unshard(chunk, g, axis_name, num_owners),
       owned_updates,
       updates,
     )

@@ -1,0 +1,249 @@
+"""``state_specs``: which leaves of a transform's state are per replica.
+
+Under ``jax.shard_map`` every leaf of an optimizer state needs a
+``PartitionSpec`` over the manual axes: ``P()`` for a leaf that is the same on
+every replica (step counters, the state of an optimizer that sees reduced
+gradients, DiLoCo's center) and ``P(axis)`` for one that each replica holds
+for itself (a local optimizer's moments, PowerSGD's error feedback, the slice
+``tower`` owns). :func:`state_specs` reads that from JAX's own type system
+instead of a hand-written recipe per transform: it traces ``init`` and
+``update`` abstractly inside a checking ``shard_map`` (nothing is computed, no
+device memory is touched) and marks every state leaf that comes out typed
+*varying* over the axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from shardopt import _axes
+
+_STATE_SPECS = "shardopt.state_specs"
+
+
+def _mesh_for(mesh: Any, params: Any, names: tuple) -> Any:
+  """The mesh to trace on: ``mesh``, else the params', else the current one."""
+  if mesh is None:
+    for leaf in jax.tree.leaves(params):
+      sharding = getattr(leaf, "sharding", None)
+      if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        break
+  if mesh is None:
+    current = jax.sharding.get_abstract_mesh()
+    if not current.empty:
+      mesh = current
+  if mesh is None:
+    raise ValueError(
+      f"{_STATE_SPECS}: no mesh to trace on for axis {_axes.as_axis(names)!r}."
+      " Pass mesh=jax.make_mesh(...), call it under `with jax.set_mesh(mesh):`,"
+      " or pass params placed on the mesh (jax.device_put with a"
+      " NamedSharding)."
+    )
+  missing = [n for n in names if n not in mesh.axis_names]
+  if missing:
+    raise ValueError(
+      f"{_STATE_SPECS}: axis {_axes.as_axis(names)!r} is not an axis of the"
+      f" mesh {dict(mesh.shape)!r} (missing {missing!r}); pass the shard_map's"
+      " manual axis name(s)."
+    )
+  return mesh
+
+
+def _local_struct(x: Any) -> jax.ShapeDtypeStruct:
+  """``x`` as a ShapeDtypeStruct, keeping a NamedSharding over other axes."""
+  sharding = getattr(x, "sharding", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    sharding = None
+  return jax.ShapeDtypeStruct(
+    jnp.shape(x), jnp.result_type(x), sharding=sharding
+  )
+
+
+def state_specs(
+  tx: Any,
+  params: Any,
+  axis_name: Any,
+  *,
+  mesh: Any = None,
+  params_axes: Any = None,
+) -> Any:
+  """The ``PartitionSpec`` of every leaf of ``tx``'s state over ``axis_name``.
+
+  Use it for ``out_specs`` of a ``jax.shard_map`` over ``tx.init`` and for
+  the state's ``in_specs``/``out_specs`` of the training step. A leaf is
+  ``P(axis_name)`` when it is *per replica* (typed varying over the axis after
+  ``init`` and ``update`` with per-replica gradients) and ``P()`` when it is
+  the same on every replica. With a tuple of axes (``("island", "data")``) a
+  leaf gets the subset of axes it varies over (``P("island")`` for the
+  local state of ``diloco(cross_shard(adam, "data"), "island")``).
+
+  Per-replica leaves are laid out the way ``jax.shard_map`` concatenates
+  ``P(axis)`` blocks: the global array of a leaf whose per-replica shape is
+  ``(d0, ...)`` has shape ``(n * d0, ...)``. That layout keeps donated
+  buffers copy-free (a leading replica axis of size ``n`` squeezed inside
+  makes XLA copy every donated buffer). Other mesh axes (a "model" axis in a
+  partial-manual ``shard_map``) are not named in the specs: the arrays keep
+  their shardings over them.
+
+  It works for every shardopt transform and any ``optax.chain`` of them and
+  of optax's transforms: nothing is special-cased, the specs come from JAX's
+  varying-axis types (a checking ``shard_map``, ``check_vma=True``). The
+  trace is abstract: ``params`` may be arrays or ``jax.ShapeDtypeStruct``\\ s.
+
+  Args:
+    tx: an optax transform whose ``init``/``update`` run over ``axis_name``.
+    params: the params as one replica sees them inside the ``shard_map``
+      (arrays or ``jax.ShapeDtypeStruct``; the per-replica block, not the
+      stacked global array).
+    axis_name: the manual axis name (or tuple of names) the transform
+      communicates over.
+    mesh: the mesh of the ``shard_map``; by default the mesh of ``params``
+      (if they are placed on one), else the current ``jax.set_mesh`` mesh.
+    params_axes: the axes (a subset of ``axis_name``) the params passed to
+      ``update`` vary over; by default all of ``axis_name``. Give
+      ``"island"`` for DiLoCo across islands whose params are ``P("island")``
+      (replicated over ``"data"``). Gradients are always taken per replica.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the structure of ``tx.init(params)``.
+
+  Raises:
+    ValueError: no mesh is given or found, ``axis_name`` is not one of its
+      axes, or a scalar state leaf is per replica (it cannot be concatenated;
+      give it shape ``(1,)``).
+
+  Example:
+    >>> import jax, optax, shardopt
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> params = {"w": jax.ShapeDtypeStruct((4, 3), "float32")}
+    >>> specs = shardopt.state_specs(
+    ...     shardopt.local_sgd(optax.sgd(0.1, momentum=0.9), "data", period=4),
+    ...     params, "data", mesh=mesh)
+    >>> specs.center, specs.local_state[0].trace, specs.count
+    ({'w': PartitionSpec()}, {'w': PartitionSpec('data',)}, PartitionSpec())
+    >>> shardopt.state_specs(shardopt.cross_shard(optax.adam(1e-3), "data"),
+    ...                      params, "data", mesh=mesh)[0].mu
+    {'w': PartitionSpec()}
+  """
+  if axis_name is None:
+    raise ValueError(
+      f"{_STATE_SPECS}: axis_name=None: without a manual axis every state leaf"
+      " is replicated; no specs are needed (use P() or the params' shardings)."
+    )
+  names = _axes.axis_names(axis_name)
+  mesh = _mesh_for(mesh, params, names)
+  params = jax.tree.map(_local_struct, params)
+  manual = set(names)
+
+  def traced(fn, *args):
+    """Runs ``fn`` once, abstractly, inside a checking partial-manual
+    shard_map whose inputs are all ``P()``; returns what ``fn`` recorded."""
+    record = []
+
+    def body(*inputs):
+      record.append(fn(*inputs))
+      return jnp.zeros(())
+
+    jax.eval_shape(
+      jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=tuple(P() for _ in args),
+        out_specs=P(),
+        axis_names=manual,
+        check_vma=True,
+      ),
+      *args,
+    )
+    return record[0]
+
+  def varying(tree):
+    return jax.tree.map(lambda x: _axes.varying_axes(x) & manual, tree)
+
+  over = names if params_axes is None else _axes.axis_names(params_axes)
+  if not set(over) <= manual:
+    raise ValueError(
+      f"{_STATE_SPECS}: params_axes={params_axes!r} must be a subset of"
+      f" axis_name={axis_name!r}."
+    )
+
+  def per_replica(p, axes=names):
+    return jax.lax.pcast(p, _axes.as_axis(axes), to="varying") if axes else p
+
+  def structure(tree):
+    return jax.tree.map(
+      lambda x: _Leaf(x.shape, x.dtype, jax.typeof(x).sharding.spec), tree
+    )
+
+  state = jax.tree.map(
+    lambda t: jax.ShapeDtypeStruct(
+      t.shape,
+      t.dtype,
+      sharding=jax.sharding.NamedSharding(mesh, _auto_only(t.spec, manual)),
+    ),
+    traced(lambda p: structure(tx.init(p)), params),
+    is_leaf=lambda t: isinstance(t, _Leaf),
+  )
+  axes = jax.tree.map(lambda _: frozenset(), state)
+  # The least fixed point: feed the state in with every leaf invariant, mark
+  # what update makes varying, feed those in varying, and so on until nothing
+  # changes (a leaf only ever gains axes). init's own types say nothing: it
+  # may copy per-replica params into a leaf that update keeps replicated.
+  for _ in range(len(jax.tree.leaves(state)) + 2):
+
+    def step(p, s, axes=axes):
+      s = jax.tree.map(
+        lambda x, a: _axes.cast_varying(x, a) if a else x, s, axes
+      )
+      grads = per_replica(p)
+      _, new_state = tx.update(grads, s, per_replica(p, over))
+      return varying(new_state)
+
+    new_axes = traced(step, params, state)
+    merged = jax.tree.map(lambda a, b: a | b, axes, new_axes)
+    if merged == axes:
+      break
+    axes = merged
+
+  def spec(path, x, a):
+    if not a:
+      return P()
+    if not jnp.ndim(x):
+      raise ValueError(
+        f"{_STATE_SPECS}: the state leaf at {jax.tree_util.keystr(path)} is a"
+        f" scalar that differs per replica of axis {_axes.as_axis(names)!r};"
+        " it cannot be laid out as concatenated P(axis) blocks. If the params"
+        " are replicated over some of these axes, say so with params_axes;"
+        " otherwise give the leaf shape (1,)."
+      )
+    ordered = tuple(n for n in names if n in a)
+    return P(_axes.as_axis(ordered))
+
+  return jax.tree_util.tree_map_with_path(spec, state, axes)
+
+
+class _Leaf(NamedTuple):
+  shape: tuple
+  dtype: Any
+  spec: Any
+
+
+def _auto_only(spec: P, manual: set) -> P:
+  """``spec`` without the manual axes (they are not named in a P() input)."""
+
+  def keep(entry):
+    if entry is None:
+      return None
+    entries = entry if isinstance(entry, tuple) else (entry,)
+    left = tuple(e for e in entries if e not in manual)
+    if not left:
+      return None
+    return left[0] if len(left) == 1 else left
+
+  return P(*(keep(e) for e in spec))
