@@ -43,6 +43,16 @@ step and its baseline each time:
    shared-memory rendezvous); it pays off on links slower than the break-even
    bandwidth ``2 (n - 1) / n x (P - B) / (t_powersgd - t_cross_shard)``.
 
+5. **Finite guards**: the free guard ``chain(cross_shard_mean,
+   apply_if_finite(adam, None, 5))`` (gradients already reduced: no flag
+   collective) vs ``chain(cross_shard_mean, adam)`` and vs
+   ``optax.apply_if_finite`` in the same place; the flagged guards
+   ``apply_if_finite(cross_shard(adam), axis, 5)`` and
+   ``apply_if_finite(tower(adam), axis, 5)`` vs their unguarded step (and
+   the first vs ``optax.apply_if_finite(cross_shard(adam))``, which
+   deadlocks on a one-replica NaN under pmap: timed on finite inputs).
+   Goal <= 1.05. ``run(quick, only_guards=True)`` times this group alone.
+
 Every entry whose transform this shardopt does not have yet is skipped and
 listed. A ``max |Δparam|`` column checks that each step computes what its
 baseline does where it should (the non-sync steps, the mid step and
@@ -67,7 +77,12 @@ from benchmarks import projection
 from benchmarks import schedules
 
 NAME = "cost"
-GOALS = {"non-sync": 1.03, "accumulate": 1.02, "apply_if_finite": 1.02}
+GOALS = {
+  "non-sync": 1.03,
+  "accumulate": 1.02,
+  "apply_if_finite": 1.02,
+  "guard": 1.05,
+}
 ACCUMULATE_K = 4
 POWERSGD_LINKS = ("100 Gb/s Ethernet (12.5 GB/s)", "1 Gb/s WAN (0.125 GB/s)")
 
@@ -304,6 +319,77 @@ def _apply_if_finite() -> methods.Method:
   )
 
 
+def _guard_rows() -> list:
+  """The finite guards, each with its unguarded step and optax's guard in
+  the same place: ``(group, name, transform, baseline name)``; the first of
+  each pair of baselines is the unguarded step."""
+  axis, adam = _common.AXIS, _adam
+  mean = "chain(cross_shard_mean, adam)"
+  cross = "cross_shard(adam) [guard group]"
+  tower = "tower(adam)"
+  return [
+    (None, mean, optax.chain(shardopt.cross_shard_mean(axis), adam()), None),
+    (
+      "guard",
+      "chain(cross_shard_mean, apply_if_finite(adam, None, 5)) (free guard)",
+      optax.chain(
+        shardopt.cross_shard_mean(axis),
+        shardopt.apply_if_finite(adam(), None, 5),
+      ),
+      mean,
+    ),
+    (
+      None,
+      "chain(cross_shard_mean, optax.apply_if_finite(adam, 5))",
+      optax.chain(
+        shardopt.cross_shard_mean(axis), optax.apply_if_finite(adam(), 5)
+      ),
+      mean,
+    ),
+    (None, cross, shardopt.cross_shard(adam(), axis), None),
+    (
+      "guard",
+      "apply_if_finite(cross_shard(adam), axis, 5) (flag)",
+      shardopt.apply_if_finite(shardopt.cross_shard(adam(), axis), axis, 5),
+      cross,
+    ),
+    (
+      None,
+      "optax.apply_if_finite(cross_shard(adam), 5) (unsafe: finite inputs)",
+      optax.apply_if_finite(shardopt.cross_shard(adam(), axis), 5),
+      cross,
+    ),
+    (None, tower, shardopt.tower(adam(), axis), None),
+    (
+      "guard",
+      "apply_if_finite(tower(adam), axis, 5) (flag)",
+      shardopt.apply_if_finite(shardopt.tower(adam(), axis), axis, 5),
+      tower,
+    ),
+  ]
+
+
+def _time_guards(bench: _Bench, donate: bool, record) -> None:
+  """5. Every finite guard vs its unguarded step and vs optax's guard placed
+  the same way (``optax.apply_if_finite`` around a transform that
+  communicates deadlocks under pmap on a one-replica NaN; timed here on
+  finite gradients only)."""
+  tag = ", donated" if donate else ""
+  rows = [(g, n + tag, tx, b and b + tag) for g, n, tx, b in _guard_rows()]
+  runners = {name: bench.runner(tx, donate) for _, name, tx, _ in rows}
+  timing = bench.compare(runners, rows[0][1])
+  theirs = {b: n for g, n, _, b in rows if g is None and b is not None}
+  for group, name, _, baseline in rows:
+    if baseline is None:
+      continue
+    if group is None:  # optax's guard vs the unguarded step
+      record("optax guard", name, baseline, runners, timing, donate)
+      continue
+    record(group, name, baseline, runners, timing, donate, GOALS[group], True)
+    if baseline in theirs:
+      record("vs optax guard", name, theirs[baseline], runners, timing, donate)
+
+
 def _powersgd_projection(
   bench: _Bench, timing: dict, mean: str, name: str, rank: int
 ) -> dict:
@@ -368,8 +454,11 @@ def _copies_text(copies: dict) -> str:
   return text
 
 
-def run(quick: bool) -> dict:
-  """Times every available path against its baseline; returns the section."""
+def run(quick: bool, only_guards: bool = False) -> dict:
+  """Times every available path against its baseline; returns the section.
+
+  ``only_guards=True`` times group 5 (the finite guards) alone.
+  """
   bench = _Bench(quick)
   rows, comparisons, skipped, powersgd = [], {}, {}, {}
   over_floor = {}  # a non-sync step over adam + what its schedule may add
@@ -393,7 +482,10 @@ def run(quick: bool) -> dict:
     met = None if goal is None else r["ratio"] <= goal
     copies = runners[name].copied()
     base_copies = runners[baseline].copied()
-    comparisons[name] = {
+    # A step compared with two baselines (a guard: unguarded, optax's) keeps
+    # both entries.
+    key = name if name not in comparisons else f"{name} vs {baseline}"
+    comparisons[key] = {
       "copied_bytes": copies,
       "baseline_copied_bytes": base_copies,
       "group": group,
@@ -427,6 +519,10 @@ def run(quick: bool) -> dict:
   passes = (False,) if quick else (False, True)
   for donate in passes:
     tag = ", donated" if donate else ""
+    # 5. The finite guards (first, so that only_guards can stop here).
+    _time_guards(bench, donate, record)
+    if only_guards:
+      continue
     # 1. Non-sync steps vs the same local optax step.
     local = f"optax.adam local step (no shardopt){tag}"
     floor = f"optax.adam + hand-written acc += grads (agn's floor){tag}"
