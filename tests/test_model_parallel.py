@@ -304,3 +304,62 @@ def test_state_specs_errors_name_the_fix():
     shardopt.state_specs(tx, params, "batch", mesh=make_mesh({"data": 4}))
   with pytest.raises(ValueError, match="axis_name=None"):
     shardopt.state_specs(tx, params, None, mesh=make_mesh({"data": 4}))
+
+
+@pytest.mark.parametrize(
+  "make_tx",
+  [
+    lambda: shardopt.local_sgd(optax.sgd(0.1), "data", period=2),
+    lambda: shardopt.diloco(optax.sgd(0.1), "data", sync_period=2),
+    lambda: shardopt.agn(optax.sgd(0.1), "data", communication_period=2),
+  ],
+  ids=["local_sgd", "diloco", "agn"],
+)
+def test_vmap_with_batched_counters_raises_and_points_to_shard_map(make_tx):
+  """Under jax.vmap(axis_name=...) with the state vmapped (a per-replica
+  counter), a lax.cond becomes a select of both branches: the sync's
+  all-reduce would run every step. shardopt raises instead."""
+  tx = make_tx()
+  params = {"w": jnp.ones((4, 3))}
+  state = jax.vmap(tx.init, axis_name="data")(params)
+
+  def step(p, s, g):
+    return tx.update(g, s, p)[0]
+
+  with pytest.raises(ValueError, match="batched by jax.vmap.*jax.shard_map"):
+    jax.jit(jax.vmap(step, axis_name="data"))(params, state, params)
+
+
+def test_vmap_with_unbatched_counters_runs_the_sync_only_when_due():
+  """The same step with the counters unbatched (in_axes=None) keeps the
+  cond: local_sgd under vmap averages at step 2 like numpy."""
+  tx = shardopt.local_sgd(optax.sgd(0.5), "data", period=2)
+  p0 = np.zeros((4, 3), np.float32)
+  grads = np.arange(12, dtype=np.float32).reshape(4, 3)
+  stacked = jax.vmap(tx.init, axis_name="data")({"w": jnp.asarray(p0)})
+  # Per-replica fields batched, the counters and the center not.
+  axes = jax.tree.map(lambda _: None, stacked)._replace(
+    local_state=jax.tree.map(lambda _: 0, stacked.local_state), restart=0
+  )
+  state = jax.tree.map(
+    lambda x, a: x if a == 0 else x[0],
+    stacked,
+    axes,
+    is_leaf=lambda x: x is None,
+  )
+
+  @jax.jit
+  @functools.partial(
+    jax.vmap, in_axes=(0, axes, 0), out_axes=(0, axes), axis_name="data"
+  )
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  p = {"w": jnp.asarray(p0)}
+  for _ in range(2):
+    p, state = step(p, state, {"w": jnp.asarray(grads)})
+  local = p0 - 2 * 0.5 * grads
+  np.testing.assert_allclose(
+    np.asarray(p["w"]), np.broadcast_to(local.mean(0), (4, 3)), rtol=1e-6
+  )

@@ -268,7 +268,18 @@ def check_float_leaf(
 def check_comm_dtype(
   comm_dtype: Any, transform: str, axis_name: AxisName = None
 ):
-  """Validates ``comm_dtype`` (None or a floating dtype) and returns it."""
+  """Validates ``comm_dtype`` and returns it in canonical form.
+
+  None stays None; a floating dtype (bfloat16, float16, ...) is returned as
+  a ``np.dtype`` (a plain cast on the wire); ``jnp.int8``,
+  ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``, ``jnp.int4`` and
+  ``shardopt.quantized(...)`` specs are returned as a
+  ``shardopt.quantize.QuantizedSpec`` (a quantized two-phase reduction).
+  Anything else raises ``TypeError`` naming the transform, the axis and the
+  dtypes that work.
+  """
+  from shardopt import quantize  # noqa: PLC0415 (quantize imports jax only)
+
   if comm_dtype is None:
     return None
   on = (
@@ -276,17 +287,24 @@ def check_comm_dtype(
     if (axis_name is not None)
     else ""
   )
+  use = (
+    "use a float dtype such as jnp.bfloat16 or jnp.float16, a quantized one"
+    " (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int4), or"
+    " shardopt.quantized(dtype, block_size=...)."
+  )
+  spec = quantize.as_spec(comm_dtype)
+  if spec is not None:
+    return spec
   try:
     dtype = jnp.dtype(comm_dtype)
   except TypeError as e:
     raise TypeError(
-      f"{transform}: comm_dtype={comm_dtype!r}{on} is not a dtype;"
-      " use e.g. jnp.bfloat16 or jnp.float16."
+      f"{transform}: comm_dtype={comm_dtype!r}{on} is not a dtype; {use}"
     ) from e
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(
-      f"{transform}: comm_dtype={dtype}{on} is not a floating"
-      " dtype; use e.g. jnp.bfloat16 or jnp.float16."
+      f"{transform}: comm_dtype={dtype}{on} is neither a floating dtype nor"
+      f" a quantized one; {use}"
     )
   return dtype
 
@@ -354,8 +372,43 @@ def cast_tree_like(tree: Any, *likes: Any) -> Any:
   return jax.tree.map(leaf, tree, *likes)
 
 
+def batched_by_vmap(x: Any) -> bool:
+  """True when ``x`` is batched by an enclosing ``jax.vmap``.
+
+  JAX turns a ``lax.cond`` whose predicate is batched into a select of both
+  branches: a collective in the taken-on-sync branch would then run on
+  every step. Read from the tracer's type (JAX 0.10:
+  ``jax._src.interpreters.batching.BatchTracer``); ``tests/test_axes.py``
+  fails loudly if that moves.
+  """
+  from jax._src.interpreters import batching  # noqa: PLC0415
+
+  return isinstance(x, batching.BatchTracer)
+
+
+def check_replicated_predicate(pred: Any, transform: str) -> None:
+  """Raises ``ValueError`` if the predicate of a communicating cond is
+  batched by ``jax.vmap`` (a per-replica counter under
+  ``jax.vmap(..., axis_name=...)``): the collective would run every step."""
+  if batched_by_vmap(pred):
+    raise ValueError(
+      f"{transform}: the step counter deciding when to communicate is"
+      " batched by jax.vmap (the state was vmapped over a replica axis)."
+      " Under jax.vmap JAX evaluates both branches of a lax.cond with a"
+      " batched predicate, so the collective would run on every step."
+      " Run the step under jax.shard_map (or jax.pmap) over the axis"
+      " instead; or, under jax.vmap, keep the counters unbatched"
+      " (in_axes=None for the state's scalar counters)."
+    )
+
+
 def cond_same_types(
-  pred: Any, true_fn, false_fn, *, true_types: Any = None
+  pred: Any,
+  true_fn,
+  false_fn,
+  *,
+  true_types: Any = None,
+  transform: str = "shardopt",
 ) -> Any:
   """``jax.lax.cond(pred, true_fn, false_fn)`` whose branches agree on types.
 
@@ -365,6 +418,7 @@ def cond_same_types(
   both branches is cast to the union of the two branches' varying axes. Pass
   ``true_types`` (``jax.eval_shape(true_fn)``) when the caller has it already.
   """
+  check_replicated_predicate(pred, transform)
   if not vma_checked() and not explicit_axes_present():
     return jax.lax.cond(pred, true_fn, false_fn)
   if true_types is None:

@@ -547,6 +547,7 @@ def powersgd(
         step < start_step,
         lambda: warm_up_step(*args),
         lambda: compressed_step(*args),
+        transform=_POWERSGD,
       )
     new_updates, errors, qs = (treedef.unflatten(x) for x in outputs)
     return new_updates, PowerSGDState(count=state.count + 1, error=errors, q=qs)
