@@ -182,6 +182,8 @@ _OPCODE = re.compile(
   + r")(?:-start)?\((?P<rest>.*)$"
 )
 _ARRAY = re.compile(r"\b[a-z][a-z0-9]*\[([\d,]*)\]")
+_TYPED_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4}
 
 
 def _iota(dims_text: str, perm_text: str | None) -> np.ndarray:
@@ -233,7 +235,8 @@ def replica_groups(line: str, num_devices: int) -> list[list[int]]:
 def collectives(hlo: str, mesh) -> list[dict]:
   """Every collective instruction of ``hlo`` with the mesh axes it spans
   (the axes along which its group members differ) and its largest array
-  (elements), e.g. ``{"kind": "all-reduce", "axes": {"data"}, "elems": 256}``.
+  (elements) and the bytes of its result on one device, e.g.
+  ``{"kind": "all-reduce", "axes": {"data"}, "elems": 256, "bytes": 1028}``.
   Device ids are positions in ``mesh.devices`` (global device ids)."""
   shape = mesh.devices.shape
   found = []
@@ -254,9 +257,15 @@ def collectives(hlo: str, mesh) -> list[dict]:
         m.group("result") + " " + m.group("rest").split("),")[0]
       )
     ]
+    result_bytes = sum(
+      _DTYPE_BYTES.get(dtype, 4)
+      * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+      for dtype, dims in _TYPED_ARRAY.findall(m.group("result"))
+    )
     found.append(
       {
         "kind": m.group("kind"),
+        "bytes": result_bytes,
         "axes": frozenset(axes),
         "elems": max(elems or [0]),
         "line": line.strip(),

@@ -126,10 +126,10 @@ def state_specs(
     ...     shardopt.local_sgd(optax.sgd(0.1, momentum=0.9), "data", period=4),
     ...     params, "data", mesh=mesh)
     >>> specs.center, specs.local_state[0].trace, specs.count
-    ({'w': PartitionSpec()}, {'w': PartitionSpec('data',)}, PartitionSpec())
+    ({'w': P()}, {'w': P('data',)}, P())
     >>> shardopt.state_specs(shardopt.cross_shard(optax.adam(1e-3), "data"),
     ...                      params, "data", mesh=mesh)[0].mu
-    {'w': PartitionSpec()}
+    {'w': P()}
   """
   if axis_name is None:
     raise ValueError(
