@@ -280,7 +280,11 @@ def accumulate(
     # varying axes (invariant where inner's updates are), each inner-state
     # leaf the union of both branches'.
     updates, inner_state = _axes.cond_same_types(
-      emit, emit_branch, mini_branch, true_types=emit_types
+      emit,
+      emit_branch,
+      mini_branch,
+      true_types=emit_types,
+      transform=_ACCUMULATE,
     )
     return updates, AccumulateState(
       mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),

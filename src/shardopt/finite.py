@@ -224,6 +224,7 @@ def apply_if_finite(
       apply_branch,
       skip_branch,
       true_types=apply_types,
+      transform=_APPLY_IF_FINITE,
     )
     return new_updates, optax.ApplyIfFiniteState(
       notfinite_count=notfinite_count,
