@@ -94,25 +94,16 @@ x_train, _, y_train, _ = load_digits_split()
 # %% [markdown]
 # ## Specs: params replicated, optimizer state sharded
 #
-# `tower`'s state is `inner`'s state over the owned slices: every leaf
-# flattened, zero-padded to a multiple of `n`, and chunk `axis_index` kept.
-# In `shard_map` those 1-D slices get `P("batch")` (the global array is the
-# concatenation of the slices) and scalar counters stay `P()`. `inner.init` on
-# 1-element stand-ins gives the state's structure without needing the axis.
+# `tower`'s state is `inner`'s state over the owned slices: replica `i` owns
+# every n-th row (`i, i + n, ...`) of a leaf whose first dimension divides by
+# `n` (other leaves: the flattened leaf, zero-padded to a multiple of `n`). In
+# `shard_map` the slices get `P("batch")` (the global array is the
+# concatenation of the slices) and scalar counters stay `P()`;
+# `shardopt.state_specs` reads that from JAX's types.
 
 # %%
 inner = optax.adam(1e-2)
 params = jax.device_put(init_mlp(jax.random.key(0), (64, 128, 10)), replicated)
-
-
-def tower_state_specs(inner, params):
-  stand_ins = jax.tree.map(
-    lambda p: jax.ShapeDtypeStruct((1,), p.dtype), params
-  )
-  return jax.tree.map(
-    lambda s: P("batch") if s.ndim else P(),
-    jax.eval_shape(inner.init, stand_ins),
-  )
 
 
 def make_step(tx, state_specs):
@@ -140,7 +131,8 @@ def make_step(tx, state_specs):
 
 tower_tx = shardopt.tower(inner, "batch")
 cross_tx = shardopt.cross_shard(inner, "batch")
-tower_init, tower_step = make_step(tower_tx, tower_state_specs(inner, params))
+tower_specs = shardopt.state_specs(tower_tx, params, "batch", mesh=mesh)
+tower_init, tower_step = make_step(tower_tx, tower_specs)
 cross_init, cross_step = make_step(cross_tx, P())
 
 

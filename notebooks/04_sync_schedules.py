@@ -191,9 +191,12 @@ params = {
   "w": np.zeros((ISLANDS, 16), np.float32),
   "b": np.zeros((ISLANDS,), np.float32),
 }
-specs = jax.tree.map(
-  lambda v: P() if np.ndim(v) == 0 else P("island"),
-  jax.eval_shape(tx.init, {"w": jnp.zeros((1, 16)), "b": jnp.zeros((1,))}),
+# One island's params, (1, ...) blocks of the P("island") arrays; they are
+# replicated over "data" (params_axes). state_specs says which state leaves
+# are per island (the local AdamW state) and which are shared (the center).
+one_island = {"w": jnp.zeros((1, 16)), "b": jnp.zeros((1,))}
+specs = shardopt.state_specs(
+  tx, one_island, ("island", "data"), mesh=mesh, params_axes="island"
 )
 
 
@@ -206,8 +209,8 @@ def island_step(params, state, x, y):  # params: this island's copy, (1, ...)
 
 
 data_spec = P("island", "data")
-init = jax.jit(
-  jax.shard_map(tx.init, mesh=mesh, in_specs=P("island"), out_specs=specs)
+init = jax.jit(  # every island starts from the same params: in_specs P()
+  jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
 )
 island_step = jax.jit(
   jax.shard_map(
@@ -218,8 +221,8 @@ island_step = jax.jit(
   )
 )
 put = lambda v, s: jax.device_put(v, NamedSharding(mesh, s))
+state = init(put(one_island, P()))
 params = put(params, P("island"))
-state = init(params)
 x, y = batches(3 * H, ISLANDS, DATA)
 for t in range(3 * H):
   params, state = island_step(
