@@ -10,8 +10,11 @@ import pytest
 
 from shardopt import demo
 
-STEPS = 20
-PERIOD = 10
+STEPS = 32
+PERIOD = 8
+N = 8
+# The demo's MLP: 64 -> 64 -> 10, float32.
+PARAM_BYTES = 4 * (64 * 64 + 64 + 64 * 10 + 10)
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +28,8 @@ def demo_run(tmp_path_factory):
       "8",
       "--method",
       "all",
+      "--sync-period",
+      str(PERIOD),
       "--out",
       str(out),
     ]
@@ -32,40 +37,50 @@ def demo_run(tmp_path_factory):
   return out, results
 
 
-def test_demo_writes_loss_curve_png(demo_run):
+def test_demo_writes_the_frontier_png(demo_run):
   out, _ = demo_run
-  png = out / "loss_curves.png"
+  png = out / "frontier.png"
   assert png.exists()
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_table_lists_the_three_methods_with_accuracy_above_chance(
+def test_demo_table_lists_the_four_methods_with_accuracy_above_chance(
   demo_run,
 ):
   out, results = demo_run
   table = (out / "results.md").read_text()
-  for method in ("cross_shard", "tower", "agn"):
+  for method in demo.METHODS:
     assert f"| {method}" in table
-  assert [r.method for r in results] == ["cross_shard", "tower", "agn"]
+  assert [r.method for r in results] == list(demo.METHODS)
   for r in results:
-    # Ten balanced classes: chance is 10%. Even 20 steps get far above it.
+    # Ten balanced classes: chance is 10%. Even 32 steps get far above it.
     assert r.test_accuracy > 0.3, r
     assert f"{r.test_accuracy:.1%}" in table
 
 
-def test_demo_counts_one_all_reduce_per_step_and_agn_one_per_period(demo_run):
+def test_demo_bytes_equal_the_ring_all_reduce_formula(demo_run):
+  """sync all-reduces the float32 gradient every step: 2 (n-1)/n x params
+  bytes per step; diloco the outer gradient (plus a 4-byte finite flag) once
+  per period; powersgd far fewer."""
   _, results = demo_run
-  by_method = {r.method: r for r in results}
-  assert by_method["cross_shard"].all_reduces == STEPS
-  assert by_method["tower"].all_reduces == STEPS
-  assert by_method["agn"].all_reduces == STEPS // PERIOD
-  assert all(r.steps == STEPS for r in results)
+  by = {r.method: r for r in results}
+  ring = 2 * (N - 1) / N
+  assert by["sync"].bytes_per_replica == STEPS * ring * PARAM_BYTES
+  per_sync = ring * (PARAM_BYTES + 4)
+  assert by["diloco"].bytes_per_replica == pytest.approx(
+    STEPS / PERIOD * per_sync, rel=1e-6
+  )
+  # Streaming DiLoCo: two fragments, each once per period (a flag each).
+  assert by["streaming"].bytes_per_replica == pytest.approx(
+    STEPS / PERIOD * ring * (PARAM_BYTES + 8), rel=1e-6
+  )
+  assert by["powersgd"].bytes_per_replica < by["sync"].bytes_per_replica / 5
 
 
-def test_demo_replicas_end_bit_identical(demo_run):
+def test_demo_shared_params_are_bit_identical(demo_run):
   _, results = demo_run
-  # cross_shard/tower every step; agn because STEPS is a multiple of PERIOD.
-  assert [r.replica_divergence for r in results] == [0.0, 0.0, 0.0]
+  # sync / powersgd: every step; diloco: the center, replicated by the sync.
+  assert [r.replica_divergence for r in results] == [0.0] * 4
 
 
 def test_demo_loss_goes_down(demo_run):
@@ -73,6 +88,23 @@ def test_demo_loss_goes_down(demo_run):
   for r in results:
     assert r.losses.shape == (STEPS,)
     assert r.losses[-5:].mean() < r.losses[:5].mean(), r.method
+
+
+def test_wire_bytes_count_a_cond_branch_once_per_period():
+  """The HLO reader on a hand-made step: one all-reduce at the top level and
+  one inside a lax.cond branch."""
+  f = jax.pmap(
+    lambda x, c: (
+      jax.lax.psum(x, "i")
+      + jax.lax.cond(c > 0, lambda: jax.lax.psum(2 * x, "i"), lambda: x)
+    ),
+    axis_name="i",
+  )
+  x = jax.numpy.ones((8, 256))
+  text = f.lower(x, jax.numpy.ones(8)).compile().as_text()
+  per_step = demo.wire_bytes_per_step(text, 8, sync_period=4)
+  ring = 2 * 7 / 8 * 1024
+  assert per_step == pytest.approx(ring + ring / 4)
 
 
 def test_force_host_devices_respects_an_existing_count(monkeypatch):
@@ -112,7 +144,7 @@ def test_command_line_forces_cpu_devices_in_a_fresh_process(tmp_path):
       "--devices",
       "4",
       "--method",
-      "cross_shard",
+      "sync",
       "--out",
       str(tmp_path),
     ],
@@ -125,5 +157,5 @@ def test_command_line_forces_cpu_devices_in_a_fresh_process(tmp_path):
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "4 x cpu devices" in proc.stdout
-  assert "| cross_shard |" in proc.stdout
-  assert (tmp_path / "loss_curves.png").exists()
+  assert "| sync " in proc.stdout
+  assert (tmp_path / "frontier.png").exists()

@@ -1,20 +1,24 @@
-"""``python -m shardopt.demo``: train a small MLP three ways over 8 devices.
+"""``python -m shardopt.demo``: what shardopt is for, in two minutes.
 
 The demo trains the same multilayer perceptron on scikit-learn's bundled
-``digits`` data (1797 8x8 images, no download) with each of shardopt's three
-distributed optimizers:
+``digits`` data (1797 8x8 images, no download) over 8 devices, four ways:
 
-* ``cross_shard`` -- TF's ``CrossShardOptimizer``: average the gradients
-  across replicas every step, then apply Adam (one all-reduce per step);
-* ``tower`` -- TF's ``TowerOptimizer``: reduce-scatter the gradients, apply
-  Adam once per 1/n slice of every parameter, all-gather the update (one
-  reduce-scatter + all-gather per step, i.e. the bytes of one all-reduce);
-* ``agn`` -- TF's ``AGNOptimizer``: every replica takes local Adam steps on
-  its own batches and the replicas only talk every ``communication_period``
-  steps (one all-reduce per sync).
+* ``sync`` -- ``cross_shard(adam)``: average the gradients every step (one
+  all-reduce of the whole gradient per step: PyTorch DDP);
+* ``powersgd`` -- ``chain(powersgd(rank=2), adam)``: all-reduce rank-2
+  factors of each gradient matrix instead, with error feedback;
+* ``diloco`` -- ``diloco(adam, sync_period=H)``: local Adam steps on every
+  replica; every ``H`` steps the outer Nesterov step on the averaged outer
+  gradient;
+* ``streaming`` -- ``diloco(..., num_fragments=2)`` with the outer gradient
+  sent in ``--outer-dtype`` (a quantized wire when the build has one): one
+  fragment of the params per sync, staggered over the period.
 
-Each run shows a progress bar; at the end the demo prints a table (test
-accuracy, steps, all-reduces, wall time) and saves the loss curves as a PNG.
+For each it prints the test accuracy and the bytes each replica sends over
+the run, read from the compiled step's HLO (collectives at the top level run
+every step; those inside a ``lax.cond`` branch once per sync period), and the
+ratio to ``sync``. It saves the frontier (accuracy against bytes, log scale)
+and the loss curves as a PNG, and the table as Markdown.
 
 Devices: the CPU backend is asked for ``--devices`` (default 8) virtual
 devices by adding ``--xla_force_host_platform_device_count`` to ``XLA_FLAGS``
@@ -29,21 +33,27 @@ process; the demo then uses the devices that exist.
 
 Usage::
 
-    python -m shardopt.demo [--steps N] [--devices N]
-                            [--method cross_shard|tower|agn|all] [--out DIR]
+    python -m shardopt.demo [--steps N] [--devices N] [--sync-period H]
+                            [--method sync|powersgd|diloco|streaming|all]
+                            [--outer-dtype float32|bfloat16|int8|int4]
+                            [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-METHODS = ("cross_shard", "tower", "agn")
+import numpy as np
+
+METHODS = ("sync", "powersgd", "diloco", "streaming")
 AXIS = "batch"
+DEFAULT_OUTER_DTYPE = "float32"
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -90,10 +100,11 @@ class RunResult(NamedTuple):
   method: str
   test_accuracy: float
   steps: int
-  all_reduces: int
+  bytes_per_replica: float  # sent over the whole run, from the HLO
   wall_time_s: float
   losses: Any  # numpy array [steps], mean over replicas
-  replica_divergence: float
+  replica_divergence: float  # of the model evaluated (the center, if any)
+  wire: str  # what travels, e.g. "float32 gradients"
 
 
 def load_digits_split(seed: int = 0):
@@ -140,31 +151,108 @@ def cross_entropy(params, features, labels):
 
 
 def make_optimizer(
-  method: str, learning_rate: float, communication_period: int
+  method: str,
+  learning_rate: float,
+  sync_period: int,
+  outer_dtype: Any = None,
 ):
   """The optax transform the demo trains with for ``method``."""
   import optax  # pylint: disable=g-import-not-at-top
 
   import shardopt  # pylint: disable=g-import-not-at-top
 
-  if method == "cross_shard":
+  if method == "sync":
     return shardopt.cross_shard(optax.adam(learning_rate), AXIS)
-  if method == "tower":
-    return shardopt.tower(optax.adam(learning_rate), AXIS)
-  if method == "agn":
-    # Local Adam on every replica; every `communication_period` steps the
-    # averaged, normalised accumulated gradient moves the shared center.
-    # The center takes one step per period, so it gets a learning rate
-    # `communication_period` times larger (local SGD's "lr * T" rule).
-    return shardopt.agn(
+  if method == "powersgd":
+    return optax.chain(
+      shardopt.powersgd(AXIS, rank=2), optax.adam(learning_rate)
+    )
+  if method in ("diloco", "streaming"):
+    # DiLoCo's published recipe: outer Nesterov SGD, lr 0.7, momentum 0.9.
+    return shardopt.diloco(
       optax.adam(learning_rate),
       AXIS,
-      communication_period=communication_period,
-      global_optimizer=optax.adam(learning_rate * communication_period),
+      sync_period=sync_period,
+      num_fragments=2 if method == "streaming" else 1,
+      comm_dtype=outer_dtype if method == "streaming" else None,
     )
   raise ValueError(
     f"shardopt.demo: unknown method {method!r}; use one of {METHODS} or 'all'."
   )
+
+
+# --- Bytes on the wire, read from the compiled step. ---
+
+_COLLECTIVE = re.compile(
+  r"=\s*(?P<shape>.+?)\s+(?P<kind>all-reduce|reduce-scatter|all-gather"
+  r"|all-to-all|collective-permute)(?:-start)?\("
+)
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1}
+_BYTES |= {"f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
+_CALLED = re.compile(
+  r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
+  r"=%([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def wire_bytes_per_step(hlo_text: str, replicas: int, sync_period: int):
+  """Mean bytes one replica sends per step, from compiled HLO text.
+
+  A ring all-reduce of a B-byte buffer sends ``2 (n - 1) / n * B`` bytes per
+  replica; a reduce-scatter (of its operand), an all-gather (of its result)
+  or an all-to-all ``(n - 1) / n * B``. Collectives at the top level run
+  every step; those inside a ``conditional``'s branches (the sync branch of
+  a ``lax.cond``) count once per ``sync_period`` steps.
+  """
+  computations, current = {}, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = header.group(1)
+      computations[current] = []
+    elif current is not None:
+      computations[current].append(line)
+  in_branch = set()
+  todo = []
+  for lines in computations.values():
+    for line in lines:
+      if " conditional(" in line:
+        todo += _CALLED.findall(line)
+        for group in _BRANCHES.findall(line):
+          todo += [c.strip().lstrip("%") for c in group.split(",")]
+  while todo:
+    name = todo.pop()
+    if name in in_branch or name not in computations:
+      continue
+    in_branch.add(name)
+    for line in computations[name]:
+      todo += _CALLED.findall(line)
+      for group in _BRANCHES.findall(line):
+        todo += [c.strip().lstrip("%") for c in group.split(",")]
+  share = (replicas - 1) / replicas
+  total = 0.0
+  for name, lines in computations.items():
+    for line in lines:
+      match = _COLLECTIVE.search(line)
+      if not match or "-done(" in line:
+        continue
+      arrays = [
+        _BYTES.get(dtype, 4) * np.prod([int(d) for d in dims.split(",") if d])
+        for dtype, dims in _ARRAY.findall(match.group("shape"))
+      ]
+      kind = match.group("kind")
+      if kind == "all-gather" and "-start(" in line:
+        arrays = arrays[len(arrays) // 2 :]  # (operands..., results...)
+      buffer = float(sum(arrays))
+      if kind == "reduce-scatter":
+        buffer *= replicas
+      sent = buffer * share * (2 if kind == "all-reduce" else 1)
+      total += sent / sync_period if name in in_branch else sent
+  return total
 
 
 def train(
@@ -175,7 +263,8 @@ def train(
   steps: int,
   batch_per_replica: int = 32,
   learning_rate: float = 3e-3,
-  communication_period: int = 10,
+  sync_period: int = 16,
+  outer_dtype: Any = None,
   hidden: int = 64,
   seed: int = 0,
   progress: bool = True,
@@ -186,8 +275,6 @@ def train(
   optimizer state (a leading device axis) and sees its own batch each step.
   """
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
@@ -195,26 +282,18 @@ def train(
 
   x_train, x_test, y_train, y_test = data
   n = len(devices)
-  tx = make_optimizer(method, learning_rate, communication_period)
+  tx = make_optimizer(method, learning_rate, sync_period, outer_dtype)
 
   def train_step(params, opt_state, features, labels):
     loss, grads = jax.value_and_grad(cross_entropy)(params, features, labels)
     updates, new_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    if method == "agn":
-      # After a sync, snap params onto the center so every replica holds the
-      # same bits (params + (center - params) can be off by an ulp).
-      synced = new_state.sync_count > opt_state.sync_count
-      params = jax.tree.map(
-        lambda p, c: jnp.where(synced, c, p), params, new_state.center
-      )
-    return params, new_state, loss
+    return optax.apply_updates(params, updates), new_state, loss
 
   pmap = lambda f: jax.pmap(f, axis_name=AXIS, devices=devices)
   init_state = pmap(tx.init)
   step = pmap(train_step)
   # Diagnostics only, run once at the end (not inside the step, where its
-  # collectives would add communication to agn's quiet steps).
+  # collectives would add communication to diloco's quiet steps).
   divergence_of = pmap(lambda p: shardopt.replica_divergence(p, AXIS))
 
   params0 = init_mlp(jax.random.key(seed), (x_train.shape[1], hidden, 10))
@@ -228,6 +307,12 @@ def train(
   losses = []
   start = time.perf_counter()
   opt_state = init_state(params)
+  idx = batches[0]
+  hlo = step.lower(params, opt_state, x_train[idx], y_train[idx])
+  periodic = method in ("diloco", "streaming")
+  per_step = wire_bytes_per_step(
+    hlo.compile().as_text(), n, sync_period if periodic else 1
+  )
   bar = tqdm(
     range(steps),
     desc=f"{method:>11}",
@@ -252,73 +337,82 @@ def train(
   losses = np.stack(losses).mean(axis=1)
   center = optax.tree_utils.tree_get(opt_state, "center")
   final = center if center is not None else params
+  divergence = float(np.asarray(divergence_of(final))[0])
   final = jax.tree.map(lambda a: np.asarray(a)[0], final)
   predictions = np.asarray(mlp_logits(final, x_test)).argmax(axis=1)
   accuracy = float((predictions == y_test).mean())
-  if method == "agn":
-    all_reduces = int(
-      np.asarray(optax.tree_utils.tree_get(opt_state, "sync_count"))[0]
-    )
-  else:
-    all_reduces = steps  # one gradient reduction per step
-  divergence = float(np.asarray(divergence_of(params))[0])
+  wire = {
+    "sync": "float32 gradients, every step",
+    "powersgd": "rank-2 float32 factors, every step",
+    "diloco": f"float32 outer gradient, every {sync_period} steps",
+    "streaming": f"{np.dtype(outer_dtype).name if outer_dtype else 'float32'}"
+    f" outer gradient, one of 2 fragments per sync, each every"
+    f" {sync_period} steps",
+  }[method]
   return RunResult(
-    method, accuracy, steps, all_reduces, wall, losses, divergence
+    method, accuracy, steps, per_step * steps, wall, losses, divergence, wire
   )
 
 
 def format_table(results: Sequence[RunResult], devices: list) -> str:
   """The results as a Markdown table (paste-able into notes)."""
+  sync = next((r for r in results if r.method == "sync"), None)
   lines = [
     f"shardopt demo: MLP on sklearn digits, {len(devices)} x"
-    f" {devices[0].platform} devices",
+    f" {devices[0].platform} devices, {results[0].steps} steps",
     "",
-    "| method      | test accuracy | steps | all-reduces | wall time |",
-    "|-------------|---------------|-------|-------------|-----------|",
+    "| method    | test accuracy | bytes sent per replica | vs sync | on the wire |",
+    "|-----------|---------------|------------------------|---------|-------------|",
   ]
   for r in results:
+    ratio = (
+      f"1/{sync.bytes_per_replica / r.bytes_per_replica:,.0f}"
+      if sync is not None and r.bytes_per_replica and r is not sync
+      else ("1" if r is sync else "-")
+    )
     lines.append(
-      f"| {r.method:<11} | {r.test_accuracy:>13.1%} | {r.steps:>5d}"
-      f" | {r.all_reduces:>11d} | {r.wall_time_s:>8.1f}s |"
+      f"| {r.method:<9} | {r.test_accuracy:>13.1%} |"
+      f" {r.bytes_per_replica / 1e6:>19,.2f} MB | {ratio:>7} | {r.wire} |"
     )
   lines.append("")
   lines.append(
-    "all-reduces: cross_shard and tower reduce the gradients once per"
-    " step (tower as reduce-scatter + all-gather); agn all-reduces"
-    " only on sync steps (its sync_count). Wall time includes"
-    " compilation."
+    "Bytes: what one replica sends over the run (ring all-reduce: 2 (n-1)/n"
+    " of the buffer), read from the compiled step's collectives; those in a"
+    " sync branch count once per sync period. Accuracy of the params every"
+    " replica shares (DiLoCo's center)."
   )
   return "\n".join(lines)
 
 
-def plot_losses(results: Sequence[RunResult], path: str) -> str:
-  """Saves the training-loss curves of every run to ``path`` (PNG)."""
+def plot_results(results: Sequence[RunResult], path: str) -> str:
+  """Saves the frontier (accuracy vs bytes) and the loss curves (PNG)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  fig, ax = plt.subplots(figsize=(7, 4.2))
-  # cross_shard and tower give (nearly) the same curve: draw tower dashed on
-  # top of a wide cross_shard line so both stay visible.
-  styles = {
-    "cross_shard": {"linewidth": 3.0, "alpha": 0.55},
-    "tower": {"linestyle": "--", "linewidth": 1.3},
-  }
+  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
   for r in results:
-    ax.plot(
-      range(1, len(r.losses) + 1),
-      r.losses,
-      **styles.get(r.method, {}),
-      label=f"{r.method} ({r.all_reduces} all-reduces,"
-      f" acc {r.test_accuracy:.1%})",
+    left.scatter(r.bytes_per_replica / 1e6, r.test_accuracy * 100, s=60)
+    left.annotate(
+      r.method,
+      (r.bytes_per_replica / 1e6, r.test_accuracy * 100),
+      textcoords="offset points",
+      xytext=(6, 4),
     )
-  ax.set_xlabel("step")
-  ax.set_ylabel("training loss (mean over replicas)")
-  ax.set_yscale("log")
-  ax.set_title("shardopt demo: MLP on sklearn digits")
-  ax.grid(alpha=0.3)
-  ax.legend()
+    right.plot(range(1, len(r.losses) + 1), r.losses, label=r.method)
+  left.set_xscale("log")
+  left.set_xlabel("MB sent per replica over the run (log)")
+  left.set_ylabel("test accuracy (%)")
+  left.set_title("quality per byte")
+  left.grid(alpha=0.3)
+  right.set_xlabel("step")
+  right.set_ylabel("training loss (mean over replicas)")
+  right.set_yscale("log")
+  right.set_title("training loss")
+  right.grid(alpha=0.3)
+  right.legend()
+  fig.suptitle("shardopt demo: MLP on sklearn digits")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -328,14 +422,15 @@ def plot_losses(results: Sequence[RunResult], path: str) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
     prog="python -m shardopt.demo",
-    description="Train an MLP on sklearn digits with shardopt's cross_shard,"
-    " tower and agn over several devices.",
+    description="Train an MLP on sklearn digits over several devices with"
+    " synchronous data parallelism, PowerSGD, DiLoCo and streaming DiLoCo,"
+    " and compare accuracy with the bytes each sends.",
   )
   parser.add_argument(
     "--steps",
     type=int,
-    default=200,
-    help="training steps per method (default 200)",
+    default=256,
+    help="training steps per method (default 256)",
   )
   parser.add_argument(
     "--devices",
@@ -352,24 +447,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument(
     "--out",
     default="demo_out",
-    help="directory for loss_curves.png and results.md (default ./demo_out)",
+    help="directory for frontier.png and results.md (default ./demo_out)",
   )
   parser.add_argument(
-    "--communication-period",
+    "--sync-period",
     type=int,
-    default=10,
-    help="agn: steps between syncs (default 10)",
+    default=16,
+    help="diloco and streaming: steps between syncs (default 16)",
+  )
+  parser.add_argument(
+    "--outer-dtype",
+    default=DEFAULT_OUTER_DTYPE,
+    help="streaming: the wire dtype of the outer gradient (default"
+    f" {DEFAULT_OUTER_DTYPE})",
   )
   args = parser.parse_args(argv)
   if args.steps < 1:
     parser.error(f"--steps must be >= 1, got {args.steps}")
   if args.devices < 1:
     parser.error(f"--devices must be >= 1, got {args.devices}")
-  if args.communication_period < 1:
-    parser.error(
-      f"--communication-period must be >= 1, got {args.communication_period}"
-    )
+  if args.sync_period < 1:
+    parser.error(f"--sync-period must be >= 1, got {args.sync_period}")
   return args
+
+
+def _dtype(name: str):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  return None if name == "float32" else jnp.dtype(name)
 
 
 def main(argv: Sequence[str] | None = None) -> list:
@@ -391,24 +496,26 @@ def main(argv: Sequence[str] | None = None) -> list:
       devices,
       data,
       steps=args.steps,
-      communication_period=args.communication_period,
+      sync_period=args.sync_period,
+      outer_dtype=_dtype(args.outer_dtype),
       progress=True,
     )
     print(
       f"{method}: test accuracy {result.test_accuracy:.1%},"
-      f" {result.all_reduces} all-reduces, {result.wall_time_s:.1f}s,"
-      f" replica divergence {result.replica_divergence:g}",
+      f" {result.bytes_per_replica / 1e6:,.2f} MB sent per replica,"
+      f" {result.wall_time_s:.1f}s, replica divergence"
+      f" {result.replica_divergence:g}",
       flush=True,
     )
     results.append(result)
   table = format_table(results, devices)
   os.makedirs(args.out, exist_ok=True)
-  png = plot_losses(results, os.path.join(args.out, "loss_curves.png"))
+  png = plot_results(results, os.path.join(args.out, "frontier.png"))
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write(table + "\n")
   print()
   print(table)
-  print(f"\nloss curves: {png}")
+  print(f"\nfrontier and loss curves: {png}")
   return results
 
 
