@@ -270,7 +270,8 @@ def test_non_float_leaf_in_reduce_and_a_bool_leaf():
     )
 
 
-# 9. Non-float comm_dtype.
+# 9. A comm_dtype that is neither floating nor quantized (int8, float8 and
+# int4 are quantized wires: tests/test_quantize.py).
 
 
 @pytest.mark.parametrize(
@@ -295,11 +296,12 @@ def test_integer_comm_dtype_raises_type_error(transform, build):
   with pytest.raises(
     TypeError,
     match=re.escape(
-      f"{transform}: comm_dtype=int8 (the wire dtype of reductions over axis"
-      " 'batch') is not a floating dtype; use e.g. jnp.bfloat16"
+      f"{transform}: comm_dtype=int32 (the wire dtype of reductions over axis"
+      " 'batch') is neither a floating dtype nor a quantized one; use a float"
+      " dtype such as jnp.bfloat16"
     ),
   ):
-    build(jnp.int8)
+    build(jnp.int32)
 
 
 def test_comm_dtype_that_is_not_a_dtype_raises_type_error():

@@ -10,6 +10,7 @@ from shardopt.accumulate import accumulate
 from shardopt.collectives import broadcast
 from shardopt.collectives import reduce
 from shardopt.collectives import replica_divergence
+from shardopt.cross_shard import ErrorFeedbackState
 from shardopt.cross_shard import cross_shard
 from shardopt.cross_shard import cross_shard_mean
 from shardopt.cross_shard import cross_shard_sum
@@ -23,6 +24,7 @@ from shardopt.periodic import hierarchical_local_sgd
 from shardopt.periodic import local_sgd
 from shardopt.powersgd import PowerSGDState
 from shardopt.powersgd import powersgd
+from shardopt.quantize import quantized
 from shardopt.specs import state_specs
 from shardopt.tower import clip_by_global_norm
 from shardopt.tower import tower
@@ -32,6 +34,7 @@ __version__ = "0.2.0.dev0"
 __all__ = [
   "AxisNotBoundError",
   "broadcast",
+  "ErrorFeedbackState",
   "cross_shard",
   "cross_shard_mean",
   "cross_shard_sum",
@@ -45,6 +48,7 @@ __all__ = [
   "local_sgd",
   "PowerSGDState",
   "powersgd",
+  "quantized",
   "clip_by_global_norm",
   "state_specs",
   "tower",

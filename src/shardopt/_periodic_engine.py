@@ -427,9 +427,10 @@ def _combine(
   if _axes.vma_checked():
     flag = _axes.cast_varying(flag, _axes.axis_names(axis_name))
   # The finite flag (a count once summed) never travels in a narrow dtype:
-  # a bfloat16 sum of 299 ones reads 298 (bfloat16 steps by 2 above 256). With a float32 (or wider)
-  # wire it rides with the contributions, one round; with a narrow or a
-  # quantized wire it has its own float32 all-reduce (same groups).
+  # a bfloat16 sum of 299 ones reads 298 (bfloat16 steps by 2 above 256).
+  # With a float32 (or wider) wire it rides with the contributions, one
+  # round; with a narrow or a quantized wire it has its own float32
+  # all-reduce (same groups).
   wide = comm_dtype is None or (
     isinstance(comm_dtype, np.dtype) and comm_dtype.itemsize >= 4
   )

@@ -9,7 +9,9 @@ about:
   which autodiff has already summed over the axis);
 * ``axis_index_groups``, native under ``pmap`` and rebuilt under a checking
   ``shard_map`` as a grouped reduce-scatter followed by a grouped all-gather;
-* ``comm_dtype``, a narrower dtype on the wire (bfloat16, float16).
+* ``comm_dtype``, a narrower dtype on the wire (bfloat16, float16), or a
+  quantized one (int8, float8, int4 with block scales, see
+  :mod:`shardopt.quantize`).
 
 The examples below assume 8 devices, e.g. a CPU forced to show them with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before importing jax.
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardopt import _axes
+from shardopt import quantize
 
 _REDUCE = "shardopt.reduce"
 
@@ -103,8 +106,19 @@ def _reduce_on_wire(
   a ``float16`` wire ``x`` is first divided by ``members`` so the sum cannot
   overflow; ``"sum"`` multiplies back afterwards, ``"mean"`` is then done.
   ``summing_collective`` sums over ``members`` replicas and may change the
-  shape (``psum_scatter`` keeps one chunk).
+  shape (``psum_scatter`` keeps one chunk). A quantized ``comm_dtype`` has
+  its own reduction (:func:`shardopt.quantize.all_reduce`, from
+  :func:`reduce`); an opaque collective (``tower``'s reduce-scatter) cannot
+  take it yet.
   """
+  if isinstance(comm_dtype, quantize.QuantizedSpec):
+    raise NotImplementedError(
+      f"comm_dtype={comm_dtype!r}: a quantized wire is implemented for"
+      " all-reduces (shardopt.reduce, cross_shard*, the periodic family,"
+      " powersgd), not yet for shardopt.tower's reduce-scatter. Use a float"
+      " comm_dtype (e.g. jnp.bfloat16) with tower, or"
+      " shardopt.cross_shard(inner, axis, comm_dtype=...)."
+    )
   wire = comm_dtype if comm_dtype is not None else x.dtype
   prescale = float(members) if wire == jnp.float16 else 1.0
   y = x
@@ -124,6 +138,7 @@ def reduce(
   axis_index_groups=None,
   comm_dtype=None,
   _transform: str = _REDUCE,
+  _error: Any = None,
 ) -> Any:
   """Sums or averages every leaf of ``tree`` across the replicas of an axis.
 
@@ -154,7 +169,12 @@ def reduce(
   With ``comm_dtype`` (e.g. ``jnp.bfloat16``) each leaf is cast just before
   the collective and back just after. When the wire dtype is ``float16`` the
   leaf is divided by the group size before the collective so the sum cannot
-  overflow (and multiplied back afterwards for ``"sum"``).
+  overflow (and multiplied back afterwards for ``"sum"``). A quantized
+  ``comm_dtype`` (``jnp.int8``, ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``,
+  ``jnp.int4`` or :func:`shardopt.quantized`) runs the two-phase reduction
+  of :mod:`shardopt.quantize` (all_to_all, float32 reduction, requantize,
+  all_gather) over all such leaves at once; every member of a group still
+  ends with bit-identical values, within the error bound stated there.
 
   Args:
     tree: a pytree of floating-point arrays (gradients, typically).
@@ -162,10 +182,12 @@ def reduce(
     reduction: ``"mean"`` or ``"sum"``.
     axis_index_groups: optional list of equal-size lists of replica indices
       that partition ``range(axis_size)``; each group reduces on its own.
-    comm_dtype: optional floating dtype used on the wire.
+    comm_dtype: optional wire dtype: floating (a cast) or quantized.
 
   Returns:
-    A pytree like ``tree`` holding the reduced values.
+    A pytree like ``tree`` holding the reduced values. (With the private
+    ``_error``, a tree of float32 per-replica error-feedback buffers like
+    ``tree``: ``(reduced, new_error)``; see ``cross_shard_mean``.)
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, shardopt
@@ -191,7 +213,23 @@ def reduce(
   groups = _axes.validate_groups(axis_index_groups, size, _transform, axis_name)
   members = _axes.group_size(groups, size)
 
-  def reduce_leaf(path, x):
+  spec = comm_dtype if isinstance(comm_dtype, quantize.QuantizedSpec) else None
+  if _error is not None and spec is None:
+    raise ValueError(
+      f"{_transform}: error feedback needs a quantized comm_dtype (e.g."
+      f" jnp.int8 or shardopt.quantized(jnp.int4)), got {comm_dtype!r}."
+    )
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  errors = (
+    treedef.flatten_up_to(_error)
+    if _error is not None
+    else [None] * len(leaves_with_path)
+  )
+  out = [None] * len(leaves_with_path)
+  new_errors = list(errors)
+  queued = {}  # varying axes -> indices of leaves for the quantized wire
+
+  for i, (path, x) in enumerate(leaves_with_path):
     _axes.check_float_leaf(path, x, _transform, axis_name)
     varying, invariant = _axes.split_axes(x, axis_name)
     if invariant and groups is not None:
@@ -205,20 +243,61 @@ def reduce(
         " to='varying') before jax.grad, so each replica keeps its own"
         " gradient."
       )
-    if varying:
-      return _reduce_on_wire(
+    if varying and spec is not None and x.size > 0:
+      queued.setdefault(varying, []).append(i)
+    elif varying:
+      out[i] = _reduce_on_wire(
         x,
-        lambda y: _psum_leaf(y, varying, groups),
+        lambda y, varying=varying: _psum_leaf(y, varying, groups),
         members,
-        comm_dtype,
+        comm_dtype if spec is None else None,
         reduction,
       )
     # Invariant over every requested axis: already summed by autodiff.
-    if reduction == "mean":
-      return x / jnp.asarray(members, x.dtype)
-    return x
+    elif reduction == "mean":
+      out[i] = x / jnp.asarray(members, x.dtype)
+    else:
+      out[i] = x
 
-  return jax.tree_util.tree_map_with_path(reduce_leaf, tree)
+  for varying, indices in queued.items():
+    # Only a leaf varying over every requested axis carries error feedback;
+    # one invariant over some of them was summed there by autodiff already.
+    feedback = _error is not None and len(varying) == len(
+      _axes.axis_names(axis_name)
+    )
+    wire_axis = _axes.as_axis(varying)
+    contributions = [leaves_with_path[i][1] for i in indices]
+    if feedback:
+      contributions = [
+        x.astype(jnp.float32) + errors[i].astype(jnp.float32)
+        for i, x in zip(indices, contributions)
+      ]
+    wire_members = (
+      members
+      if groups is not None
+      else int(np.prod([_axes.axis_size(a, _transform) for a in varying]))
+    )
+    result = quantize.all_reduce(
+      contributions,
+      wire_axis,
+      groups,
+      wire_members,
+      spec,
+      divisor=members if reduction == "mean" else 1,
+      invariant_result=_axes.vma_checked() and groups is None,
+      residuals=feedback,
+    )
+    reduced, residuals = result if feedback else (result, None)
+    for k, i in enumerate(indices):
+      x = leaves_with_path[i][1]
+      out[i] = reduced[k].astype(x.dtype)
+      if feedback:
+        new_errors[i] = residuals[k]
+
+  reduced_tree = treedef.unflatten(out)
+  if _error is None:
+    return reduced_tree
+  return reduced_tree, treedef.unflatten(new_errors)
 
 
 def broadcast(tree: Any, axis_name: Any, *, source: int = 0) -> Any:

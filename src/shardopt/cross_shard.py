@@ -16,20 +16,103 @@ can clip its own gradient first. In optax the same shape is a chain::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from shardopt import _axes
+from shardopt import quantize
 from shardopt.collectives import reduce
 
 
+class ErrorFeedbackState(NamedTuple):
+  """State of a cross-shard transform built with ``error_feedback=True``.
+
+  Attributes:
+    error: float32, per replica, in the shape of each gradient leaf: what
+      the quantized wire dropped from this replica's last contribution (its
+      phase-1 quantization, plus, on the chunk it owns, the phase-2
+      requantization times the group size for a mean), added to its next
+      contribution. Under ``jax.shard_map`` its spec is ``P(axis)``.
+    inner_state: the wrapped optimizer's state (``optax.EmptyState()`` for
+      ``cross_shard_mean``/``cross_shard_sum``).
+  """
+
+  error: Any
+  inner_state: Any
+
+
+def _check_error_feedback(
+  error_feedback: Any, comm_dtype: Any, name: str, axis_name: Any
+) -> bool:
+  if not isinstance(error_feedback, bool):
+    raise TypeError(
+      f"{name}: error_feedback={error_feedback!r} (axis {axis_name!r}) must"
+      " be True or False."
+    )
+  if error_feedback and not isinstance(comm_dtype, quantize.QuantizedSpec):
+    raise ValueError(
+      f"{name}: error_feedback=True (axis {axis_name!r}) keeps what a"
+      f" quantized wire drops, but comm_dtype={comm_dtype} does not"
+      " quantize. Pass a quantized comm_dtype (jnp.int8, jnp.float8_e4m3fn,"
+      " jnp.float8_e5m2, jnp.int4 or shardopt.quantized(...)), or"
+      " error_feedback=False."
+    )
+  return error_feedback
+
+
+def _zero_error(params: Any) -> Any:
+  return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+
+
+def _reduce_with_feedback(
+  updates, error, axis_name, reduction, axis_index_groups, comm_dtype, name
+):
+  """``reduce`` of ``updates + error``; returns (reduced, new error)."""
+  if axis_name is None:  # identity: nothing is quantized, nothing dropped
+    return reduce(updates, None, axis_index_groups=axis_index_groups), error
+  return reduce(
+    updates,
+    axis_name,
+    reduction=reduction,
+    axis_index_groups=axis_index_groups,
+    comm_dtype=comm_dtype,
+    _transform=name,
+    _error=error,
+  )
+
+
 def _reducing_transform(
-  name: str, axis_name: Any, reduction: str, axis_index_groups, comm_dtype
+  name: str,
+  axis_name: Any,
+  reduction: str,
+  axis_index_groups,
+  comm_dtype,
+  error_feedback: bool = False,
 ) -> optax.GradientTransformation:
   _axes.check_reduction(reduction, name, axis_name)
-  _axes.check_comm_dtype(comm_dtype, name, axis_name)
+  comm_dtype = _axes.check_comm_dtype(comm_dtype, name, axis_name)
+  if _check_error_feedback(error_feedback, comm_dtype, name, axis_name):
+
+    def init_fn(params):
+      return ErrorFeedbackState(_zero_error(params), optax.EmptyState())
+
+    def update_fn(updates, state, params=None):
+      del params
+      updates, error = _reduce_with_feedback(
+        updates,
+        state.error,
+        axis_name,
+        reduction,
+        axis_index_groups,
+        comm_dtype,
+        name,
+      )
+      return updates, ErrorFeedbackState(error, state.inner_state)
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
   def init_fn(params):
     del params
@@ -51,24 +134,45 @@ def _reducing_transform(
 
 
 def cross_shard_mean(
-  axis_name: Any, *, axis_index_groups=None, comm_dtype=None
+  axis_name: Any,
+  *,
+  axis_index_groups=None,
+  comm_dtype=None,
+  error_feedback: bool = False,
 ) -> optax.GradientTransformation:
-  """Averages updates across the replicas of ``axis_name`` (stateless).
+  """Averages updates across the replicas of ``axis_name``.
 
   The optax form of ``CrossShardOptimizer(reduction=MEAN)``: put it in an
   ``optax.chain`` after any per-replica transform (e.g. clipping) and before
   the optimizer. See :func:`shardopt.reduce` for the exact semantics under
-  ``pmap`` and ``shard_map``, groups, and ``comm_dtype``.
+  ``pmap`` and ``shard_map``, groups, and ``comm_dtype``; stateless unless
+  ``error_feedback=True``.
+
+  With a quantized ``comm_dtype`` (e.g. ``jnp.int8``, see
+  :mod:`shardopt.quantize`) and ``error_feedback=True``, each replica keeps
+  what quantization dropped from its contribution in
+  :class:`ErrorFeedbackState` ``.error`` (float32, per replica, in the
+  gradient's shape: spec ``P(axis)`` under ``jax.shard_map``) and adds it to
+  its next gradient. The owner of a chunk also keeps what the requantization
+  of the reduced chunk dropped, times the group size. Then the running sum
+  of the outputs equals the running sum of the exact means minus the mean of
+  the error buffers, to float32 rounding: its error stays within a few
+  quantization steps instead of growing with the number of steps.
 
   Args:
     axis_name: the ``pmap``/mesh axis name (or tuple of names); None makes
       the transform the identity (plain ``jit``: the compiler reduces).
     axis_index_groups: optional equal-size groups of replica indices; each
       group averages on its own.
-    comm_dtype: optional floating dtype used on the wire (e.g. bfloat16).
+    comm_dtype: optional wire dtype: floating (e.g. ``jnp.bfloat16``, a
+      cast) or quantized (``jnp.int8``, ``jnp.float8_e4m3fn``,
+      ``jnp.float8_e5m2``, ``jnp.int4``, :func:`shardopt.quantized`).
+    error_feedback: keep what a quantized wire drops and send it next step
+      (needs a quantized ``comm_dtype``).
 
   Returns:
-    An ``optax.GradientTransformation`` with ``optax.EmptyState``.
+    An ``optax.GradientTransformation`` with ``optax.EmptyState``, or with
+    :class:`ErrorFeedbackState` when ``error_feedback=True``.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, shardopt
@@ -80,8 +184,30 @@ def cross_shard_mean(
     >>> np.asarray(w)
     array([-4.5, -4.5, -4.5, -4.5, -4.5, -4.5, -4.5, -4.5], dtype=float32)
 
+    An int4 wire, constant gradients: the error of the running sum of the
+    means after 20 steps, without and with error feedback.
+
+    >>> g = np.random.default_rng(0).normal(size=(8, 1024)).astype(np.float32)
+    >>> def drift(error_feedback):
+    ...   tx = shardopt.cross_shard_mean(
+    ...       "batch", comm_dtype=jnp.int4, error_feedback=error_feedback)
+    ...   def run(g):
+    ...     state, total = tx.init(g), jnp.zeros_like(g)
+    ...     for _ in range(20):
+    ...       mean, state = tx.update(g, state)
+    ...       total = total + mean
+    ...     return total
+    ...   total = jax.pmap(run, axis_name="batch")(g)[0]
+    ...   return round(float(np.max(np.abs(total - 20 * g.mean(0)))), 2)
+    >>> drift(False), drift(True)
+    (3.57, 0.17)
+
   References:
     TensorFlow, ``tf.compat.v1.tpu.CrossShardOptimizer``.
+
+    Seide et al., 1-Bit Stochastic Gradient Descent and its Application to
+    Data-Parallel Distributed Training of Speech DNNs, Interspeech 2014
+    (error feedback).
   """
   return _reducing_transform(
     "shardopt.cross_shard_mean",
@@ -89,13 +215,18 @@ def cross_shard_mean(
     "mean",
     axis_index_groups,
     comm_dtype,
+    error_feedback,
   )
 
 
 def cross_shard_sum(
-  axis_name: Any, *, axis_index_groups=None, comm_dtype=None
+  axis_name: Any,
+  *,
+  axis_index_groups=None,
+  comm_dtype=None,
+  error_feedback: bool = False,
 ) -> optax.GradientTransformation:
-  """Sums updates across the replicas of ``axis_name`` (stateless).
+  """Sums updates across the replicas of ``axis_name``.
 
   The optax form of ``CrossShardOptimizer(reduction=SUM)``, and, together
   with :func:`scale_loss`, of TensorFlow's MEAN path written literally
@@ -104,10 +235,14 @@ def cross_shard_sum(
   Args:
     axis_name: the ``pmap``/mesh axis name (or tuple of names), or None.
     axis_index_groups: optional equal-size groups of replica indices.
-    comm_dtype: optional floating dtype used on the wire.
+    comm_dtype: optional wire dtype, floating or quantized (see
+      :func:`cross_shard_mean`).
+    error_feedback: as for :func:`cross_shard_mean` (the owner keeps the
+      requantization's drop once, not times the group size).
 
   Returns:
-    An ``optax.GradientTransformation`` with ``optax.EmptyState``.
+    An ``optax.GradientTransformation`` with ``optax.EmptyState``, or
+    :class:`ErrorFeedbackState` when ``error_feedback=True``.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, shardopt
@@ -123,7 +258,12 @@ def cross_shard_sum(
     TensorFlow, ``tf.compat.v1.tpu.CrossShardOptimizer``.
   """
   return _reducing_transform(
-    "shardopt.cross_shard_sum", axis_name, "sum", axis_index_groups, comm_dtype
+    "shardopt.cross_shard_sum",
+    axis_name,
+    "sum",
+    axis_index_groups,
+    comm_dtype,
+    error_feedback,
   )
 
 
@@ -134,12 +274,16 @@ def cross_shard(
   reduction: str = "mean",
   axis_index_groups=None,
   comm_dtype=None,
+  error_feedback: bool = False,
 ) -> optax.GradientTransformation:
   """Wraps ``inner`` so it sees gradients reduced across replicas.
 
   ``CrossShardOptimizer(inner)`` as one transform. Its state *is* ``inner``'s
   state (no wrapper), so TensorFlow's ``get_slot``/``get_slot_names`` map to
-  ``optax.tree_utils.tree_get(state, "mu")`` and friends.
+  ``optax.tree_utils.tree_get(state, "mu")`` and friends. With
+  ``error_feedback=True`` (a quantized ``comm_dtype``) the state is
+  :class:`ErrorFeedbackState` ``(error, inner_state)``; ``tree_get`` still
+  finds ``inner``'s fields.
 
   Args:
     inner: the optimizer applied to the reduced gradients.
@@ -147,10 +291,14 @@ def cross_shard(
     reduction: ``"mean"`` (default) or ``"sum"``; anything else raises
       ``ValueError("Unsupported reduction: ...")`` here, as TensorFlow does.
     axis_index_groups: optional equal-size groups of replica indices.
-    comm_dtype: optional floating dtype used on the wire.
+    comm_dtype: optional wire dtype, floating or quantized (see
+      :func:`cross_shard_mean`).
+    error_feedback: keep what a quantized wire drops and send it next step
+      (see :func:`cross_shard_mean`).
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is ``inner``'s state.
+    An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s
+    state (or :class:`ErrorFeedbackState` with ``error_feedback=True``).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, shardopt
@@ -169,7 +317,31 @@ def cross_shard(
   name = "shardopt.cross_shard"
   _axes.check_transform(inner, name)
   _axes.check_reduction(reduction, name, axis_name)
-  _axes.check_comm_dtype(comm_dtype, name, axis_name)
+  comm_dtype = _axes.check_comm_dtype(comm_dtype, name, axis_name)
+  if _check_error_feedback(error_feedback, comm_dtype, name, axis_name):
+    inner = optax.with_extra_args_support(inner)
+
+    def init_with_error(params):
+      return ErrorFeedbackState(_zero_error(params), inner.init(params))
+
+    def update_with_error(updates, state, params=None, **extra_args):
+      updates, error = _reduce_with_feedback(
+        updates,
+        state.error,
+        axis_name,
+        reduction,
+        axis_index_groups,
+        comm_dtype,
+        name,
+      )
+      updates, inner_state = inner.update(
+        updates, state.inner_state, params, **extra_args
+      )
+      return updates, ErrorFeedbackState(error, inner_state)
+
+    return optax.GradientTransformationExtraArgs(
+      init_with_error, update_with_error
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     updates = reduce(

@@ -1,0 +1,187 @@
+"""Quantized wire: bytes per step and step time of ``cross_shard(adam)``.
+
+``python -m benchmarks.quantized [--quick] [--repeats R]`` times the ``pmap``
+training step of ``shardopt.cross_shard(optax.adam(1e-3), axis,
+comm_dtype=...)`` on the ~5M-parameter MLP (1024-2048-1536-10, 8 replicas,
+16 examples each) with a float32 wire (the baseline), a bfloat16 wire, and
+int8 / int8 with error feedback / float8 (e4m3fn) / int4 quantized wires,
+interleaved (:func:`benchmarks._timing.compare`, warm-up excluded, median of
+``R`` rounds). Bytes per replica per step come from the lowered StableHLO
+(every collective's operand: a ring all-reduce moves ``2 (n - 1) / n`` of its
+buffer, an all-to-all ``(n - 1) / n`` of its operand, an all-gather ``n - 1``
+times its operand). Where the quantized step costs more than the float32 one,
+it pays off on links slower than ``(bytes saved) / (extra seconds)``: the
+break-even bandwidth (on this CPU the wire is a shared-memory rendezvous, so
+the extra time is mostly the quantize / dequantize passes, 8 virtual devices
+sharing the cores: an upper bound of what one accelerator per replica pays).
+
+Prints a table and writes ``benchmarks/results/quantized.json``
+(``quantized_quick.json`` with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "xla_force_host_platform_device_count" not in os.environ.get(
+  "XLA_FLAGS", ""
+):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+  ).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import shardopt  # noqa: E402
+from benchmarks import _common  # noqa: E402
+from benchmarks import _timing  # noqa: E402
+
+MLP = (1024, 2048, 1536, 10)
+QUICK_MLP = (64, 128, 10)
+BASELINE = "float32 wire"
+WIRES = {
+  BASELINE: (None, False),
+  "bfloat16 wire": (jnp.bfloat16, False),
+  "int8": (jnp.int8, False),
+  "int8 + error feedback": (jnp.int8, True),
+  "float8_e4m3fn": (jnp.float8_e4m3fn, False),
+  "int4": (jnp.int4, False),
+}
+LINKS = {"100 Gb/s": 12.5e9, "10 Gb/s": 1.25e9, "1 Gb/s": 0.125e9}
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "ui8": 1, "i8": 1}
+# Per replica, the fraction of a collective's operand it sends.
+_SENDS = {"all_reduce": lambda n: 2 * (n - 1) / n}
+_SENDS["all_to_all"] = lambda n: (n - 1) / n
+_SENDS["all_gather"] = lambda n: n - 1
+
+
+def wire_bytes(stablehlo: str, n: int) -> dict:
+  """Bytes one replica sends per step, by collective, from the StableHLO."""
+  out = {}
+  for op, fraction in _SENDS.items():
+    pattern = (
+      r'"stablehlo\.' + op + r'"\(%[^)]*\) <\{.*?\}>'
+      r"(?: \(\{.*?\}\))? : \(([^)]*)\)"
+    )
+    total = 0.0
+    for operands in re.findall(pattern, stablehlo, flags=re.S):
+      for dims, dtype in re.findall(r"tensor<((?:\d+x)*)(\w+)>", operands):
+        size = int(np.prod([int(d) for d in dims.split("x") if d]))
+        total += size * _BYTES[dtype] * fraction(n)
+    if total:
+      out[op] = total
+  return out
+
+
+def _setup(comm_dtype, error_feedback, sizes, per_replica):
+  n = jax.device_count()
+  tx = shardopt.cross_shard(
+    optax.adam(1e-3),
+    _common.AXIS,
+    comm_dtype=comm_dtype,
+    error_feedback=error_feedback,
+  )
+  identity = jax.pmap(lambda t: t)
+  params = identity(
+    _common.replicate(_common.mlp_init(jax.random.key(0), sizes), n)
+  )
+  x, y = _common.batch(jax.random.key(1), n, per_replica, sizes[0], sizes[-1])
+  state = jax.pmap(tx.init, axis_name=_common.AXIS)(params)
+  return _common.pmap_step(tx), (params, state) + identity((x, y))
+
+
+def run(quick: bool, repeats: int) -> dict:
+  n = jax.device_count()
+  sizes = QUICK_MLP if quick else MLP
+  candidates, rows = {}, {}
+  for name, (comm_dtype, feedback) in WIRES.items():
+    step, args = _setup(comm_dtype, feedback, sizes, per_replica=16)
+    sent = wire_bytes(step.lower(*args).as_text(), n)
+    rows[name] = {"bytes_per_replica": sum(sent.values()), "by_op": sent}
+    candidates[name] = lambda s=step, a=args: s(*a)
+  timing = _timing.compare(
+    candidates, baseline=BASELINE, repeats=repeats, inner=1 if quick else 3
+  )
+  base = rows[BASELINE]["bytes_per_replica"]
+  base_time = timing["candidates"][BASELINE]["median_s"]
+  for name, row in rows.items():
+    t = timing["candidates"][name]
+    row.update({k: t[k] for k in ("median_s", "ratio", "paired_ratio")})
+    row["fewer_bytes"] = base / row["bytes_per_replica"]
+    extra = t["median_s"] - base_time
+    saved = base - row["bytes_per_replica"]
+    row["break_even_bytes_per_s"] = (
+      saved / extra if extra > 0 and saved > 0 else None
+    )
+    row["links_saved_s"] = {
+      link: saved / bw - max(extra, 0.0) for link, bw in LINKS.items()
+    }
+  return {
+    "title": "Quantized wire: cross_shard(adam) step, bytes and time",
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    "command": "python -m benchmarks.quantized"
+    + (" --quick" if quick else "")
+    + f" --repeats {repeats}",
+    "devices": n,
+    "mlp": list(sizes),
+    "params": _common.count_params(_common.mlp_init(jax.random.key(0), sizes)),
+    "repeats": repeats,
+    "rows": rows,
+  }
+
+
+def table(result: dict) -> str:
+  lines = [
+    f"{result['title']} (MLP {result['mlp']}, {result['params']:,} params,"
+    f" {result['devices']} replicas, median of {result['repeats']})",
+    "",
+    "| wire | bytes/replica/step | fewer bytes | median step | ratio"
+    " | paired ratio | pays off below |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for name, row in result["rows"].items():
+    even = row["break_even_bytes_per_s"]
+    pays = (
+      "always (no extra time)"
+      if even is None and row["fewer_bytes"] > 1
+      else ("-" if even is None else f"{even * 8 / 1e9:.1f} Gb/s")
+    )
+    lines.append(
+      f"| {name} | {row['bytes_per_replica']:,.0f} |"
+      f" {row['fewer_bytes']:.2f}x | {row['median_s'] * 1e3:.2f} ms |"
+      f" {row['ratio']:.3f} | {row['paired_ratio']:.3f} | {pays} |"
+    )
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--repeats", type=int, default=21)
+  args = parser.parse_args(argv)
+  result = run(args.quick, args.repeats)
+  print(table(result))
+  directory = os.path.join(os.path.dirname(__file__), "results")
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(
+    directory, "quantized_quick.json" if args.quick else "quantized.json"
+  )
+  with open(path, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
