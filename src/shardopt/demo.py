@@ -390,18 +390,25 @@ def plot_results(results: Sequence[RunResult], path: str) -> str:
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib.ticker import NullFormatter  # pylint: disable=g-import-not-at-top
 
   fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+  placed = []
   for r in results:
-    left.scatter(r.bytes_per_replica / 1e6, r.test_accuracy * 100, s=60)
+    point = (r.bytes_per_replica / 1e6, r.test_accuracy * 100)
+    left.scatter(*point, s=60)
+    # Labels of points that (nearly) coincide are stacked, not overprinted.
+    near = sum(
+      abs(np.log(point[0] / x)) < 0.1 and abs(point[1] - y) < 0.1
+      for x, y in placed
+    )
+    placed.append(point)
     left.annotate(
-      r.method,
-      (r.bytes_per_replica / 1e6, r.test_accuracy * 100),
-      textcoords="offset points",
-      xytext=(6, 4),
+      r.method, point, textcoords="offset points", xytext=(6, 4 + 12 * near)
     )
     right.plot(range(1, len(r.losses) + 1), r.losses, label=r.method)
   left.set_xscale("log")
+  left.xaxis.set_minor_formatter(NullFormatter())
   left.set_xlabel("MB sent per replica over the run (log)")
   left.set_ylabel("test accuracy (%)")
   left.set_title("quality per byte")
