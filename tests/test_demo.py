@@ -70,10 +70,11 @@ def test_demo_bytes_equal_the_ring_all_reduce_formula(demo_run):
   assert by["diloco"].bytes_per_replica == pytest.approx(
     STEPS / PERIOD * per_sync, rel=1e-6
   )
-  # Streaming DiLoCo: two fragments, each once per period (a flag each).
-  assert by["streaming"].bytes_per_replica == pytest.approx(
-    STEPS / PERIOD * ring * (PARAM_BYTES + 8), rel=1e-6
-  )
+  # Streaming DiLoCo: two fragments, each once per period, the outer
+  # gradient in int4 (half a byte per element) plus a float32 scale per
+  # block of 256 and the finite flags: between 1/8 and 1/6 of diloco's.
+  int4 = STEPS / PERIOD * ring * (PARAM_BYTES / 8)
+  assert int4 < by["streaming"].bytes_per_replica < 8 / 6 * int4
   assert by["powersgd"].bytes_per_replica < by["sync"].bytes_per_replica / 5
 
 

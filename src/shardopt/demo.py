@@ -10,9 +10,9 @@ The demo trains the same multilayer perceptron on scikit-learn's bundled
 * ``diloco`` -- ``diloco(adam, sync_period=H)``: local Adam steps on every
   replica; every ``H`` steps the outer Nesterov step on the averaged outer
   gradient;
-* ``streaming`` -- ``diloco(..., num_fragments=2)`` with the outer gradient
-  sent in ``--outer-dtype`` (a quantized wire when the build has one): one
-  fragment of the params per sync, staggered over the period.
+* ``streaming`` -- ``diloco(..., num_fragments=2, comm_dtype=jnp.int4)``:
+  one fragment of the params per sync, staggered over the period, its outer
+  gradient on a 4-bit wire (``--outer-dtype``; per-block float32 scales).
 
 For each it prints the test accuracy and the bytes each replica sends over
 the run, read from the compiled step's HLO (collectives at the top level run
@@ -35,7 +35,7 @@ Usage::
 
     python -m shardopt.demo [--steps N] [--devices N] [--sync-period H]
                             [--method sync|powersgd|diloco|streaming|all]
-                            [--outer-dtype float32|bfloat16|int8|int4]
+                            [--outer-dtype int4|int8|float8_e4m3fn|bfloat16|float32]
                             [--out DIR]
 """
 
@@ -53,7 +53,7 @@ import numpy as np
 
 METHODS = ("sync", "powersgd", "diloco", "streaming")
 AXIS = "batch"
-DEFAULT_OUTER_DTYPE = "float32"
+DEFAULT_OUTER_DTYPE = "int4"
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
 
 
