@@ -463,6 +463,24 @@ def test_error_feedback_state_is_per_replica_float32_in_the_leaf_shape():
   assert not np.array_equal(error["b"][0], error["b"][1])
 
 
+def test_a_non_finite_step_does_not_poison_the_error_buffer():
+  tx = shardopt.cross_shard_mean(AXIS, comm_dtype=jnp.int8, error_feedback=True)
+  good = np.random.default_rng(8).standard_normal((N, 64)).astype(np.float32)
+  bad = good.copy()
+  bad[2, 7] = np.nan
+
+  def run(bad, good):
+    state = tx.init(good)
+    first, state = tx.update(bad, state)
+    second, state = tx.update(good, state)
+    return first, second, state.error
+
+  first, second, error = jax.pmap(run, axis_name=AXIS)(bad, good)
+  assert np.isnan(first).any()
+  assert np.isfinite(second).all() and np.isfinite(error).all()
+  np.testing.assert_allclose(second[0], good.mean(0), atol=0.05)
+
+
 def test_error_feedback_under_checking_shard_map_with_replicated_params():
   """P() params, varying gradients: updates typed invariant (out P()),
   the error state per replica (out P(axis))."""

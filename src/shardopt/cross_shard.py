@@ -35,7 +35,8 @@ class ErrorFeedbackState(NamedTuple):
       the quantized wire dropped from this replica's last contribution (its
       phase-1 quantization, plus, on the chunk it owns, the phase-2
       requantization times the group size for a mean), added to its next
-      contribution. Under ``jax.shard_map`` its spec is ``P(axis)``.
+      contribution; where that is not finite (a non-finite gradient), 0.
+      Under ``jax.shard_map`` its spec is ``P(axis)``.
     inner_state: the wrapped optimizer's state (``optax.EmptyState()`` for
       ``cross_shard_mean``/``cross_shard_sum``).
   """

@@ -204,6 +204,12 @@ def _short_scale(scale: jax.Array) -> jax.Array:
 def encode(values: jax.Array, spec: QuantizedSpec) -> jax.Array:
   """``(..., blocks, block)`` float32 -> ``(..., bytes)`` uint8: the
   quantized values' bytes, then the block scales' (float32) bytes."""
+  return _encode(values, spec)[0]
+
+
+def _encode(values: jax.Array, spec: QuantizedSpec):
+  """:func:`encode`, and the values it stands for (what :func:`decode`
+  gives back), computed before packing."""
   absmax = jnp.max(jnp.abs(values), axis=-1)
   # A product with the float32 reciprocal, which is what XLA makes of a
   # division by a constant anyway: the bits are spelled out, not up to it.
@@ -212,18 +218,25 @@ def encode(values: jax.Array, spec: QuantizedSpec) -> jax.Array:
   y = jnp.clip(values / safe[..., None], -spec.qmax, spec.qmax)
   lead = values.shape[:-2]
   if spec.is_float:  # float8: round to nearest even, its bytes
-    q = jax.lax.bitcast_convert_type(y.astype(spec.dtype), jnp.uint8)
+    narrow = y.astype(spec.dtype)
+    kept = narrow.astype(jnp.float32)
+    q = jax.lax.bitcast_convert_type(narrow, jnp.uint8)
   else:
     q = jnp.round(y).astype(jnp.int8)
+    kept = q.astype(jnp.float32)
     if spec.bits == 4:  # two per byte, the first value in the low nibble
       pairs = q.reshape(q.shape[:-1] + (q.shape[-1] // 2, 2)).astype(jnp.uint8)
       q = (pairs[..., 0] & jnp.uint8(0x0F)) | (pairs[..., 1] << jnp.uint8(4))
     else:
       q = jax.lax.bitcast_convert_type(q, jnp.uint8)
   scale_bytes = jax.lax.bitcast_convert_type(scale, jnp.uint8)
-  return jnp.concatenate(
+  payload = jnp.concatenate(
     [q.reshape(lead + (-1,)), scale_bytes.reshape(lead + (-1,))], axis=-1
   )
+  kept = jnp.where(
+    jnp.isfinite(scale)[..., None], kept * scale[..., None], jnp.nan
+  )
+  return payload, kept
 
 
 def decode(
@@ -301,12 +314,15 @@ def all_reduce(
   what phase 1 dropped from its contribution, plus, on the chunk it owns,
   ``divisor`` times what phase 2 dropped, so that ``result = reduce(x) -
   reduce(residual)`` up to float32 rounding (``reduce`` = sum / divisor).
+  A non-finite residual element is kept as 0 (a non-finite step does not
+  poison the steps after it).
   ``invariant_result`` types the gathered values invariant (a checking
   shard_map without groups).
   """
   layouts = [layout(x.size, members, spec) for x in leaves]
   values = [_chunks(x, members, *lay) for x, lay in zip(leaves, layouts)]
-  sent = [encode(v, spec) for v in values]  # (members, bytes) each
+  encoded = [_encode(v, spec) for v in values]
+  sent = [payload for payload, _ in encoded]  # (members, bytes) each
   widths = [s.shape[-1] for s in sent]
   received = jax.lax.all_to_all(
     jnp.concatenate(sent, axis=-1),
@@ -324,26 +340,27 @@ def all_reduce(
     if divisor != 1:  # times the float32 reciprocal, as for the scales
       total = total * jnp.float32(1.0 / divisor)
     owned.append(total)
-    reduced.append(encode(total, spec))
-  gather = jnp.concatenate(reduced, axis=-1)
+    reduced.append(_encode(total, spec))
+  gather = jnp.concatenate([r[0] for r in reduced], axis=-1)
   if invariant_result:
     gathered = jax.lax.all_gather(gather, axis, to="invarying")
   else:
     gathered = jax.lax.all_gather(gather, axis, axis_index_groups=groups)
   out, res = [], []
   position = _position(axis, groups) if residuals else None
-  for x, part, v, s, m, r, (block, blocks) in zip(
-    leaves, _split(gathered, widths), values, sent, owned, reduced, layouts
+  for x, part, v, e, m, r, (block, blocks) in zip(
+    leaves, _split(gathered, widths), values, encoded, owned, reduced, layouts
   ):
     full = decode(part, spec, block, blocks).reshape(-1)
     out.append(full[: x.size].reshape(x.shape).astype(x.dtype))
     if residuals:
-      dropped = v - decode(s, spec, block, blocks)  # phase 1, every chunk
-      again = m - decode(r, spec, block, blocks)  # phase 2, owned chunk
+      dropped = v - e[1]  # phase 1, every chunk
       mine = jax.lax.dynamic_index_in_dim(dropped, position, keepdims=False)
-      mine = mine + jnp.float32(divisor) * again
+      mine = mine + jnp.float32(divisor) * (m - r[1])  # phase 2, owned chunk
       dropped = jax.lax.dynamic_update_index_in_dim(
         dropped, mine, position, axis=0
       )
-      res.append(dropped.reshape(-1)[: x.size].reshape(x.shape))
+      dropped = dropped.reshape(-1)[: x.size].reshape(x.shape)
+      # A non-finite contribution is not kept: the next step starts afresh.
+      res.append(jnp.where(jnp.isfinite(dropped), dropped, 0.0))
   return (out, res) if residuals else out
