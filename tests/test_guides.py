@@ -1,0 +1,168 @@
+"""The guides on the docs site run as written, and say what they show.
+
+Every ```python block of a guide runs, in order, in one namespace (8 forced
+CPU devices, see conftest.py), as a reader who pastes them one after the
+other would run them. Each test then checks a property the page claims:
+replicas agree, a restored run equals the straight run bit for bit, a
+transform gives the numbers of its reference. docs/getting_started.md is
+checked in tests/test_docs.py.
+"""
+
+import pathlib
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+GUIDES = ("coming_from_ddp", "diloco", "checkpointing")
+
+
+def blocks(page: str) -> list:
+  text = (DOCS / f"{page}.md").read_text()
+  return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def run_page(page: str) -> dict:
+  """Runs every python block of docs/<page>.md in one namespace."""
+  namespace = {}
+  for index, block in enumerate(blocks(page)):
+    code = compile(block, f"docs/{page}.md[python block {index}]", "exec")
+    exec(code, namespace)
+  return namespace
+
+
+def _toctree(caption: str) -> list:
+  """The entries of docs/index.md's toctree with this caption."""
+  text = (DOCS / "index.md").read_text()
+  for body in re.findall(r"```\{toctree\}\n(.*?)```", text, flags=re.S):
+    lines = [line.strip() for line in body.splitlines() if line.strip()]
+    if f":caption: {caption}" in lines:
+      return [line for line in lines if not line.startswith(":")]
+  raise AssertionError(f"docs/index.md has no toctree captioned {caption!r}")
+
+
+@pytest.mark.parametrize("page", ("getting_started", *GUIDES, "model_parallel"))
+def test_every_guide_is_in_the_guides_toctree_and_has_code(page):
+  entries = _toctree("Guides")
+  assert any(e == page or e.endswith(f"<{page}>") for e in entries), (
+    f"docs/{page}.md is not in the Guides toctree of docs/index.md"
+  )
+  assert blocks(page), f"docs/{page}.md has no ```python block to run"
+
+
+def test_coming_from_ddp():
+  ns = run_page("coming_from_ddp")
+  spread = ns["spread"]
+  # DDP: replicas bit-identical, and equal to Adam on the whole batch.
+  assert spread(ns["ddp"]) == 0.0
+  for k, v in ns["single"].items():
+    np.testing.assert_allclose(ns["ddp"][k][0], v, rtol=1e-5, atol=1e-6)
+  assert np.abs(ns["ddp"]["w"][0] - ns["params"]["w"]).max() > 1e-2  # it moved
+  # no_sync: 8 steps of accumulate(k=4) are 2 Adam steps on the mean gradient
+  # of each group of 4.
+  assert spread(ns["accumulated"]) == 0.0
+  import optax
+
+  multi = optax.MultiSteps(optax.adam(1e-2), 4)
+  ref, state = ns["params"], multi.init(ns["params"])
+  for x, y in zip(ns["xs"], ns["ys"]):
+    grads = jax.grad(ns["loss"])(ref, x, y)
+    updates, state = multi.update(grads, state, ref)
+    ref = optax.apply_updates(ref, updates)
+  for k, v in ref.items():
+    np.testing.assert_allclose(ns["accumulated"][k][0], v, rtol=1e-5, atol=1e-6)
+  # bf16 wire: in sync, close to float32, not equal.
+  assert spread(ns["bf16"]) == 0.0
+  diff = np.abs(ns["bf16"]["w"][0] - ns["ddp"]["w"][0]).max()
+  assert 0.0 < diff < 4 * 1e-2  # within a few Adam steps of lr 1e-2
+  assert spread(ns["low_rank"]) == 0.0
+  assert np.isfinite(ns["low_rank"]["w"]).all()
+  # local SGD: apart between averagings, together (to rounding) after.
+  local = ns["local"]
+  assert [spread(p) > 1e-3 for p in local] == [True] * 3 + [False] + [
+    True
+  ] * 3 + [False]
+  assert spread(local[3]) < 1e-6 and spread(local[7]) < 1e-6
+  # Hierarchical: pairs agree after step 6 (a pair step), the pairs do not;
+  # everyone agrees after step 8.
+  pairs = ns["pairs"]
+  assert max(np.abs(v[:, 0] - v[:, 1]).max() for v in pairs.values()) < 1e-6
+  assert spread(ns["hier"][5]) > 1e-3
+  assert spread(ns["hier"][7]) < 1e-6
+  # ZeRO: each replica holds 1/8 of Adam's moments; same numbers as DDP.
+  assert ns["specs"][0].mu["w"] == P("data")
+  assert ns["moments"][0].mu["w"].shape == (16, 8)  # 8 blocks of (2, 8)
+  sharded = ns["sharded"]
+  assert spread(sharded) == 0.0
+  for k, v in ns["ddp"].items():
+    np.testing.assert_allclose(sharded[k], v, rtol=1e-6, atol=1e-7)
+  # GradScaler: every replica skipped step 3, as if it had not been there.
+  assert spread(ns["guarded"]) == 0.0
+  assert np.isfinite(ns["guarded"]["w"]).all()
+  for k in ns["params"]:
+    np.testing.assert_allclose(
+      ns["guarded"][k], ns["without_step_3"][k], rtol=1e-6, atol=1e-7
+    )
+    np.testing.assert_allclose(
+      ns["free_guard"][k], ns["guarded"][k], rtol=1e-6, atol=1e-7
+    )
+  assert spread(ns["free_guard"]) == 0.0
+
+
+def test_diloco():
+  ns = run_page("diloco")
+  # Islands apart between outer steps, together (to rounding) after 4 and 8.
+  gaps = [g["w"] for g in ns["gaps"]]
+  assert all(gaps[t] > 1e-3 for t in (0, 1, 2, 4, 5, 6)), gaps
+  assert gaps[3] < 1e-6 and gaps[7] < 1e-6, gaps
+  assert int(ns["state"].sync_count) == 2
+  center = np.asarray(ns["state"].center["w"])
+  np.testing.assert_allclose(
+    np.asarray(ns["p"]["w"]).reshape(2, 16, 8),
+    np.stack([center] * 2),
+    atol=1e-6,
+  )
+  # The outer step by hand.
+  np.testing.assert_allclose(np.asarray(ns["center"]), 4.655, rtol=1e-6)
+  # Streaming: "b" (fragment 0) meets after steps 4 and 8, "w" after 2 and 6.
+  together = [
+    [t for t, g in enumerate(ns["streaming"], 1) if g[k] < 1e-6]
+    for k in ("b", "w")
+  ]
+  assert together == [[4, 8], [2, 6]], ns["streaming"]
+  # int8 wire: the islands meet after the sync, apart before it.
+  assert ns["int8_gaps"][-2]["w"] > 1e-3
+  assert ns["int8_gaps"][-1]["w"] < 1e-6
+  assert np.isfinite(np.asarray(ns["int8_state"].center["w"])).all()
+
+
+# The restore that raises leaves orbax coroutines that report the error again
+# when they are collected.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_checkpointing():
+  ns = run_page("checkpointing")
+  resumed, straight = ns["resumed"], ns["straight"]
+  assert jax.tree.structure(resumed) == jax.tree.structure(straight)
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert int(straight[1].count) == 8 and int(straight[1].sync_count) == 2
+  # Replicated state: restored onto the 4-replica mesh, the same values.
+  mu = ns["dp_state4"][0].mu["w"]
+  assert mu.shape == (16, 8) and dict(mu.sharding.mesh.shape) == {"data": 4}
+  assert isinstance(ns["raised"], ValueError), ns["raised"]
+  # Regrouped DiLoCo state: the center and counters carried over; a fourth
+  # outer step at step 12 brings the 4 replicas together.
+  state4 = ns["state4"]
+  assert int(state4.count) == 12 and int(state4.sync_count) == 3
+  w4 = ns["w4"]
+  assert np.abs(w4 - w4[0]).max() < 1e-6
+  assert np.abs(w4[0] - np.asarray(straight[1].center["w"])).max() > 1e-4
+  old = ns["old"]["opt_state"]
+  for a, b in zip(
+    jax.tree.leaves(old.center), jax.tree.leaves(straight[1].center)
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert old.local_state[0].mu["w"].shape == (8 * 16, 8)
