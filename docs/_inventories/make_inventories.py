@@ -27,6 +27,7 @@ INVENTORIES = {
     [
       ("typing.Any", "data", "library/typing.html#$"),
       ("typing.NamedTuple", "class", "library/typing.html#$"),
+      ("collections.abc.Callable", "class", "library/collections.abc.html#$"),
       ("int", "class", "library/functions.html#$"),
       ("float", "class", "library/functions.html#$"),
       ("str", "class", "library/stdtypes.html#$"),
