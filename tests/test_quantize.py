@@ -75,8 +75,9 @@ def np_quantize(values, name):
   # Rounded up to 17 significant bits: q * scale is then exact in float32.
   mask = np.uint32((1 << 7) - 1)
   scale = ((scale.view(np.uint32) + mask) & ~mask).view(np.float32)
-  safe = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
-  y = np.clip(values / safe[..., None], -QMAX[name], QMAX[name])
+  with np.errstate(divide="ignore"):
+    inverse = np.where(scale > 0, np.float32(1.0) / scale, 0).astype(np.float32)
+  y = np.clip(values * inverse[..., None], -QMAX[name], QMAX[name])
   if name in FLOAT8:
     q = y.astype(getattr(ml_dtypes, name)).astype(np.float32)
   else:

@@ -14,7 +14,7 @@ of a leaf over ``n`` replicas (the group's members) runs in two phases:
    computed as ``absmax * float32(1 / qmax)`` and rounded up to 17
    significant bits, so that ``q * scale`` is exact in float32 and a fused
    multiply-add gives the same bits as a multiply and an add), values
-   ``x / scale`` rounded to nearest (ties to even);
+   ``x * float32(1 / scale)`` rounded to nearest (ties to even);
 2. one ``all_to_all`` hands chunk ``j`` of everyone to member ``j``;
 3. member ``j`` dequantizes its ``n`` received chunks (``q * scale``) and
    adds them in float32, in member order (times ``float32(1 / n)`` for a
@@ -214,8 +214,10 @@ def _encode(values: jax.Array, spec: QuantizedSpec):
   # A product with the float32 reciprocal, which is what XLA makes of a
   # division by a constant anyway: the bits are spelled out, not up to it.
   scale = _short_scale(absmax * jnp.float32(1.0 / spec.qmax))
-  safe = jnp.where(scale > 0, scale, jnp.float32(1.0))
-  y = jnp.clip(values / safe[..., None], -spec.qmax, spec.qmax)
+  # Times the reciprocal (what XLA makes of a division by a broadcast value
+  # anyway), spelled out so every backend rounds alike; a zero block stays 0.
+  inverse = jnp.where(scale > 0, 1.0 / scale, jnp.float32(0.0))
+  y = jnp.clip(values * inverse[..., None], -spec.qmax, spec.qmax)
   lead = values.shape[:-2]
   if spec.is_float:  # float8: round to nearest even, its bytes
     narrow = y.astype(spec.dtype)
@@ -354,9 +356,11 @@ def all_reduce(
     full = decode(part, spec, block, blocks).reshape(-1)
     out.append(full[: x.size].reshape(x.shape).astype(x.dtype))
     if residuals:
-      dropped = v - e[1]  # phase 1, every chunk
+      # Phase 1 on every chunk; phase 2 added to the owned one in place (a
+      # mask over all rows would let XLA recompute the chunk's sum per row).
+      dropped = v - e[1]
       mine = jax.lax.dynamic_index_in_dim(dropped, position, keepdims=False)
-      mine = mine + jnp.float32(divisor) * (m - r[1])  # phase 2, owned chunk
+      mine = mine + jnp.float32(divisor) * (m - r[1])
       dropped = jax.lax.dynamic_update_index_in_dim(
         dropped, mine, position, axis=0
       )
