@@ -11,7 +11,7 @@ about:
   ``shard_map`` as a grouped reduce-scatter followed by a grouped all-gather;
 * ``comm_dtype``, a narrower dtype on the wire (bfloat16, float16), or a
   quantized one (int8, float8, int4 with block scales, see
-  :mod:`shardopt.quantize`).
+  ``shardopt.quantize``).
 
 The examples below assume 8 devices, e.g. a CPU forced to show them with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before importing jax.
@@ -172,7 +172,7 @@ def reduce(
   overflow (and multiplied back afterwards for ``"sum"``). A quantized
   ``comm_dtype`` (``jnp.int8``, ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``,
   ``jnp.int4`` or :func:`shardopt.quantized`) runs the two-phase reduction
-  of :mod:`shardopt.quantize` (all_to_all, float32 reduction, requantize,
+  of ``shardopt.quantize`` (all_to_all, float32 reduction, requantize,
   all_gather) over all such leaves at once; every member of a group still
   ends with bit-identical values, within the error bound stated there.
 

@@ -150,7 +150,7 @@ def cross_shard_mean(
   ``error_feedback=True``.
 
   With a quantized ``comm_dtype`` (e.g. ``jnp.int8``, see
-  :mod:`shardopt.quantize`) and ``error_feedback=True``, each replica keeps
+  ``shardopt.quantize``) and ``error_feedback=True``, each replica keeps
   what quantization dropped from its contribution in
   :class:`ErrorFeedbackState` ``.error`` (float32, per replica, in the
   gradient's shape: spec ``P(axis)`` under ``jax.shard_map``) and adds it to
