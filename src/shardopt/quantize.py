@@ -144,7 +144,7 @@ def quantized(dtype: Any, *, block_size: int = 256) -> QuantizedSpec:
       track the magnitudes more closely and send more scales.
 
   Returns:
-    A hashable :class:`~shardopt.quantize.QuantizedSpec`.
+    A hashable ``QuantizedSpec`` (the dtype and the block size).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, shardopt
