@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import shardopt
 from benchmarks import _common
 from benchmarks import hlo
-from shardopt import _periodic_engine
+from shardopt.periodic import schedules as _schedules
 
 R = 8  # replicas
 B = 4  # examples per replica per step
@@ -328,7 +328,7 @@ def test_hierarchical_group_size_must_divide_the_axis_size():
 
 
 def test_fragments_are_contiguous_and_balanced_by_bytes():
-  split = _periodic_engine.split_fragments
+  split = _schedules.split_fragments
   assert split([4, 16, 8], 2) == ((0, 1), (2,))
   assert split([4, 16, 8], 3) == ((0,), (1,), (2,))
   assert split([10] * 8, 4) == ((0, 1), (2, 3), (4, 5), (6, 7))
@@ -407,7 +407,7 @@ def test_each_fragment_sync_all_reduces_only_its_fragment():
     assert all(c[0] == [] for c in conds)
     branches = [c[1] for c in conds]
     per_branch = [sum(op.buffer_bytes for op in b) for b in branches]
-    fragments = _periodic_engine.split_fragments(
+    fragments = _schedules.split_fragments(
       [4 * np.prod(s) for s in sizes.values()], num_fragments
     )
     expected = [

@@ -1,40 +1,9 @@
-"""AGNOptimizer and the periodic-communication family: ``agn``, ``local_sgd``,
+"""The public transforms of the periodic family: ``agn``, ``local_sgd``,
 ``diloco`` and ``hierarchical_local_sgd``.
 
-One engine (``shardopt._periodic_engine``), thin public wrappers. Every
-replica trains on its own (local) copy of the params with ``optimizer``; on a
-*schedule* (which leaves, over which group of replicas, after which step) the
-replicas combine one *contribution* each, a *global* optimizer moves a shared
-``center`` with it, and the returned updates move every replica's params onto
-the new center::
-
-  contribution    AGN: a_i = (sum of the gradients since the last sync) / T
-                  local_sgd / diloco: a_i = center - local_params_i
-                  hierarchical_local_sgd: a_i = local_params_i
-  combination     a = mean_i a_i  (or sum_i a_i for agn(reduction="sum"))
-  global step     center <- global_optimizer(center, a)
-                  (hierarchical_local_sgd: center <- a, no global optimizer)
-  pull            params_i <- center
-
-With ``global_optimizer = sgd(1)`` and the params contribution,
-``center - mean_i(center - local_i) = mean_i(local_i)``: periodic model
-averaging (``local_sgd``). With ``sgd(lr, momentum, nesterov=True)`` it is
-DiLoCo's outer step.
-
-Schedules: ``agn``/``local_sgd``/``diloco`` synchronise everything every T
-steps; ``hierarchical_local_sgd`` averages within contiguous groups of several
-sizes at several periods; ``diloco(..., num_fragments=F)`` (Streaming DiLoCo)
-synchronises one fragment of the leaves at a time, staggered over the period.
-Communication happens only on sync steps: the collectives sit inside the
-sync branch of one ``jax.lax.cond`` per sync, whose predicates are read from
-one index computed from the replicated step counter (at most one fires per
-step). The other steps run no collective at all.
-
-TensorFlow's AGNOptimizer is asynchronous: each worker commits its normalized
-accumulator to a parameter server on its own schedule. shardopt is
-synchronous SPMD: all replicas commit in the same step, and the commits are
-combined with ``reduction`` ("mean" by default; "sum" is what a parameter
-server does when it applies every worker's commit in one round).
+Each one checks its arguments (:mod:`.checks`) and hands the engine
+(:mod:`.engine`) three parts: a schedule (:mod:`.schedules`), a contribution
+(:mod:`.contributions`) and an outer step (:mod:`.outer`).
 
 The examples assume 8 devices (for instance a CPU with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before jax is
@@ -43,117 +12,15 @@ imported).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import optax
 
-from shardopt import _periodic_engine as engine
-from shardopt._periodic_engine import AGNState
-
-__all__ = ["AGNState", "agn", "diloco", "hierarchical_local_sgd", "local_sgd"]
-
-
-def _check_period(value: Any, arg: str, transform: str) -> int:
-  if (
-    isinstance(value, (bool, np.bool_))
-    or not isinstance(value, (int, np.integer))
-    or int(value) < 1
-  ):
-    raise ValueError(
-      f"{transform}: {arg}={value!r} must be an integer >= 1 (the number of"
-      f" local steps between two synchronisations); e.g. {arg}=10."
-    )
-  return int(value)
-
-
-def _check_axis_name(axis_name: Any, transform: str) -> None:
-  if axis_name is None:
-    raise ValueError(
-      f"{transform}: axis_name=None, but {transform} needs a named axis: the"
-      " replicas train apart between synchronisations, so they must be"
-      " mapped over a named axis. Call it inside jax.pmap(...,"
-      " axis_name='batch') or jax.shard_map over a mesh axis, and pass that"
-      " name."
-    )
-
-
-def _check_num_fragments(value: Any, sync_period: int, transform: str) -> int:
-  if (
-    isinstance(value, (bool, np.bool_))
-    or not isinstance(value, (int, np.integer))
-    or not 1 <= int(value) <= sync_period
-  ):
-    raise ValueError(
-      f"{transform}: num_fragments={value!r} must be an integer with 1 <="
-      f" num_fragments <= sync_period={sync_period} (each fragment"
-      " synchronises at its own step of the period, and at most one per"
-      " step); 1 is plain DiLoCo."
-    )
-  return int(value)
-
-
-def _check_period_group_sizes(value: Any, transform: str) -> dict:
-  """Checks ``{period: group_size}``: non-empty, integers >= 1, both
-  strictly increasing in the dict's own order (no sorting)."""
-  example = " e.g. period_group_sizes={2: 2, 8: 8}"
-  if not isinstance(value, Mapping) or not value:
-    raise ValueError(
-      f"{transform}: period_group_sizes={value!r} must be a non-empty dict"
-      " {period: group_size}: after local step t the largest period that"
-      f" divides t averages within contiguous groups of its size;{example}."
-    )
-  for period, size in value.items():
-    for what, v in (("period", period), ("group size", size)):
-      if (
-        isinstance(v, (bool, np.bool_))
-        or not isinstance(v, (int, np.integer))
-        or int(v) < 1
-      ):
-        raise ValueError(
-          f"{transform}: period_group_sizes={value!r} has {what} {v!r};"
-          f" periods and group sizes must be integers >= 1;{example}."
-        )
-  items = [(int(p), int(s)) for p, s in value.items()]
-  for (p0, s0), (p1, s1) in zip(items, items[1:]):
-    if not (p1 > p0 and s1 > s0):
-      raise ValueError(
-        f"{transform}: period_group_sizes={value!r}: periods and group sizes"
-        " must both be strictly increasing in the order given (a longer"
-        f" period averages over a larger group), but {p0}: {s0} is followed"
-        f" by {p1}: {s1}. The dict is read in its own order, not sorted;"
-        f"{example}."
-      )
-  return dict(items)
-
-
-def _check_outer_args(
-  transform: str, outer_learning_rate: Any, outer_momentum: Any, nesterov: Any
-) -> None:
-  if not callable(outer_learning_rate) and (
-    isinstance(outer_learning_rate, (bool, np.bool_))
-    or not isinstance(outer_learning_rate, (int, float, np.number))
-    or not outer_learning_rate > 0
-  ):
-    raise ValueError(
-      f"{transform}: outer_learning_rate={outer_learning_rate!r} must be a"
-      " positive number (or an optax schedule); DiLoCo uses 0.7."
-    )
-  if (
-    isinstance(outer_momentum, (bool, np.bool_))
-    or not isinstance(outer_momentum, (int, float, np.number))
-    or not 0 <= outer_momentum < 1
-  ):
-    raise ValueError(
-      f"{transform}: outer_momentum={outer_momentum!r} must be a number in"
-      " [0, 1); DiLoCo uses 0.9 (0 turns momentum off)."
-    )
-  if not isinstance(nesterov, (bool, np.bool_)):
-    raise ValueError(
-      f"{transform}: nesterov={nesterov!r} must be True or"
-      " False; DiLoCo uses True."
-    )
+from shardopt.periodic import checks
+from shardopt.periodic import contributions
+from shardopt.periodic import engine
+from shardopt.periodic import outer
+from shardopt.periodic import schedules
 
 
 def agn(
@@ -294,17 +161,19 @@ def agn(
     TensorFlow, ``tf.contrib.opt.AGNOptimizer`` (r1.14).
   """
   name = "shardopt.agn"
-  _check_axis_name(axis_name, name)
-  period = _check_period(communication_period, "communication_period", name)
+  checks.check_axis_name(axis_name, name)
+  period = checks.check_period(
+    communication_period, "communication_period", name
+  )
   if global_optimizer is None:
     global_optimizer = optimizer
   return engine.periodic(
     name,
     optimizer,
-    global_optimizer,
     axis_name,
-    syncs=engine.every(period),
-    contribution=engine.GRADIENTS,
+    syncs=schedules.every(period),
+    contribution=contributions.GradientSums(period),
+    outer_step=outer.Optimizer(global_optimizer),
     reduction=reduction,
     axis_index_groups=axis_index_groups,
     comm_dtype=comm_dtype,
@@ -365,15 +234,15 @@ def local_sgd(
     <https://arxiv.org/abs/1805.09767>`_, ICLR 2019.
   """
   name = "shardopt.local_sgd"
-  _check_axis_name(axis_name, name)
-  period = _check_period(period, "period", name)
+  checks.check_axis_name(axis_name, name)
+  period = checks.check_period(period, "period", name)
   return engine.periodic(
     name,
     optimizer,
-    optax.sgd(1.0),
     axis_name,
-    syncs=engine.every(period),
-    contribution=engine.PSEUDO_GRADIENT,
+    syncs=schedules.every(period),
+    contribution=contributions.PseudoGradients(),
+    outer_step=outer.mean(),
     axis_index_groups=axis_index_groups,
     comm_dtype=comm_dtype,
   )
@@ -467,15 +336,15 @@ def hierarchical_local_sgd(
     hierarchical_model_averager.HierarchicalModelAverager``.
   """
   name = "shardopt.hierarchical_local_sgd"
-  _check_axis_name(axis_name, name)
-  levels = _check_period_group_sizes(period_group_sizes, name)
+  checks.check_axis_name(axis_name, name)
+  levels = checks.check_period_group_sizes(period_group_sizes, name)
   return engine.periodic(
     name,
     optimizer,
-    None,
     axis_name,
-    syncs=engine.hierarchy(levels),
-    contribution=engine.PARAMS,
+    syncs=schedules.hierarchy(levels),
+    contribution=contributions.Params(),
+    outer_step=outer.Replace(),
     comm_dtype=comm_dtype,
   )
 
@@ -589,22 +458,22 @@ def diloco(
     <https://arxiv.org/abs/2501.18512>`_, 2025.
   """
   name = "shardopt.diloco"
-  _check_axis_name(axis_name, name)
-  period = _check_period(sync_period, "sync_period", name)
-  _check_outer_args(name, outer_learning_rate, outer_momentum, nesterov)
-  outer = optax.sgd(
+  checks.check_axis_name(axis_name, name)
+  period = checks.check_period(sync_period, "sync_period", name)
+  checks.check_outer_args(name, outer_learning_rate, outer_momentum, nesterov)
+  outer_optimizer = optax.sgd(
     outer_learning_rate,
     momentum=outer_momentum or None,
     nesterov=bool(nesterov),
   )
-  fragments = _check_num_fragments(num_fragments, period, name)
+  fragments = checks.check_num_fragments(num_fragments, period, name)
   return engine.periodic(
     name,
     optimizer,
-    outer,
     axis_name,
-    syncs=engine.streaming(period, fragments),
-    contribution=engine.PSEUDO_GRADIENT,
+    syncs=schedules.streaming(period, fragments),
+    contribution=contributions.PseudoGradients(),
+    outer_step=outer.Optimizer(outer_optimizer),
     axis_index_groups=axis_index_groups,
     comm_dtype=comm_dtype,
     num_fragments=fragments,

@@ -1,0 +1,207 @@
+"""Checks of the periodic family's arguments: the public transforms' (at
+construction) and ``update``'s (at trace time, before any state is touched).
+
+Each error names the transform, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardopt import _axes
+from shardopt.periodic import schedules
+
+# --------------------------------------------------------------------------
+# The public transforms' arguments.
+
+
+def check_period(value: Any, arg: str, transform: str) -> int:
+  if (
+    isinstance(value, (bool, np.bool_))
+    or not isinstance(value, (int, np.integer))
+    or int(value) < 1
+  ):
+    raise ValueError(
+      f"{transform}: {arg}={value!r} must be an integer >= 1 (the number of"
+      f" local steps between two synchronisations); e.g. {arg}=10."
+    )
+  return int(value)
+
+
+def check_axis_name(axis_name: Any, transform: str) -> None:
+  if axis_name is None:
+    raise ValueError(
+      f"{transform}: axis_name=None, but {transform} needs a named axis: the"
+      " replicas train apart between synchronisations, so they must be"
+      " mapped over a named axis. Call it inside jax.pmap(...,"
+      " axis_name='batch') or jax.shard_map over a mesh axis, and pass that"
+      " name."
+    )
+
+
+def check_num_fragments(value: Any, sync_period: int, transform: str) -> int:
+  if (
+    isinstance(value, (bool, np.bool_))
+    or not isinstance(value, (int, np.integer))
+    or not 1 <= int(value) <= sync_period
+  ):
+    raise ValueError(
+      f"{transform}: num_fragments={value!r} must be an integer with 1 <="
+      f" num_fragments <= sync_period={sync_period} (each fragment"
+      " synchronises at its own step of the period, and at most one per"
+      " step); 1 is plain DiLoCo."
+    )
+  return int(value)
+
+
+def check_period_group_sizes(value: Any, transform: str) -> dict:
+  """Checks ``{period: group_size}``: non-empty, integers >= 1, both
+  strictly increasing in the dict's own order (no sorting)."""
+  example = " e.g. period_group_sizes={2: 2, 8: 8}"
+  if not isinstance(value, Mapping) or not value:
+    raise ValueError(
+      f"{transform}: period_group_sizes={value!r} must be a non-empty dict"
+      " {period: group_size}: after local step t the largest period that"
+      f" divides t averages within contiguous groups of its size;{example}."
+    )
+  for period, size in value.items():
+    for what, v in (("period", period), ("group size", size)):
+      if (
+        isinstance(v, (bool, np.bool_))
+        or not isinstance(v, (int, np.integer))
+        or int(v) < 1
+      ):
+        raise ValueError(
+          f"{transform}: period_group_sizes={value!r} has {what} {v!r};"
+          f" periods and group sizes must be integers >= 1;{example}."
+        )
+  items = [(int(p), int(s)) for p, s in value.items()]
+  for (p0, s0), (p1, s1) in zip(items, items[1:]):
+    if not (p1 > p0 and s1 > s0):
+      raise ValueError(
+        f"{transform}: period_group_sizes={value!r}: periods and group sizes"
+        " must both be strictly increasing in the order given (a longer"
+        f" period averages over a larger group), but {p0}: {s0} is followed"
+        f" by {p1}: {s1}. The dict is read in its own order, not sorted;"
+        f"{example}."
+      )
+  return dict(items)
+
+
+def check_outer_args(
+  transform: str, outer_learning_rate: Any, outer_momentum: Any, nesterov: Any
+) -> None:
+  if not callable(outer_learning_rate) and (
+    isinstance(outer_learning_rate, (bool, np.bool_))
+    or not isinstance(outer_learning_rate, (int, float, np.number))
+    or not outer_learning_rate > 0
+  ):
+    raise ValueError(
+      f"{transform}: outer_learning_rate={outer_learning_rate!r} must be a"
+      " positive number (or an optax schedule); DiLoCo uses 0.7."
+    )
+  if (
+    isinstance(outer_momentum, (bool, np.bool_))
+    or not isinstance(outer_momentum, (int, float, np.number))
+    or not 0 <= outer_momentum < 1
+  ):
+    raise ValueError(
+      f"{transform}: outer_momentum={outer_momentum!r} must be a number in"
+      " [0, 1); DiLoCo uses 0.9 (0 turns momentum off)."
+    )
+  if not isinstance(nesterov, (bool, np.bool_)):
+    raise ValueError(
+      f"{transform}: nesterov={nesterov!r} must be True or"
+      " False; DiLoCo uses True."
+    )
+
+
+# --------------------------------------------------------------------------
+# What update is given.
+
+
+def check_update_args(
+  name, grads, state, params, axis_name, syncs, axis_index_groups
+):
+  """Checks everything ``update`` is given; returns the axis size and each
+  sync's replica groups."""
+  if params is None:
+    raise ValueError(
+      f"{name}: params are required; call tx.update(grads, state, params)."
+      " At a sync the returned updates move params onto the target, which"
+      " needs the current params."
+    )
+  size = _axes.axis_size(axis_name, name)
+  groups = [
+    schedules.replica_groups(
+      s.group_size, axis_index_groups, size, name, axis_name
+    )
+    for s in syncs
+  ]
+  _axes.scalar_counter(state.count, name, "state.count", axis_name)
+  check_local_gradients(grads, params, axis_name, name)
+  center_def = jax.tree.structure(state.center)
+  if center_def != jax.tree.structure(params):
+    raise ValueError(
+      f"{name}: the state does not match the params tree over axis"
+      f" {axis_name!r}: state.center has structure {center_def}, params"
+      f" have {jax.tree.structure(params)}. Build the state with"
+      " tx.init(params) from these params."
+    )
+  if axis_index_groups is not None and _axes.vma_checked():
+    for c in jax.tree.leaves(state.center):
+      _, invariant = _axes.split_axes(c, axis_name)
+      if invariant:
+        raise ValueError(
+          f"{name}: with axis_index_groups each group keeps its own center,"
+          f" so the center must be typed varying over {axis_name!r}, but it"
+          " is invariant (it was initialised from replicated params). Build"
+          " the state with tx.init(params) from params that carry a leading"
+          f" replica axis sharded over {axis_name!r}, or from"
+          f" jax.lax.pcast(params, {axis_name!r}, to='varying')."
+        )
+  return size, groups
+
+
+def check_local_gradients(
+  grads: Any, params: Any, axis_name: Any, transform: str
+) -> None:
+  """Checks grads: params' tree structure, floating point, not invariant.
+
+  Gradients typed invariant were summed by autodiff: not local gradients.
+  """
+  grads_def = jax.tree.structure(grads)
+  params_def = jax.tree.structure(params)
+  if grads_def != params_def:
+    raise ValueError(
+      f"{transform}: the gradient tree does not match the params tree over"
+      f" axis {axis_name!r}: grads have structure {grads_def}, params have"
+      f" {params_def}. Pass the gradient of the same params the state was"
+      " built from (tx.init(params))."
+    )
+  checked = _axes.vma_checked()
+
+  def leaf(path, g):
+    _axes.check_float_leaf(path, g, transform, axis_name)
+    if not checked:
+      return
+    _, invariant = _axes.split_axes(g, axis_name)
+    if invariant:
+      raise ValueError(
+        f"{transform}: the gradient at {jax.tree_util.keystr(path) or '<root>'}"
+        f" is invariant over axis {_axes.as_axis(invariant)!r}: the params were"
+        " replicated (P()), so autodiff has already summed the gradient over"
+        " every replica. That is the synchronous gradient, not this"
+        f" replica's local gradient, and {transform} needs the local one"
+        " (the replicas train apart between synchronisations). Fix: give each"
+        " replica its own params, typed varying: a leading replica axis"
+        f" sharded over {axis_name!r} (in_specs=P({axis_name!r})), or"
+        f" params = jax.lax.pcast(params, {axis_name!r}, to='varying') before"
+        " jax.grad."
+      )
+
+  jax.tree_util.tree_map_with_path(leaf, grads)

@@ -1,0 +1,413 @@
+"""The engine behind ``agn``, ``local_sgd``, ``diloco`` and
+``hierarchical_local_sgd``.
+
+Every replica trains on its own params with a local optimizer. The engine is
+built from three parts: a *schedule* (:mod:`.schedules`: which leaves
+synchronise, over which groups of replicas, after which local step), a
+*contribution* (:mod:`.contributions`: what each replica brings to a sync)
+and an *outer step* (:mod:`.outer`: how the combined contributions move the
+shared center). ``update`` runs these steps, one call each:
+
+1. :func:`_count`: ``count += 1``, checked replicated.
+2. :func:`_local_step_before`: where :func:`._xla.placement` puts it before
+   the syncs, the local optimizer's step on this replica's params
+   (:func:`_local_step`; a replica left out of the last sync first restarts
+   its local state).
+3. :func:`_start`: the carry the syncs may change, with
+   ``contribution.accumulate`` (``accumulator += grads``, ``agn`` only).
+4. :func:`.schedules.firing`: the index of the sync that fires after this
+   step (0: none), read from the replicated counter.
+5. :func:`_syncs`: one ``lax.cond`` per sync (:func:`._xla.cond_on_slice`)
+   on ``index == k``: at most one fires per step. Its operands are the
+   sync's fragment of the carry; its false branch hands them back, its true
+   branch (:func:`_sync`) is the only place the engine communicates:
+
+   a. ``contribution.of``: this replica's contribution for the sync's leaves
+      (accumulated gradients / period, ``center - local params``, or the
+      local params themselves);
+   b. :func:`.combine.combine`: one collective round within the sync's
+      groups, a non-finite contribution left out (flagged to restart, step 2);
+   c. ``outer_step.step``: the outer optimizer moves the center (for plain
+      averaging the combined params are the new center);
+   d. :func:`.outer.pull` (only where this step's updates go through the
+      conds): updates that move the synced leaves onto the center.
+
+6. :func:`_local_step_after`: where it runs after the syncs, the local step
+   (ordered after them by :func:`._xla.after`).
+7. :func:`_updates`: updates onto the center for the leaves a sync moved
+   (:func:`.outer.pull_after`), the local optimizer's for the others.
+8. :func:`_new_state`: the :class:`.state.AGNState` after the step.
+
+What a step costs, and the tricks that keep a step without a sync as cheap
+as the plain local step, are in :mod:`._xla`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shardopt import _axes
+from shardopt.periodic import _xla
+from shardopt.periodic import checks
+from shardopt.periodic import combine
+from shardopt.periodic import contributions
+from shardopt.periodic import outer
+from shardopt.periodic import schedules
+from shardopt.periodic.state import AGNState
+from shardopt.periodic.state import Carry
+from shardopt.periodic.state import initial_flags
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Engine:
+  """What :func:`periodic` was built with."""
+
+  name: str
+  optimizer: optax.GradientTransformation
+  local: optax.GradientTransformationExtraArgs
+  axis_name: Any
+  syncs: Sequence[schedules.Sync]
+  contribution: contributions.Contribution
+  outer_step: Any  # outer.Optimizer or outer.Replace
+  reduction: str
+  axis_index_groups: Any
+  comm_dtype: Any
+  num_fragments: int
+  # Skips counted over the whole axis keep `skipped` replicated; a schedule
+  # of contiguous groups (hierarchical) counts within them (per replica).
+  whole_axis_count: bool
+
+
+class _Step(NamedTuple):
+  """One call of ``update``: its inputs, and what is read from them when it
+  is traced."""
+
+  engine: _Engine
+  grads: Any
+  state: AGNState
+  params: Any
+  extra_args: dict
+  size: int  # of the replica axis
+  groups: list  # each sync's replica groups
+  fragments: tuple  # leaf indices per fragment
+  leaves: list  # the params' leaves
+  treedef: Any
+  view: Any  # what the outer optimizer sees of a list of leaves
+  placement: _xla.Placement
+
+  def local_step(self, grads: Any):
+    return _local_step(
+      self.engine.optimizer,
+      self.engine.local,
+      grads,
+      self.state,
+      self.params,
+      self.extra_args,
+    )
+
+
+def _trace(engine: _Engine, grads, state, params, extra_args) -> _Step:
+  """Checks what ``update`` is given and reads its static parts."""
+  size, groups = checks.check_update_args(
+    engine.name,
+    grads,
+    state,
+    params,
+    engine.axis_name,
+    engine.syncs,
+    engine.axis_index_groups,
+  )
+  fragments = schedules.check_fragments(
+    params, engine.num_fragments, engine.name
+  )
+  leaves, treedef = jax.tree.flatten(params)
+  step = _Step(
+    engine=engine,
+    grads=grads,
+    state=state,
+    params=params,
+    extra_args=extra_args,
+    size=size,
+    groups=groups,
+    fragments=fragments,
+    leaves=leaves,
+    treedef=treedef,
+    view=outer.fragment_view(treedef, engine.num_fragments),
+    placement=None,
+  )
+  return step._replace(
+    placement=_xla.placement(
+      engine.contribution.reads_updates,
+      lambda g: step.local_step(g)[0],
+      grads,
+    )
+  )
+
+
+# --------------------------------------------------------------------------
+# The steps of update, in order.
+
+
+def _count(step: _Step) -> jax.Array:
+  """Step 1: ``count += 1``; the syncs' predicates read it, so it must be
+  replicated."""
+  count = step.state.count + 1
+  _axes.check_replicated_predicate(count, step.engine.name)
+  return count
+
+
+def _local_step(optimizer, local, grads, state, params, extra_args):
+  """The local optimizer's step on this replica's params.
+
+  A replica left out of the last sync (``state.restart``) first restarts the
+  float leaves of its local state (moments, which may hold the non-finite
+  values) from ``optimizer.init(params)``; integer leaves (step counts) are
+  kept. A select on the step's inputs, which XLA fuses into the step: a
+  restart written into the state at the sync, after the local step, would
+  keep XLA from fusing the local step with the caller's ``apply_updates``.
+  """
+  fresh = _axes.cast_tree_like(optimizer.init(params), state.local_state)
+  local_state = jax.tree.map(
+    lambda old, new: (
+      jnp.where(jnp.reshape(state.restart, ()), new, old)
+      if jnp.issubdtype(old.dtype, jnp.floating)
+      else old
+    ),
+    state.local_state,
+    fresh,
+  )
+  updates, local_state = local.update(grads, local_state, params, **extra_args)
+  # Updates are in the params' dtype on every step (a sync step's updates
+  # are target - params), so both branches of a cond agree even when the
+  # gradients are narrower (bfloat16 grads for float32 params).
+  updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+  return jax.tree.leaves(updates), local_state
+
+
+def _local_step_before(step: _Step):
+  """Step 2: the local step, if it runs before the syncs (else None)."""
+  if step.placement.before_syncs:
+    return step.local_step(step.grads)
+  return None
+
+
+def _start(step: _Step, before) -> Carry:
+  """Step 3: what the syncs may change, the accumulator after this step's
+  gradients."""
+  state = step.state
+  return Carry(
+    updates=before[0] if step.placement.through_conds else [],
+    accumulator=step.engine.contribution.accumulate(
+      state.accumulator, step.grads
+    ),
+    center=jax.tree.leaves(state.center),
+    global_state=state.global_state,
+    sync_count=state.sync_count,
+    skipped=state.skipped,
+    left_out=jnp.zeros([], bool),
+  )
+
+
+def _syncs(step: _Step, index: jax.Array, carry: Carry) -> Carry:
+  """Step 5: each sync in its own cond, on its fragment's slice."""
+  engine = step.engine
+  for k, s in enumerate(engine.syncs):
+    carry = _xla.cond_on_slice(
+      index == k + 1,
+      functools.partial(_sync, step, k),
+      carry,
+      step.fragments[s.fragment],
+      s.fragment if engine.num_fragments > 1 else None,
+    )
+  return carry
+
+
+def _sync(step: _Step, k: int, part: Carry) -> Carry:
+  """Steps 5a-5d: sync ``k`` on its fragment's slice of the carry."""
+  engine = step.engine
+  leaves = step.fragments[engine.syncs[k].fragment]
+  params = [step.leaves[i] for i in leaves]
+  mine = engine.contribution.of(
+    part.accumulator, part.center, params, _sync_updates(step, part, leaves)
+  )
+  combined, finite, in_group, in_axis = combine.combine(
+    mine,
+    engine.axis_name,
+    step.groups[k],
+    reduction=engine.reduction,
+    comm_dtype=engine.comm_dtype,
+    whole_axis_count=engine.whole_axis_count,
+    transform=engine.name,
+  )
+  center, global_state = engine.outer_step.step(
+    combined, mine, part.center, part.global_state, in_group > 0, step.view
+  )
+  skipped = _skipped(step, k, part.skipped, in_axis)
+  return Carry(
+    updates=outer.pull(center, params) if part.updates else [],
+    accumulator=[_xla.zeros_after(a, in_group) for a in part.accumulator],
+    center=center,
+    global_state=global_state,
+    sync_count=part.sync_count + 1,
+    skipped=skipped,
+    left_out=jnp.logical_not(finite),
+  )
+
+
+def _sync_updates(step: _Step, part: Carry, leaves: Sequence[int]) -> list:
+  """This step's local updates of a sync's leaves, where its contribution
+  reads them: handed through the conds, or recomputed from the state before
+  the step (see :mod:`._xla`)."""
+  if part.updates:
+    return part.updates
+  if not step.engine.contribution.reads_updates:
+    return []
+  return [step.local_step(step.grads)[0][i] for i in leaves]
+
+
+def _skipped(step: _Step, k: int, skipped, in_axis) -> jax.Array:
+  """``skipped`` plus the contributions sync ``k`` left out."""
+  size = step.size
+  if not step.engine.whole_axis_count:
+    size = _axes.group_size(step.groups[k], size)
+  return skipped + jnp.round(size - in_axis).astype(jnp.int32)
+
+
+def _local_step_after(step: _Step, before, carry: Carry):
+  """Step 6: the local step, if it runs after the syncs.
+
+  The syncs read the local state before this step; the local step, which
+  overwrites it in place, reads grads that depend on the syncs, so XLA runs
+  it after them (else it copies the state).
+  """
+  if step.placement.before_syncs:
+    return before
+  return step.local_step(_xla.after(step.grads, carry.sync_count))
+
+
+def _updates(step: _Step, index, carry: Carry, updates: list) -> list:
+  """Step 7: the updates this step returns."""
+  if step.placement.through_conds:
+    return carry.updates
+  synced = schedules.synced_leaves(
+    index, step.engine.syncs, step.fragments, len(step.leaves)
+  )
+  return outer.pull_after(synced, carry.center, step.leaves, updates)
+
+
+def _new_state(step: _Step, count, carry: Carry, local_state) -> AGNState:
+  """Step 8: the state after the step."""
+  return AGNState(
+    count=count,
+    sync_count=carry.sync_count,
+    accumulator=step.engine.contribution.state(step.treedef, carry.accumulator),
+    center=step.treedef.unflatten(carry.center),
+    local_state=local_state,
+    global_state=carry.global_state,
+    skipped=carry.skipped,
+    restart=jnp.reshape(carry.left_out, (1,)),
+  )
+
+
+# --------------------------------------------------------------------------
+# The engine.
+
+
+def _init(params, *, engine: _Engine) -> AGNState:
+  """The engine's ``init``: counters at 0, the center at ``params``, the
+  local and outer optimizers' states (one outer state per fragment)."""
+  fragments = schedules.check_fragments(
+    params, engine.num_fragments, engine.name
+  )
+  leaves, treedef = jax.tree.flatten(params)
+  view = outer.fragment_view(treedef, engine.num_fragments)
+  global_state = engine.outer_step.init(params, fragments, view)
+  skipped, restart = initial_flags(
+    leaves, engine.axis_name, engine.whole_axis_count
+  )
+  return AGNState(
+    count=jnp.zeros([], jnp.int32),
+    sync_count=jnp.zeros([], jnp.int32),
+    accumulator=engine.contribution.init(params),
+    center=jax.tree.map(jnp.asarray, params),
+    local_state=engine.optimizer.init(params),
+    global_state=global_state,
+    skipped=skipped,
+    restart=restart,
+  )
+
+
+def periodic(
+  name: str,
+  optimizer: optax.GradientTransformation,
+  axis_name: Any,
+  *,
+  syncs: Sequence[schedules.Sync],
+  contribution: contributions.Contribution,
+  outer_step: outer.Optimizer | outer.Replace,
+  reduction: str = "mean",
+  axis_index_groups=None,
+  comm_dtype=None,
+  num_fragments: int = 1,
+) -> optax.GradientTransformationExtraArgs:
+  """The engine: ``optimizer`` every step, the ``syncs`` on their schedule.
+
+  Args:
+    name: the public transform's name, used in error messages.
+    optimizer: the local optimizer, applied on every replica at every step.
+    axis_name: the replica axis (or tuple of axes).
+    syncs: the schedule (see :class:`.schedules.Sync`); validated by the
+      caller.
+    contribution: what each replica brings to a sync (:mod:`.contributions`).
+    outer_step: how the combined contributions move the center
+      (:mod:`.outer`).
+    reduction: how contributions combine across replicas.
+    axis_index_groups: optional groups for syncs without a ``group_size``;
+      each group keeps its own center.
+    comm_dtype: optional wire dtype of the contributions, floating or
+      quantized; the finite flag and counts always travel in float32.
+    num_fragments: how many fragments the params' leaves are split into.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state :class:`AGNState`.
+  """
+  _axes.check_transform(optimizer, name, "optimizer")
+  outer_step.check(name)
+  _axes.check_reduction(reduction, name, axis_name)
+  engine = _Engine(
+    name=name,
+    optimizer=optimizer,
+    local=optax.with_extra_args_support(optimizer),
+    axis_name=axis_name,
+    syncs=tuple(syncs),
+    contribution=contribution,
+    outer_step=outer_step,
+    reduction=reduction,
+    axis_index_groups=axis_index_groups,
+    comm_dtype=_axes.check_comm_dtype(comm_dtype, name, axis_name),
+    num_fragments=num_fragments,
+    whole_axis_count=schedules.counts_whole_axis(syncs),
+  )
+
+  def update_fn(grads, state, params=None, **extra_args):
+    step = _trace(engine, grads, state, params, extra_args)
+    count = _count(step)
+    before = _local_step_before(step)
+    carry = _start(step, before)
+    index = schedules.firing(jnp.reshape(count, ()), engine.syncs)
+    carry = _syncs(step, index, carry)
+    updates, local_state = _local_step_after(step, before, carry)
+    updates = _updates(step, index, carry, updates)
+    new_state = _new_state(step, count, carry, local_state)
+    return step.treedef.unflatten(updates), new_state
+
+  return optax.GradientTransformationExtraArgs(
+    functools.partial(_init, engine=engine), update_fn
+  )

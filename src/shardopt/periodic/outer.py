@@ -1,0 +1,126 @@
+"""Outer steps: how a sync moves the center with the combined contribution,
+and the updates that pull the params onto it.
+
+One small object per kind, each with ``check``, ``init`` and ``step``:
+
+- :class:`Optimizer`: an optax optimizer moves the center
+  (``center <- global_optimizer(center, a)``): ``agn``'s global optimizer,
+  DiLoCo's outer Nesterov SGD;
+- :func:`mean`: the optimizer ``optax.sgd(1.0)`` on pseudo-gradients,
+  ``center - mean_i(center - local_i) = mean_i(local_i)``: ``local_sgd``;
+- :class:`Replace`: the combined params are the new center, no optimizer
+  state: ``hierarchical_local_sgd``.
+
+With fragments (``num_fragments=F > 1``) the optimizer keeps one state per
+fragment, over the list of its leaves (:func:`fragment_view`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shardopt import _axes
+from shardopt.periodic import _xla
+
+
+def fragment_view(treedef, num_fragments: int):
+  """What the outer optimizer sees of a list of leaves: the whole tree, or
+  (with fragments) the fragment's list."""
+  return functools.partial(
+    _fragment_tree, treedef=treedef, num_fragments=num_fragments
+  )
+
+
+def _fragment_tree(leaves: list, treedef, num_fragments: int) -> Any:
+  return treedef.unflatten(leaves) if num_fragments == 1 else list(leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+  """The center moves by ``optimizer`` with the combined contribution."""
+
+  optimizer: optax.GradientTransformation
+
+  def check(self, transform: str) -> None:
+    _axes.check_transform(self.optimizer, transform, "global_optimizer")
+
+  def init(self, params: Any, fragments, view) -> Any:
+    """The optimizer's state: over ``params``, or one per fragment."""
+    if len(fragments) == 1:
+      return self.optimizer.init(params)
+    leaves = jax.tree.leaves(params)
+    return tuple(
+      self.optimizer.init(view([leaves[i] for i in f])) for f in fragments
+    )
+
+  def step(self, combined, mine, center, global_state, any_finite, view):
+    """The new center and state, if any replica of the group was finite;
+    otherwise they stay as they are."""
+    del mine
+
+    def step(operands):
+      center, state = operands
+      wire = [t.astype(c.dtype) for t, c in zip(combined, center)]
+      center_updates, state = self.optimizer.update(
+        view(wire), state, view(center)
+      )
+      center = optax.apply_updates(view(center), center_updates)
+      return jax.tree.leaves(center), state
+
+    return _xla.cond(any_finite, step, lambda o: o, (center, global_state))
+
+
+def mean() -> Optimizer:
+  """Periodic model averaging on pseudo-gradients: ``optax.sgd(1.0)`` gives
+  ``center - mean_i(center - local_i) = mean_i(local_i)``."""
+  return Optimizer(optax.sgd(1.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Replace:
+  """The combined params are the new center (or, if no replica of the group
+  was finite, this replica's own); no optimizer state."""
+
+  def check(self, transform: str) -> None:
+    del transform
+
+  def init(self, params: Any, fragments, view) -> Any:
+    del params, fragments, view
+    return ()
+
+  def step(self, combined, mine, center, global_state, any_finite, view):
+    del view
+    center = [
+      jnp.where(any_finite, t, m).astype(c.dtype)
+      for t, m, c in zip(combined, mine, center)
+    ]
+    return center, global_state
+
+
+def pull(target: list, params: list) -> list:
+  """Updates that move the synced leaves onto ``target``.
+
+  ``params + (target - params)`` lands on the target exactly when
+  ``target/2 <= params <= 2*target`` (Sterbenz), within one rounding otherwise.
+  """
+  return [t.astype(p.dtype) - p for t, p in zip(target, params)]
+
+
+def pull_after(synced: list, center: list, params: list, updates: list) -> list:
+  """Updates onto the center for the leaves a sync moved (``synced``, one
+  flag per leaf), the local optimizer's elsewhere.
+
+  Outside every cond, so that on a step without a sync XLA fuses the local
+  step, this select and the caller's ``apply_updates`` as it does for plain
+  optax (see :mod:`._xla`).
+  """
+  return [
+    jnp.where(f, c.astype(p.dtype) - p, u)
+    for f, c, p, u in zip(synced, center, params, updates)
+  ]

@@ -1,0 +1,99 @@
+"""The state of the periodic family: :class:`AGNState` (what the transforms
+keep between steps) and :class:`Carry` (what a sync may change within one).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from shardopt import _axes
+
+
+class AGNState(NamedTuple):
+  """State of :func:`agn`, :func:`local_sgd`, :func:`diloco` and
+  :func:`hierarchical_local_sgd`.
+
+  Every field is an array (or a pytree of arrays), so a checkpoint taken in
+  the middle of a communication period restores and continues bit-identically
+  (``jax.tree.map(np.asarray, state)`` round-trips).
+
+  Attributes:
+    count: int32 scalar, local steps taken (the same on every replica).
+    sync_count: int32 scalar, synchronisations done (TensorFlow's global step
+      of the center variables); one collective round each. With
+      ``num_fragments`` every fragment's sync counts once.
+    accumulator: the sum of this replica's gradients since the last sync,
+      float32 for low-precision gradients (``agn`` only; the others keep an
+      empty tuple here: their contribution is read from the params at the
+      sync step).
+    center: the shared params every replica is pulled onto at a sync,
+      bit-identical on every replica (within a group with
+      ``axis_index_groups``). For ``hierarchical_local_sgd``, which averages
+      the params directly, the last average of this replica's group (the
+      initial params before the first sync), bit-identical within the group.
+    local_state: this replica's state of the local ``optimizer``.
+    global_state: the global optimizer's state (for the center), the same on
+      every replica (within a group). With ``num_fragments=F > 1`` a tuple of
+      ``F`` states, fragment ``f``'s over the list of its leaves. An empty
+      tuple for ``hierarchical_local_sgd``.
+    skipped: int32 scalar, how many replica contributions were left out of a
+      combination because they were not finite, summed over all syncs and
+      over the whole axis (for ``hierarchical_local_sgd``: over this
+      replica's groups, so it can differ between groups; there it has shape
+      (1,), one row per replica like ``restart``).
+    restart: bool of shape (1,), this replica's own (one row per replica, like
+      the params: ``P(axis)`` in a shard_map's specs): its contribution was
+      left out of the last sync (not finite), so its local state, which may
+      hold the non-finite values, restarts from ``optimizer.init(params)``
+      (float leaves; step counts are kept) at the start of its next step.
+  """
+
+  count: chex.Array
+  sync_count: chex.Array
+  accumulator: Any
+  center: Any
+  local_state: Any
+  global_state: Any
+  skipped: chex.Array
+  restart: chex.Array
+
+
+class Carry(NamedTuple):
+  """What a sync may change, threaded through the syncs' conds of one step.
+
+  The per-leaf fields are lists in ``jax.tree.leaves`` order; a sync's cond
+  sees only its fragment's slice of them (:func:`._xla.cond_on_slice`).
+  """
+
+  updates: list  # this step's updates, only where they go through the conds
+  accumulator: list  # agn's accumulator (empty for the others)
+  center: list
+  global_state: Any
+  sync_count: jax.Array
+  skipped: jax.Array
+  left_out: jax.Array  # bool: this replica's contribution was left out
+
+  PER_LEAF = ("updates", "accumulator", "center")
+
+
+def initial_flags(leaves: list, axis_name: Any, whole_axis_count: bool):
+  """The initial ``skipped`` and ``restart``, typed as the syncs will make
+  them under a checking shard_map: varying over the axes the params vary
+  over (other than the engine's own axis, unless it counts skips within
+  groups; ``restart`` is always this replica's), so that a ``lax.scan`` can
+  carry the state."""
+  # Counted within groups, skips are this replica's own: shape (1,), like
+  # ``restart``, so that the state lays out as concatenated P(axis) blocks.
+  skipped = jnp.zeros([] if whole_axis_count else [1], jnp.int32)
+  restart = jnp.zeros([1], bool)
+  if _axes.vma_checked():
+    axes = frozenset().union(*(_axes.varying_axes(p) for p in leaves))
+    own = frozenset(_axes.axis_names(axis_name))
+    axes = axes - own if whole_axis_count else axes | own
+    skipped = _axes.cast_varying(skipped, axes)
+    restart = _axes.cast_varying(restart, own | axes)
+  return skipped, restart
