@@ -1,7 +1,10 @@
 """shardopt: optax gradient transformations for distributed training in JAX.
 
-TensorFlow 1's CrossShardOptimizer, TowerOptimizer and AGNOptimizer, rebuilt
-on ``jax.lax`` collectives for ``jax.pmap`` and ``jax.shard_map``.
+Fewer bytes and fewer rounds for data-parallel training: averaging,
+accumulation, PowerSGD, quantized wires, local SGD, DiLoCo and ZeRO-1-style
+sharded state, on ``jax.lax`` collectives inside ``jax.shard_map`` or
+``jax.pmap``. It began as a port of TensorFlow 1's CrossShardOptimizer,
+TowerOptimizer and AGNOptimizer.
 """
 
 from shardopt._axes import AxisNotBoundError
