@@ -337,6 +337,9 @@ def accumulation_dtype(dtype) -> np.dtype:
 
 
 def explicit_axes_present() -> bool:
+  """True when the current mesh has an ``AxisType.Explicit`` axis (a
+  partial-manual shard_map over an Explicit mesh), where types carry
+  shardings that both branches of a cond must agree on."""
   mesh = jax.sharding.get_abstract_mesh()
   return not mesh.empty and any(
     kind == jax.sharding.AxisType.Explicit for kind in mesh.axis_types
