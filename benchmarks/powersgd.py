@@ -63,23 +63,11 @@ def _transforms(ranks) -> dict:
   return methods
 
 
-def _pmap_setup(tx, sizes, per_replica: int):
-  """The pmap step of ``tx`` on an MLP of ``sizes`` and its arguments."""
-  n = jax.device_count()
-  identity = jax.pmap(lambda t: t)
-  params = identity(
-    _common.replicate(_common.mlp_init(jax.random.key(0), sizes), n)
-  )
-  x, y = _common.batch(jax.random.key(1), n, per_replica, sizes[0], sizes[-1])
-  state = jax.pmap(tx.init, axis_name=_common.AXIS)(params)
-  return _common.pmap_step(tx), (params, state) + identity((x, y))
-
-
 def measure_bytes(sizes, ranks) -> dict:
   """All-reduce bytes per step from the compiled HLO, per method."""
   out = {}
   for name, make_tx in _transforms(ranks).items():
-    step, args = _pmap_setup(make_tx(), sizes, per_replica=4)
+    step, args = _common.pmap_setup(make_tx(), sizes, per_replica=4)
     ops = hlo.compiled_collectives(
       step.lower(*args).compile().as_text(), num_devices=jax.device_count()
     )
@@ -113,7 +101,7 @@ def measure_time(sizes, ranks, repeats: int, inner: int) -> dict:
   """Interleaved step times of every method; ratios to sync."""
   candidates = {}
   for name, make_tx in _transforms(ranks).items():
-    step, args = _pmap_setup(make_tx(), sizes, per_replica=16)
+    step, args = _common.pmap_setup(make_tx(), sizes, per_replica=16)
     candidates[name] = lambda s=step, a=args: s(*a)
   result = _timing.compare(
     candidates, baseline=SYNC, repeats=repeats, inner=inner

@@ -36,16 +36,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import shardopt  # noqa: E402
 from benchmarks import _common  # noqa: E402
 from benchmarks import _timing  # noqa: E402
+from benchmarks import hlo  # noqa: E402
 
 MLP = (1024, 2048, 1536, 10)
 QUICK_MLP = (64, 128, 10)
@@ -59,46 +58,34 @@ WIRES = {
   "int4": (jnp.int4, False),
 }
 LINKS = {"100 Gb/s": 12.5e9, "10 Gb/s": 1.25e9, "1 Gb/s": 0.125e9}
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "ui8": 1, "i8": 1}
-# Per replica, the fraction of a collective's operand it sends.
-_SENDS = {"all_reduce": lambda n: 2 * (n - 1) / n}
-_SENDS["all_to_all"] = lambda n: (n - 1) / n
-_SENDS["all_gather"] = lambda n: n - 1
+# Per replica, the fraction of a collective's buffer (hlo.Collective's
+# buffer_bytes: an all-reduce's or all-to-all's operand, an all-gather's
+# result) that it sends.
+_SENDS = {
+  "all-reduce": lambda n: 2 * (n - 1) / n,
+  "all-to-all": lambda n: (n - 1) / n,
+  "all-gather": lambda n: (n - 1) / n,
+}
 
 
 def wire_bytes(stablehlo: str, n: int) -> dict:
   """Bytes one replica sends per step, by collective, from the StableHLO."""
   out = {}
-  for op, fraction in _SENDS.items():
-    pattern = (
-      r'"stablehlo\.' + op + r'"\(%[^)]*\) <\{.*?\}>'
-      r"(?: \(\{.*?\}\))? : \(([^)]*)\)"
-    )
-    total = 0.0
-    for operands in re.findall(pattern, stablehlo, flags=re.S):
-      for dims, dtype in re.findall(r"tensor<((?:\d+x)*)(\w+)>", operands):
-        size = int(np.prod([int(d) for d in dims.split("x") if d]))
-        total += size * _BYTES[dtype] * fraction(n)
-    if total:
-      out[op] = total
+  for op in hlo.lowered_collectives(stablehlo, num_devices=n):
+    sent = op.buffer_bytes * _SENDS[op.kind](n)
+    key = op.kind.replace("-", "_")
+    out[key] = out.get(key, 0.0) + sent
   return out
 
 
 def _setup(comm_dtype, error_feedback, sizes, per_replica):
-  n = jax.device_count()
   tx = shardopt.cross_shard(
     optax.adam(1e-3),
     _common.AXIS,
     comm_dtype=comm_dtype,
     error_feedback=error_feedback,
   )
-  identity = jax.pmap(lambda t: t)
-  params = identity(
-    _common.replicate(_common.mlp_init(jax.random.key(0), sizes), n)
-  )
-  x, y = _common.batch(jax.random.key(1), n, per_replica, sizes[0], sizes[-1])
-  state = jax.pmap(tx.init, axis_name=_common.AXIS)(params)
-  return _common.pmap_step(tx), (params, state) + identity((x, y))
+  return _common.pmap_setup(tx, sizes, per_replica)
 
 
 def run(quick: bool, repeats: int) -> dict:
