@@ -216,23 +216,30 @@ def wire_bytes_per_step(hlo_text: str, replicas: int, sync_period: int):
       computations[current] = []
     elif current is not None:
       computations[current].append(line)
+
+  def called(line: str) -> list:
+    """The computations an instruction line calls (branches included)."""
+    names = _CALLED.findall(line)
+    for group in _BRANCHES.findall(line):
+      names += [c.strip().lstrip("%") for c in group.split(",")]
+    return names
+
+  # Every computation reachable from a conditional's branches.
+  todo = [
+    name
+    for lines in computations.values()
+    for line in lines
+    if " conditional(" in line
+    for name in called(line)
+  ]
   in_branch = set()
-  todo = []
-  for lines in computations.values():
-    for line in lines:
-      if " conditional(" in line:
-        todo += _CALLED.findall(line)
-        for group in _BRANCHES.findall(line):
-          todo += [c.strip().lstrip("%") for c in group.split(",")]
   while todo:
     name = todo.pop()
     if name in in_branch or name not in computations:
       continue
     in_branch.add(name)
     for line in computations[name]:
-      todo += _CALLED.findall(line)
-      for group in _BRANCHES.findall(line):
-        todo += [c.strip().lstrip("%") for c in group.split(",")]
+      todo += called(line)
   share = (replicas - 1) / replicas
   total = 0.0
   for name, lines in computations.items():
