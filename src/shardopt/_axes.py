@@ -160,6 +160,14 @@ def explicit_spec(x: Any):
   return spec
 
 
+def is_integer(value: Any) -> bool:
+  """True for a Python or NumPy integer that is not a bool (the one test
+  behind every integer argument: periods, counts, replica indices)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(
+    value, (bool, np.bool_)
+  )
+
+
 def as_axis(names: tuple) -> AxisName:
   """Inverse of :func:`axis_names` for collectives: 1-tuples become a name."""
   return names[0] if len(names) == 1 else names
@@ -203,9 +211,7 @@ def validate_groups(
       )
     members = []
     for i in group:
-      if isinstance(i, (bool, np.bool_)) or not isinstance(
-        i, (int, np.integer)
-      ):
+      if not is_integer(i):
         raise ValueError(
           f"{where}: group {list(group)!r} holds {i!r}, which is"
           " not an integer replica index."

@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from shardopt import _axes
@@ -161,11 +160,7 @@ def apply_if_finite(
     <https://arxiv.org/abs/1710.03740>`_, 2018 (skipping steps whose scaled
     gradients overflow).
   """
-  if (
-    isinstance(max_consecutive_errors, (bool, np.bool_))
-    or not isinstance(max_consecutive_errors, (int, np.integer))
-    or max_consecutive_errors < 0
-  ):
+  if not _axes.is_integer(max_consecutive_errors) or max_consecutive_errors < 0:
     raise ValueError(
       f"{_APPLY_IF_FINITE}: max_consecutive_errors={max_consecutive_errors!r}"
       " must be a non-negative integer, the number of consecutive"

@@ -20,11 +20,7 @@ from shardopt.periodic import schedules
 
 
 def check_period(value: Any, arg: str, transform: str) -> int:
-  if (
-    isinstance(value, (bool, np.bool_))
-    or not isinstance(value, (int, np.integer))
-    or int(value) < 1
-  ):
+  if not _axes.is_integer(value) or int(value) < 1:
     raise ValueError(
       f"{transform}: {arg}={value!r} must be an integer >= 1 (the number of"
       f" local steps between two synchronisations); e.g. {arg}=10."
@@ -44,11 +40,7 @@ def check_axis_name(axis_name: Any, transform: str) -> None:
 
 
 def check_num_fragments(value: Any, sync_period: int, transform: str) -> int:
-  if (
-    isinstance(value, (bool, np.bool_))
-    or not isinstance(value, (int, np.integer))
-    or not 1 <= int(value) <= sync_period
-  ):
+  if not _axes.is_integer(value) or not 1 <= int(value) <= sync_period:
     raise ValueError(
       f"{transform}: num_fragments={value!r} must be an integer with 1 <="
       f" num_fragments <= sync_period={sync_period} (each fragment"
@@ -70,11 +62,7 @@ def check_period_group_sizes(value: Any, transform: str) -> dict:
     )
   for period, size in value.items():
     for what, v in (("period", period), ("group size", size)):
-      if (
-        isinstance(v, (bool, np.bool_))
-        or not isinstance(v, (int, np.integer))
-        or int(v) < 1
-      ):
+      if not _axes.is_integer(v) or int(v) < 1:
         raise ValueError(
           f"{transform}: period_group_sizes={value!r} has {what} {v!r};"
           f" periods and group sizes must be integers >= 1;{example}."
