@@ -61,15 +61,13 @@ _CLIP = "shardopt.clip_by_global_norm"
 def _model_degree(x: Any, dim: int) -> int:
   """How many ways dimension ``dim`` of ``x`` is split over Explicit mesh
   axes (1 when its type says nothing, as under Auto axes or pmap)."""
-  try:
-    sharding = jax.typeof(x).sharding
-    entry = sharding.spec[dim] if dim < len(sharding.spec) else None
-  except (AttributeError, TypeError, IndexError):
-    return 1
+  spec = _axes.explicit_spec(x)
+  entry = spec[dim] if spec is not None and dim < len(spec) else None
   if entry is None:
     return 1
+  mesh = jax.sharding.get_abstract_mesh()
   names = entry if isinstance(entry, tuple) else (entry,)
-  return int(np.prod([sharding.mesh.shape[name] for name in names]))
+  return int(np.prod([mesh.shape[name] for name in names]))
 
 
 def _owned_dim(x: Any, num_owners: int) -> int | None:
@@ -120,10 +118,7 @@ def _owned_sum(
     # then the owned chunk, with no collective over the model axes (see
     # _axes.other_axes_present); twice a reduce-scatter's bytes.
     total = jax.lax.psum(y, _axes.as_axis(varying))
-    view, dim = _owners_view(total, num_owners)
-    return jax.lax.dynamic_index_in_dim(
-      view, _axes.axis_index(_axes.as_axis(names)), axis=dim, keepdims=False
-    )
+    return _owned_slice(total, _axes.as_axis(names), num_owners)
   view, dim = _owners_view(y, num_owners)
   shape = view.shape
   if len(varying) == len(names):
