@@ -72,7 +72,7 @@ def stacked_sharding(mesh, manual: tuple, spec: P) -> NamedSharding:
   """The sharding of per-replica leaves laid out as concatenated P(manual)
   blocks along dim 0, keeping ``spec``'s model axes where the mesh has them
   (dim 0 is then split over the manual axes first, the model axis within)."""
-  spec = _only_model(spec, mesh)
+  spec = only_mesh_axes(spec, mesh)
   first = tuple(manual) + ((spec[0],) if len(spec) and spec[0] else ())
   return NamedSharding(mesh, P(first, *spec[1:]))
 
@@ -104,7 +104,7 @@ def train(make_tx, mesh, manual: tuple, *, params_axes=None, explicit=False):
       k: jax.ShapeDtypeStruct(
         v.shape,
         v.dtype,
-        sharding=NamedSharding(mesh, _only_model(MODEL_SPECS[k], mesh)),
+        sharding=NamedSharding(mesh, only_mesh_axes(MODEL_SPECS[k], mesh)),
       )
       for k, v in p0.items()
     }
@@ -138,7 +138,7 @@ def train(make_tx, mesh, manual: tuple, *, params_axes=None, explicit=False):
     state = init(
       {
         k: jax.device_put(
-          v, NamedSharding(mesh, _only_model(MODEL_SPECS[k], mesh))
+          v, NamedSharding(mesh, only_mesh_axes(MODEL_SPECS[k], mesh))
         )
         for k, v in p0.items()
       }
@@ -162,7 +162,8 @@ def train(make_tx, mesh, manual: tuple, *, params_axes=None, explicit=False):
   return history, hlo, state
 
 
-def _only_model(spec: P, mesh) -> P:
+def only_mesh_axes(spec: P, mesh) -> P:
+  """``spec`` without the axes ``mesh`` lacks (the data-only reference)."""
   axes = set(mesh.axis_names)
   return P(*(e if e in axes else None for e in spec))
 

@@ -20,6 +20,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from _model_parallel import only_mesh_axes
+from _model_parallel import stacked_sharding
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
@@ -101,15 +103,13 @@ def _tx():
 def _sharded(mesh, tree, stack: bool):
   """Places ``tree`` on ``mesh``: model axis per _model_spec (if the mesh has
   one), and with ``stack`` the islands' copies concatenated along dim 0."""
-  has_model = "model" in mesh.axis_names
 
   def place(path, x):
-    spec = _model_spec(path) if has_model else P()
+    spec = _model_spec(path)
     if stack:
-      first = ("island",) + ((spec[0],) if len(spec) and spec[0] else ())
-      spec = P(first, *spec[1:])
       x = np.concatenate([x] * mesh.shape["island"])
-    return jax.device_put(x, NamedSharding(mesh, spec))
+      return jax.device_put(x, stacked_sharding(mesh, ("island",), spec))
+    return jax.device_put(x, NamedSharding(mesh, only_mesh_axes(spec, mesh)))
 
   return jax.tree_util.tree_map_with_path(place, tree)
 
