@@ -1,0 +1,481 @@
+"""Streaming DiLoCo's overlap (overlap_steps, overlap_alpha) and layer
+fragments (layer_axes) against a numpy reference written from the spec.
+
+The reference works on the params flattened to one vector per replica
+(leaves in jax.tree.leaves order, each in C order) and an integer fragment id
+per element, so whole-leaf and layer (strided) fragments are the same code:
+
+* step t = 1, 2, ...: every replica takes its local SGD step;
+* fragment f syncs when t % H == (f H) // F: outer gradient
+  center_f - mean_i params_i,f, one Nesterov SGD step of its own momentum;
+* fragment f merges tau steps after its sync (t - tau >= 1 and
+  (t - tau) % H == (f H) // F): params_i,f <- alpha params_i,f
+  + (1 - alpha) center_f.
+
+With tau >= 1 the sync of step t may run inside the call of step t + 1 (its
+all-reduce reads only the params passed in), so ``state.center`` after call t
+is compared with the reference center after step t - 1 then; the params must
+match after every step.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardopt
+from benchmarks import hlo
+
+R = 8  # replicas
+H = 4  # sync period
+LR = 0.1  # inner SGD
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+RTOL, ATOL = 1e-5, 1e-6
+
+# Four equal leaves: whole-leaf fragments over F in {2, 4} are leaf j ->
+# fragment j * F // 4.
+LEAVES = {"a": (3,), "b": (3,), "c": (3,), "d": (3,)}
+LAYERED = {"blocks": (4, 3, 2), "embed": (5,), "head": (2, 2)}
+LAYERED_AXES = {"blocks": 0, "embed": None, "head": None}
+
+
+# --------------------------------------------------------------------------
+# Data, the loss, and the runs under pmap and shard_map.
+
+
+def _params0(shapes, seed=0):
+  rng = np.random.default_rng(seed)
+  return {
+    k: rng.normal(size=s).astype(np.float32) for k, s in sorted(shapes.items())
+  }
+
+
+def _targets(shapes, steps, seed=1):
+  """Per step and replica a target per leaf, (steps, R, *shape): the replicas'
+  gradients differ, so their params diverge between syncs."""
+  rng = np.random.default_rng(seed)
+  return {
+    k: rng.normal(size=(steps, R) + s).astype(np.float32)
+    for k, s in sorted(shapes.items())
+  }
+
+
+def _loss(params, targets):
+  return sum(
+    0.5 * jnp.sum((p - y) ** 2)
+    for p, y in zip(jax.tree.leaves(params), jax.tree.leaves(targets))
+  )
+
+
+def _diloco(num_fragments, **kwargs):
+  return shardopt.diloco(
+    optax.sgd(LR),
+    "batch",
+    sync_period=H,
+    outer_learning_rate=OUTER_LR,
+    outer_momentum=OUTER_MOMENTUM,
+    nesterov=True,
+    num_fragments=num_fragments,
+    **kwargs,
+  )
+
+
+def _scan_body(tx):
+  def body(carry, targets):
+    params, state = carry
+    grads = jax.grad(_loss)(params, targets)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, state), (params, state)
+
+  return body
+
+
+def _stack(params):
+  return jax.tree.map(lambda p: np.broadcast_to(p, (R,) + p.shape), params)
+
+
+def _pmap_history(tx, params0, targets):
+  """All steps in one pmap(scan): (params, state) after every step, leaves
+  (steps, R, ...)."""
+
+  def run(params, targets):
+    _, history = jax.lax.scan(
+      _scan_body(tx), (params, tx.init(params)), targets
+    )
+    return history
+
+  history = jax.pmap(run, axis_name="batch")(
+    _stack(params0), jax.tree.map(lambda v: v.swapaxes(0, 1), targets)
+  )
+  return jax.tree.map(lambda v: np.swapaxes(np.asarray(v), 0, 1), history)
+
+
+def _shard_map_history(tx, mesh, params0, targets):
+  """All steps in one checking shard_map(scan) over the 8 devices; params are
+  concatenated per-replica blocks P("batch"), counters P()."""
+  example = tx.init(jax.tree.map(lambda p: jnp.zeros((1,) + p.shape), params0))
+  state_specs = jax.tree.map(
+    lambda v: P(None) if jnp.ndim(v) == 0 else P(None, "batch"), example
+  )
+
+  def run(params, targets):  # params (1, ...), targets (steps, 1, ...)
+    _, history = jax.lax.scan(
+      _scan_body(tx), (params, tx.init(params)), targets
+    )
+    return history
+
+  per_step = P(None, "batch")
+  run = jax.jit(
+    jax.shard_map(
+      run,
+      mesh=mesh,
+      in_specs=(P("batch"), per_step),
+      out_specs=(per_step, state_specs),
+    )
+  )
+  history = run(
+    jax.device_put(_stack(params0), NamedSharding(mesh, P("batch"))),
+    jax.device_put(targets, NamedSharding(mesh, per_step)),
+  )
+  return jax.tree.map(np.asarray, history)
+
+
+# --------------------------------------------------------------------------
+# Fragment membership of every element, and the numpy reference.
+
+
+def _np_fragments(nbytes, num_fragments):
+  """Leaf ranges of each whole-leaf fragment: contiguous, cut where the
+  cumulative bytes come closest to multiples of total/F (the rule of
+  tests/test_properties_new.py; the examples here have no ties)."""
+  cumulative = np.cumsum(nbytes)
+  total, cuts = cumulative[-1], [0]
+  for j in range(1, num_fragments):
+    distance = np.abs(cumulative[:-1] - j * total / num_fragments)
+    best = np.flatnonzero(distance == distance.min())
+    assert len(best) == 1 and best[0] + 1 > cuts[-1], (nbytes, num_fragments)
+    cuts.append(int(best[0]) + 1)
+  cuts.append(len(nbytes))
+  return [range(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _fragment_ids(shapes, num_fragments, layer_axes=None):
+  """Per leaf (tree order) an int array of its shape: each element's fragment.
+
+  layer_axes None: whole leaves, balanced by bytes. Otherwise a dict leaf
+  name -> stacked axis or None: layer l of a stacked leaf is in fragment
+  l % F; the other leaves are split as whole leaves when there are at least
+  F of them, else the j-th of them is fragment j.
+  """
+  names = sorted(shapes)
+  ids = {}
+  if layer_axes is None:
+    plain = names
+  else:
+    plain = [k for k in names if layer_axes[k] is None]
+    for k in names:
+      axis = layer_axes[k]
+      if axis is None:
+        continue
+      layers = shapes[k][axis]
+      assert layers % num_fragments == 0
+      along = np.arange(layers) % num_fragments
+      view = [1] * len(shapes[k])
+      view[axis] = layers
+      ids[k] = np.broadcast_to(along.reshape(view), shapes[k])
+  if len(plain) >= num_fragments:
+    groups = _np_fragments(
+      [4 * int(np.prod(shapes[k])) for k in plain], num_fragments
+    )
+    for f, group in enumerate(groups):
+      for j in group:
+        ids[plain[j]] = np.full(shapes[plain[j]], f)
+  else:
+    for j, k in enumerate(plain):
+      ids[plain[j]] = np.full(shapes[k], j)
+  return [ids[k] for k in names]
+
+
+def _flat(tree, lead):
+  """Leaves (*lead, ...) -> (*lead, N) float64, leaves in tree order."""
+  return np.concatenate(
+    [
+      np.asarray(v, np.float64).reshape(lead + (-1,))
+      for v in jax.tree.leaves(tree)
+    ],
+    axis=-1,
+  )
+
+
+def _np_streaming(params0, targets, ids, num_fragments, tau, alpha):
+  """The spec in numpy, float64, on flat vectors.
+
+  Returns params after every step (steps, R, N) and the center after every
+  step, step 0 included (steps + 1, N).
+  """
+  steps = len(jax.tree.leaves(targets)[0])
+  ids = np.concatenate([i.reshape(-1) for i in ids])
+  y = _flat(targets, (steps, R))
+  center = _flat(params0, ())
+  params = np.tile(center, (R, 1))
+  momentum = np.zeros_like(center)  # disjoint per fragment: F states in one
+  phases = [(f * H) // num_fragments for f in range(num_fragments)]
+  params_out, centers = [], [center.copy()]
+  for t in range(1, steps + 1):
+    params = params - LR * (params - y[t - 1])
+    for f, phase in enumerate(phases):
+      if t % H == phase:
+        m = ids == f
+        delta = center[m] - params[:, m].mean(axis=0)
+        momentum[m] = OUTER_MOMENTUM * momentum[m] + delta
+        center[m] = center[m] - OUTER_LR * (
+          delta + OUTER_MOMENTUM * momentum[m]
+        )
+    for f, phase in enumerate(phases):
+      if t - tau >= 1 and (t - tau) % H == phase:
+        m = ids == f
+        params[:, m] = alpha * params[:, m] + (1 - alpha) * center[m]
+    params_out.append(params.copy())
+    centers.append(center.copy())
+  return np.stack(params_out), np.stack(centers)
+
+
+def _check(history, reference, tau, where):
+  (params, state), (ref_params, ref_centers) = history, reference
+  steps = len(ref_params)
+  got_params = _flat(params, (steps, R))
+  got_centers = _flat(state.center, (steps, R))
+  for t in range(1, steps + 1):
+    np.testing.assert_allclose(
+      got_params[t - 1],
+      ref_params[t - 1],
+      rtol=RTOL,
+      atol=ATOL,
+      err_msg=f"params after step {t} ({where})",
+    )
+    rows = got_centers[t - 1]
+    for i in range(1, R):
+      np.testing.assert_array_equal(
+        rows[i], rows[0], err_msg=f"center of replica {i} at step {t}"
+      )
+    lagged = t if tau == 0 else t - 1
+    np.testing.assert_allclose(
+      got_centers[t - 1, 0],
+      ref_centers[lagged],
+      rtol=RTOL,
+      atol=ATOL,
+      err_msg=f"center after call {t} vs reference step {lagged} ({where})",
+    )
+
+
+# --------------------------------------------------------------------------
+# The reference against today's streaming DiLoCo (tau = 0, alpha = 0).
+
+
+@pytest.mark.parametrize("num_fragments", [1, 2, 4])
+def test_reference_with_tau_0_alpha_0_is_todays_streaming_diloco(
+  num_fragments,
+):
+  steps = 10
+  params0, targets = _params0(LEAVES), _targets(LEAVES, steps)
+  history = _pmap_history(_diloco(num_fragments), params0, targets)
+  ids = _fragment_ids(LEAVES, num_fragments)
+  reference = _np_streaming(params0, targets, ids, num_fragments, 0, 0.0)
+  _check(history, reference, 0, f"F={num_fragments}, no overlap")
+
+
+# --------------------------------------------------------------------------
+# Overlap over whole-leaf fragments.
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+@pytest.mark.parametrize("tau", [0, 1, 3])
+@pytest.mark.parametrize("num_fragments", [2, 4])
+def test_overlap_matches_numpy_reference(num_fragments, tau, alpha):
+  steps = 11
+  params0, targets = _params0(LEAVES), _targets(LEAVES, steps, seed=tau + 2)
+  tx = _diloco(num_fragments, overlap_steps=tau, overlap_alpha=alpha)
+  history = _pmap_history(tx, params0, targets)
+  ids = _fragment_ids(LEAVES, num_fragments)
+  assert [int(i.flat[0]) for i in ids] == [
+    j * num_fragments // 4 for j in range(4)
+  ]
+  reference = _np_streaming(params0, targets, ids, num_fragments, tau, alpha)
+  _check(history, reference, tau, f"F={num_fragments}, tau={tau}, a={alpha}")
+  assert len(history[1].global_state) == num_fragments
+
+
+def test_overlap_matches_numpy_reference_under_shard_map(mesh):
+  num_fragments, tau, alpha, steps = 2, 1, 0.5, 10
+  params0, targets = _params0(LEAVES), _targets(LEAVES, steps, seed=5)
+  tx = _diloco(num_fragments, overlap_steps=tau, overlap_alpha=alpha)
+  history = _shard_map_history(tx, mesh, params0, targets)
+  ids = _fragment_ids(LEAVES, num_fragments)
+  reference = _np_streaming(params0, targets, ids, num_fragments, tau, alpha)
+  _check(history, reference, tau, "shard_map, F=2, tau=1, a=0.5")
+
+
+def test_tau_0_alpha_0_is_streaming_diloco_bit_for_bit():
+  steps = 10
+  params0, targets = _params0(LEAVES), _targets(LEAVES, steps, seed=6)
+  explicit = _pmap_history(
+    _diloco(2, overlap_steps=0, overlap_alpha=0.0), params0, targets
+  )
+  default = _pmap_history(_diloco(2), params0, targets)
+  for t in range(steps):
+    chex.assert_trees_all_equal(
+      jax.tree.map(lambda v, t=t: v[t], explicit),
+      jax.tree.map(lambda v, t=t: v[t], default),
+    )
+
+
+# --------------------------------------------------------------------------
+# Layer fragments.
+
+
+@pytest.mark.parametrize(
+  "tau, alpha", [(0, 0.0), (2, 0.5)], ids=["tau0", "tau2"]
+)
+@pytest.mark.parametrize("num_fragments", [2, 4])
+def test_layer_fragments_match_numpy_reference(num_fragments, tau, alpha):
+  steps = 10
+  params0, targets = _params0(LAYERED), _targets(LAYERED, steps, seed=7)
+  tx = _diloco(
+    num_fragments,
+    overlap_steps=tau,
+    overlap_alpha=alpha,
+    layer_axes=LAYERED_AXES,
+  )
+  history = _pmap_history(tx, params0, targets)
+  ids = _fragment_ids(LAYERED, num_fragments, LAYERED_AXES)
+  reference = _np_streaming(params0, targets, ids, num_fragments, tau, alpha)
+  _check(history, reference, tau, f"layers, F={num_fragments}, tau={tau}")
+
+
+def test_layer_fragments_along_axis_1_match_numpy_reference():
+  """A leaf stacked along axis 1, and three plain leaves (at least F: split
+  as whole leaves by bytes, a and b -> fragment 0, c -> fragment 1)."""
+  shapes = {"w": (2, 4, 3), "a": (3,), "b": (3,), "c": (6,)}
+  layer_axes = {"w": 1, "a": None, "b": None, "c": None}
+  num_fragments, tau, alpha, steps = 2, 1, 0.5, 10
+  params0, targets = _params0(shapes), _targets(shapes, steps, seed=8)
+  tx = _diloco(
+    num_fragments,
+    overlap_steps=tau,
+    overlap_alpha=alpha,
+    layer_axes=layer_axes,
+  )
+  history = _pmap_history(tx, params0, targets)
+  ids = _fragment_ids(shapes, num_fragments, layer_axes)
+  assert [int(i.flat[0]) for i in ids[:3]] == [0, 0, 1]
+  np.testing.assert_array_equal(ids[3][0, :, 0], [0, 1, 0, 1])
+  reference = _np_streaming(params0, targets, ids, num_fragments, tau, alpha)
+  _check(history, reference, tau, "layers along axis 1, F=2, tau=1")
+
+
+def test_each_layer_fragment_keeps_its_own_outer_state():
+  num_fragments = 2
+  tx = _diloco(num_fragments, overlap_steps=1, layer_axes=LAYERED_AXES)
+  state = tx.init(_params0(LAYERED))
+  assert len(state.global_state) == num_fragments
+  ids = np.concatenate(
+    [i.reshape(-1) for i in _fragment_ids(LAYERED, 2, LAYERED_AXES)]
+  )
+  layers = LAYERED["blocks"][0]
+  piece = (layers // num_fragments,) + LAYERED["blocks"][1:]
+  for f, outer in enumerate(state.global_state):
+    arrays = [
+      v
+      for v in jax.tree.leaves(outer)
+      if jnp.ndim(v) > 0 and jnp.issubdtype(jnp.result_type(v), jnp.floating)
+    ]
+    shapes = [tuple(v.shape) for v in arrays]
+    print(f"fragment {f}: outer state shapes {shapes}")
+    # One momentum buffer over the fragment's elements only: 17 and 16.
+    assert sum(int(np.prod(s)) for s in shapes) == int(np.sum(ids == f))
+    assert piece in shapes and LAYERED["blocks"] not in shapes
+
+
+# --------------------------------------------------------------------------
+# Argument checks.
+
+
+@pytest.mark.parametrize(
+  "name, bad",
+  [
+    ("overlap_steps", -1),
+    ("overlap_steps", H),
+    ("overlap_steps", 1.5),
+    ("overlap_alpha", -0.1),
+    ("overlap_alpha", 1.0),
+  ],
+)
+def test_overlap_arguments_are_checked(name, bad):
+  with pytest.raises(ValueError, match=r"shardopt\.diloco") as info:
+    tx = _diloco(2, **{name: bad})
+    params = _stack(_params0(LEAVES))
+    state = jax.pmap(tx.init, axis_name="batch")(params)
+    jax.pmap(lambda p, s: tx.update(p, s, p), axis_name="batch")(params, state)
+  message = str(info.value)
+  assert name in message and str(bad) in message, message
+
+
+def test_layer_axes_need_layers_divisible_by_the_fragments():
+  shapes = {"blocks": (3, 2), "head": (2,)}
+  with pytest.raises(ValueError, match=r"shardopt\.diloco") as info:
+    tx = _diloco(2, layer_axes={"blocks": 0, "head": None})
+    params = _stack(_params0(shapes))
+    state = jax.pmap(tx.init, axis_name="batch")(params)
+    jax.pmap(lambda p, s: tx.update(p, s, p), axis_name="batch")(params, state)
+  assert "layer_axes" in str(info.value), info.value
+
+
+# --------------------------------------------------------------------------
+# Bytes per sync from the compiled HLO.
+
+
+def _largest_sync_branch_bytes(tx, shapes):
+  """All-reduce-equivalent bytes of the largest branch of an outermost
+  conditional of one compiled step (the syncs run in those branches)."""
+  params = {k: jnp.zeros((R,) + s) for k, s in sorted(shapes.items())}
+  step = jax.pmap(lambda p, s: tx.update(p, s, p), axis_name="batch")
+  text = step.lower(params, jax.pmap(tx.init)(params)).compile().as_text()
+  top = [op for op in hlo.compiled_collectives(text) if op.context == "top"]
+  assert not top, top
+  per_branch = [
+    sum(hlo.allreduce_equivalent_bytes(op) for op in branch)
+    for cond in hlo.branch_collectives(text, outermost=True)
+    for branch in cond
+  ]
+  return max(per_branch), per_branch
+
+
+@pytest.mark.parametrize("tau", [0, 1])
+def test_layer_fragments_peak_bytes_per_sync(tau):
+  shapes = {"blocks": (8, 64, 64), "bias": (4,)}
+  total = 4 * sum(int(np.prod(s)) for s in shapes.values())
+  blocks = 4 * int(np.prod(shapes["blocks"]))
+  allowance = 4 * 4 + 4 + 16  # the tiny leaf, the finite flag, slack
+  one = shardopt.diloco(optax.sgd(LR), "batch", sync_period=8)
+  whole, whole_branches = _largest_sync_branch_bytes(one, shapes)
+  layered = shardopt.diloco(
+    optax.sgd(LR),
+    "batch",
+    sync_period=8,
+    num_fragments=4,
+    overlap_steps=tau,
+    layer_axes={"blocks": 0, "bias": None},
+  )
+  peak, branches = _largest_sync_branch_bytes(layered, shapes)
+  print(
+    f"tau={tau}: bytes per sync branch, F=1 {whole_branches},"
+    f" F=4 layers {branches}, of {total} param bytes"
+  )
+  assert whole >= blocks
+  assert peak <= total / 4 + allowance
