@@ -123,7 +123,7 @@ def _rounds(schedule: schedules.Schedule, steps: int, n: int) -> tuple:
 def _split(params) -> dict:
   """How streaming DiLoCo splits these params into fragments (by bytes)."""
   try:  # the engine's own split (private: may move; the section then says so)
-    from shardopt.periodic.schedules import split_fragments
+    from shardopt.periodic.fragments import split_fragments
   except ImportError:
     return {}
   paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(params)[0])

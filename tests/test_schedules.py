@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import shardopt
 from benchmarks import _common
 from benchmarks import hlo
-from shardopt.periodic import schedules as _schedules
+from shardopt.periodic import fragments as _fragments
 
 R = 8  # replicas
 B = 4  # examples per replica per step
@@ -328,7 +328,7 @@ def test_hierarchical_group_size_must_divide_the_axis_size():
 
 
 def test_fragments_are_contiguous_and_balanced_by_bytes():
-  split = _schedules.split_fragments
+  split = _fragments.split_fragments
   assert split([4, 16, 8], 2) == ((0, 1), (2,))
   assert split([4, 16, 8], 3) == ((0,), (1,), (2,))
   assert split([10] * 8, 4) == ((0, 1), (2, 3), (4, 5), (6, 7))
@@ -407,7 +407,7 @@ def test_each_fragment_sync_all_reduces_only_its_fragment():
     assert all(c[0] == [] for c in conds)
     branches = [c[1] for c in conds]
     per_branch = [sum(op.buffer_bytes for op in b) for b in branches]
-    fragments = _schedules.split_fragments(
+    fragments = _fragments.split_fragments(
       [4 * np.prod(s) for s in sizes.values()], num_fragments
     )
     expected = [
@@ -807,6 +807,25 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
     "agn(adam)": (shardopt.agn(plain, "batch", communication_period=big), 3),
     "streaming diloco(adam)": (
       shardopt.diloco(plain, "batch", sync_period=big, num_fragments=4),
+      2,
+    ),
+    # Every leaf's last axis as its "layers": each fragment is a strided
+    # piece of every leaf, read and written in place inside its cond.
+    "streaming diloco(adam) over layers": (
+      shardopt.diloco(
+        plain, "batch", sync_period=big, num_fragments=4, layer_axes=-1
+      ),
+      2,
+    ),
+    "streaming diloco(adam) with overlap": (
+      shardopt.diloco(
+        plain,
+        "batch",
+        sync_period=big,
+        num_fragments=4,
+        overlap_steps=1,
+        overlap_alpha=0.5,
+      ),
       2,
     ),
     "hierarchical_local_sgd(adam)": (

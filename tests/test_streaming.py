@@ -479,3 +479,41 @@ def test_layer_fragments_peak_bytes_per_sync(tau):
   )
   assert whole >= blocks
   assert peak <= total / 4 + allowance
+
+
+# --------------------------------------------------------------------------
+# Overlap: with tau >= 1 the sync's all-reduce does not read the gradient.
+
+
+def _conds_reading_grads(tx, params) -> list[tuple[bool, bool]]:
+  """For each top-level cond of ``tx.update``'s jaxpr: whether it holds a
+  collective, and whether any of its operands depends on the grads."""
+  jaxpr = jax.make_jaxpr(
+    lambda g, s, p: tx.update(g, s, p), axis_env=[("batch", R)]
+  )(params, tx.init(params), params).jaxpr
+  num_grads = len(jax.tree.leaves(params))
+  tainted = set(jaxpr.invars[:num_grads])
+  found = []
+  for eqn in jaxpr.eqns:
+    reads = any(v in tainted for v in eqn.invars if not hasattr(v, "val"))
+    if eqn.primitive.name == "cond":
+      text = str(eqn.params["branches"][1])
+      found.append(("psum" in text or "all_to_all" in text, reads))
+    if reads:
+      tainted.update(eqn.outvars)
+  return found
+
+
+@pytest.mark.parametrize("tau", [0, 1, 2])
+def test_an_overlapped_sync_does_not_depend_on_the_steps_gradient(tau):
+  """With tau >= 1 the sync of step t runs in the update of step t + 1 from
+  the params it is given: no operand of a sync's cond depends on the
+  gradient (data flow read from the jaxpr), so the all-reduce could run
+  alongside the forward and backward pass. With tau = 0 the sync reads the
+  params after this step's update, so it does depend on it (the control)."""
+  params = {f"w{i}": jnp.zeros((3,)) for i in range(2)}
+  tx = _diloco(2, overlap_steps=tau)
+  conds = _conds_reading_grads(tx, params)
+  syncs = [reads for holds_collective, reads in conds if holds_collective]
+  assert len(syncs) == 2, conds
+  assert all(syncs) if tau == 0 else not any(syncs), (tau, conds)

@@ -38,9 +38,10 @@ server does when it applies every worker's commit in one round).
 
 The package shows the engine's parts, one module each: ``transforms`` (the
 public functions), ``state`` (``AGNState``), ``schedules`` (which
-leaves, which group, which step), ``contributions`` (gradient sums,
+fragment, which group, which step), ``fragments`` (whole leaves or strided
+layers of stacked leaves), ``contributions`` (gradient sums,
 pseudo-gradients, params), ``combine`` (the collective round), ``outer``
-(the outer steps: optimizer, mean, replace), ``engine`` (``update`` as its
+(the outer steps: optimizer, mean, replace; the overlap's merge), ``engine`` (``update`` as its
 numbered steps), ``checks`` (argument checks) and ``_xla`` (the XLA cost
 tricks). A new schedule touches ``schedules``; a new outer step ``outer``
 (and the transform that uses it).

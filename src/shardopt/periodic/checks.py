@@ -108,6 +108,33 @@ def check_outer_args(
     )
 
 
+def check_overlap(
+  overlap_steps: Any, overlap_alpha: Any, sync_period: int, transform: str
+) -> tuple[int, float]:
+  """Checks Streaming DiLoCo's ``overlap_steps`` and ``overlap_alpha``."""
+  if not _axes.is_integer(overlap_steps) or not (
+    0 <= int(overlap_steps) < sync_period
+  ):
+    raise ValueError(
+      f"{transform}: overlap_steps={overlap_steps!r} must be an integer with"
+      f" 0 <= overlap_steps < sync_period={sync_period} (a fragment merges"
+      " its center that many steps after its sync, before its next sync);"
+      " the paper overlaps 1 to 5 steps, 0 merges at the sync."
+    )
+  if (
+    isinstance(overlap_alpha, (bool, np.bool_))
+    or not isinstance(overlap_alpha, (int, float, np.number))
+    or not 0 <= overlap_alpha < 1
+  ):
+    raise ValueError(
+      f"{transform}: overlap_alpha={overlap_alpha!r} must be a number in"
+      " [0, 1): after the merge a fragment is overlap_alpha * local params +"
+      " (1 - overlap_alpha) * center; 0 (the default) takes the center, the"
+      " paper uses 0.5."
+    )
+  return int(overlap_steps), float(overlap_alpha)
+
+
 # --------------------------------------------------------------------------
 # What update is given.
 

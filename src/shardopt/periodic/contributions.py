@@ -56,15 +56,23 @@ class Contribution:
     self, accumulator: list, center: list, params: list, updates: list
   ) -> list:
     """This replica's contribution for a sync's leaves, from their
-    accumulator, center, params and this step's local ``updates``."""
+    accumulator, center, params and this step's local ``updates`` (None:
+    the sync runs a step late and reads the params as given)."""
     raise NotImplementedError
 
 
-def _local_params(p: jax.Array, u: jax.Array) -> jax.Array:
-  """This replica's params after the local update, in the accumulation
-  dtype (float32 for low-precision params)."""
+def _local_params(p: jax.Array, u: jax.Array | None) -> jax.Array:
+  """This replica's params after the local update (``u`` None: the params
+  as given, for a sync run a step late), in the accumulation dtype (float32
+  for low-precision params)."""
   wide = _axes.accumulation_dtype(p.dtype)
-  return optax.apply_updates(p, u).astype(wide)
+  local = p if u is None else optax.apply_updates(p, u)
+  return local.astype(wide)
+
+
+def _each(updates: list | None, params: list) -> list:
+  """The updates per leaf, None for each where there are none."""
+  return [None] * len(params) if updates is None else updates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +107,7 @@ class PseudoGradients(Contribution):
   def of(self, accumulator, center, params, updates) -> list:
     del accumulator
     mine = []
-    for p, u, c in zip(params, updates, center):
+    for p, u, c in zip(params, _each(updates, params), center):
       local = _local_params(p, u)
       mine.append(c.astype(local.dtype) - local)
     return mine
@@ -111,7 +119,7 @@ class Params(Contribution):
 
   def of(self, accumulator, center, params, updates) -> list:
     del accumulator, center
-    return [_local_params(p, u) for p, u in zip(params, updates)]
+    return [_local_params(p, u) for p, u in zip(params, _each(updates, params))]
 
 
 def _zeros_accumulator(p: jax.Array) -> jax.Array:

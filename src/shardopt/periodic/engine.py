@@ -2,8 +2,9 @@
 ``hierarchical_local_sgd``.
 
 Every replica trains on its own params with a local optimizer. The engine is
-built from three parts: a *schedule* (:mod:`.schedules`: which leaves
-synchronise, over which groups of replicas, after which local step), a
+built from three parts: a *schedule* (:mod:`.schedules`: which fragment of
+the params (:mod:`.fragments`) synchronises, over which groups of replicas,
+after which local step), a
 *contribution* (:mod:`.contributions`: what each replica brings to a sync)
 and an *outer step* (:mod:`.outer`: how the combined contributions move the
 shared center). ``update`` runs these steps, one call each:
@@ -22,9 +23,10 @@ shared center). ``update`` runs these steps, one call each:
    sync's fragment of the carry; its false branch hands them back, its true
    branch (:func:`_sync`) is the only place the engine communicates:
 
-   a. ``contribution.of``: this replica's contribution for the sync's leaves
+   a. ``contribution.of``: this replica's contribution for the sync's pieces
       (accumulated gradients / period, ``center - local params``, or the
-      local params themselves);
+      local params themselves; a sync run a step late, with overlap, reads
+      the params as given);
    b. :func:`.combine.combine`: one collective round within the sync's
       groups, a non-finite contribution left out (flagged to restart, step 2);
    c. ``outer_step.step``: the outer optimizer moves the center (for plain
@@ -34,8 +36,10 @@ shared center). ``update`` runs these steps, one call each:
 
 6. :func:`_local_step_after`: where it runs after the syncs, the local step
    (ordered after them by :func:`._xla.after`).
-7. :func:`_updates`: updates onto the center for the leaves a sync moved
-   (:func:`.outer.pull_after`), the local optimizer's for the others.
+7. :func:`_updates`: updates onto the center for the elements a sync moved
+   (:func:`.outer.pull_after`), or with overlap onto the mix of params and
+   center for the fragment whose merge is due (:class:`.outer.Merge`), the
+   local optimizer's for the others.
 8. :func:`_new_state`: the :class:`.state.AGNState` after the step.
 
 What a step costs, and the tricks that keep a step without a sync as cheap
@@ -58,6 +62,7 @@ from shardopt.periodic import _xla
 from shardopt.periodic import checks
 from shardopt.periodic import combine
 from shardopt.periodic import contributions
+from shardopt.periodic import fragments as _fragments
 from shardopt.periodic import outer
 from shardopt.periodic import schedules
 from shardopt.periodic.state import AGNState
@@ -80,6 +85,11 @@ class _Engine:
   axis_index_groups: Any
   comm_dtype: Any
   num_fragments: int
+  layer_axes: Any
+  # Streaming DiLoCo's overlap: when each fragment rejoins the center
+  # (schedules.merges) and how (outer.Merge); () and None without overlap.
+  merges: Sequence[schedules.Sync]
+  merge: Any  # outer.Merge or None
   # Skips counted over the whole axis keep `skipped` replicated; a schedule
   # of contiguous groups (hierarchical) counts within them (per replica).
   whole_axis_count: bool
@@ -96,7 +106,7 @@ class _Step(NamedTuple):
   extra_args: dict
   size: int  # of the replica axis
   groups: list  # each sync's replica groups
-  fragments: tuple  # leaf indices per fragment
+  fragments: tuple  # the pieces of each fragment (.fragments.Piece)
   leaves: list  # the params' leaves
   treedef: Any
   view: Any  # what the outer optimizer sees of a list of leaves
@@ -124,8 +134,8 @@ def _trace(engine: _Engine, grads, state, params, extra_args) -> _Step:
     engine.syncs,
     engine.axis_index_groups,
   )
-  fragments = schedules.check_fragments(
-    params, engine.num_fragments, engine.name
+  fragments = _fragments.split(
+    params, engine.num_fragments, engine.layer_axes, engine.name
   )
   leaves, treedef = jax.tree.flatten(params)
   step = _Step(
@@ -142,9 +152,14 @@ def _trace(engine: _Engine, grads, state, params, extra_args) -> _Step:
     view=outer.fragment_view(treedef, engine.num_fragments),
     placement=None,
   )
+  # A sync run a step late (overlap) reads the params it is given, not
+  # this step's updates.
+  reads_updates = engine.contribution.reads_updates and any(
+    s.lag == 0 for s in engine.syncs
+  )
   return step._replace(
     placement=_xla.placement(
-      engine.contribution.reads_updates,
+      reads_updates,
       lambda g: step.local_step(g)[0],
       grads,
     )
@@ -223,7 +238,7 @@ def _syncs(step: _Step, index: jax.Array, carry: Carry) -> Carry:
       index == k + 1,
       functools.partial(_sync, step, k),
       carry,
-      step.fragments[s.fragment],
+      _fragments.leaves_of(step.fragments[s.fragment]),
       s.fragment if engine.num_fragments > 1 else None,
     )
   return carry
@@ -232,10 +247,14 @@ def _syncs(step: _Step, index: jax.Array, carry: Carry) -> Carry:
 def _sync(step: _Step, k: int, part: Carry) -> Carry:
   """Steps 5a-5d: sync ``k`` on its fragment's slice of the carry."""
   engine = step.engine
-  leaves = step.fragments[engine.syncs[k].fragment]
-  params = [step.leaves[i] for i in leaves]
+  sync = engine.syncs[k]
+  pieces = step.fragments[sync.fragment]
+  take, put = _piecewise(pieces)
+  params = [_fragments.take(step.leaves[p.leaf], p) for p in pieces]
+  center = take(part.center)
+  accumulator = take(part.accumulator) if part.accumulator else []
   mine = engine.contribution.of(
-    part.accumulator, part.center, params, _sync_updates(step, part, leaves)
+    accumulator, center, params, _sync_updates(step, sync, part, pieces)
   )
   combined, finite, in_group, in_axis = combine.combine(
     mine,
@@ -247,29 +266,55 @@ def _sync(step: _Step, k: int, part: Carry) -> Carry:
     transform=engine.name,
   )
   center, global_state = engine.outer_step.step(
-    combined, mine, part.center, part.global_state, in_group > 0, step.view
+    combined, mine, center, part.global_state, in_group > 0, step.view
   )
-  skipped = _skipped(step, k, part.skipped, in_axis)
+  updates = part.updates
+  if updates and engine.merge is None:
+    updates = put(updates, outer.pull(center, params))
   return Carry(
-    updates=outer.pull(center, params) if part.updates else [],
-    accumulator=[_xla.zeros_after(a, in_group) for a in part.accumulator],
-    center=center,
+    updates=updates,
+    accumulator=put(
+      part.accumulator, [_xla.zeros_after(a, in_group) for a in accumulator]
+    ),
+    center=put(part.center, center),
     global_state=global_state,
     sync_count=part.sync_count + 1,
-    skipped=skipped,
+    skipped=_skipped(step, k, part.skipped, in_axis),
     left_out=jnp.logical_not(finite),
   )
 
 
-def _sync_updates(step: _Step, part: Carry, leaves: Sequence[int]) -> list:
-  """This step's local updates of a sync's leaves, where its contribution
+def _piecewise(pieces: Sequence[_fragments.Piece]):
+  """``take(leaves)``: the pieces of a list of the fragment's leaves (as a
+  cond hands them to a sync); ``put(leaves, values)``: the leaves with the
+  pieces replaced."""
+  slot = {leaf: j for j, leaf in enumerate(_fragments.leaves_of(pieces))}
+
+  def take(leaves: list) -> list:
+    return [_fragments.take(leaves[slot[p.leaf]], p) for p in pieces]
+
+  def put(leaves: list, values: list) -> list:
+    leaves = list(leaves)
+    for p, value in zip(pieces, values):
+      leaves[slot[p.leaf]] = _fragments.put(leaves[slot[p.leaf]], p, value)
+    return leaves
+
+  return take, put
+
+
+def _sync_updates(step: _Step, sync, part: Carry, pieces) -> list | None:
+  """This step's local updates of a sync's pieces, where its contribution
   reads them: handed through the conds, or recomputed from the state before
-  the step (see :mod:`._xla`)."""
+  the step (see :mod:`._xla`). None for a sync run a step late (overlap),
+  which reads the params as given."""
+  if sync.lag:
+    return None
   if part.updates:
-    return part.updates
+    return _piecewise(pieces)[0](part.updates)
   if not step.engine.contribution.reads_updates:
     return []
-  return [step.local_step(step.grads)[0][i] for i in leaves]
+  local = step.local_step(step.grads)[0]
+  return [_fragments.take(local[p.leaf], p) for p in pieces]
 
 
 def _skipped(step: _Step, k: int, skipped, in_axis) -> jax.Array:
@@ -292,14 +337,26 @@ def _local_step_after(step: _Step, before, carry: Carry):
   return step.local_step(_xla.after(step.grads, carry.sync_count))
 
 
-def _updates(step: _Step, index, carry: Carry, updates: list) -> list:
+def _updates(step: _Step, count, index, carry: Carry, updates: list) -> list:
   """Step 7: the updates this step returns."""
+  engine = step.engine
   if step.placement.through_conds:
-    return carry.updates
-  synced = schedules.synced_leaves(
-    index, step.engine.syncs, step.fragments, len(step.leaves)
+    if engine.merge is None:
+      return carry.updates  # pulled inside the sync's branch
+    updates = carry.updates
+  shapes = [jnp.shape(p) for p in step.leaves]
+  synced = schedules.synced_leaves(index, engine.syncs, step.fragments, shapes)
+  if engine.merge is None:
+    return outer.pull_after(synced, carry.center, step.leaves, updates)
+  merging = schedules.synced_leaves(
+    schedules.firing(count, engine.merges),
+    engine.merges,
+    step.fragments,
+    shapes,
   )
-  return outer.pull_after(synced, carry.center, step.leaves, updates)
+  return engine.merge.updates(
+    synced, merging, carry.left_out, carry.center, step.leaves, updates
+  )
 
 
 def _new_state(step: _Step, count, carry: Carry, local_state) -> AGNState:
@@ -323,8 +380,8 @@ def _new_state(step: _Step, count, carry: Carry, local_state) -> AGNState:
 def _init(params, *, engine: _Engine) -> AGNState:
   """The engine's ``init``: counters at 0, the center at ``params``, the
   local and outer optimizers' states (one outer state per fragment)."""
-  fragments = schedules.check_fragments(
-    params, engine.num_fragments, engine.name
+  fragments = _fragments.split(
+    params, engine.num_fragments, engine.layer_axes, engine.name
   )
   leaves, treedef = jax.tree.flatten(params)
   view = outer.fragment_view(treedef, engine.num_fragments)
@@ -356,6 +413,9 @@ def periodic(
   axis_index_groups=None,
   comm_dtype=None,
   num_fragments: int = 1,
+  layer_axes: Any = None,
+  merges: Sequence[schedules.Sync] = (),
+  merge: outer.Merge | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """The engine: ``optimizer`` every step, the ``syncs`` on their schedule.
 
@@ -373,7 +433,14 @@ def periodic(
       each group keeps its own center.
     comm_dtype: optional wire dtype of the contributions, floating or
       quantized; the finite flag and counts always travel in float32.
-    num_fragments: how many fragments the params' leaves are split into.
+    num_fragments: how many fragments the params are split into
+      (:mod:`.fragments`).
+    layer_axes: per leaf, its stacked layer axis or None (a pytree prefix
+      of the params): fragments of layers (:func:`.fragments.split`).
+    merges: with ``merge``: when each fragment rejoins the center
+      (:func:`.schedules.merges`).
+    merge: how the params rejoin the center after a sync run with overlap
+      (:class:`.outer.Merge`); None: pulled onto it at the sync.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`AGNState`.
@@ -393,6 +460,9 @@ def periodic(
     axis_index_groups=axis_index_groups,
     comm_dtype=_axes.check_comm_dtype(comm_dtype, name, axis_name),
     num_fragments=num_fragments,
+    layer_axes=layer_axes,
+    merges=tuple(merges),
+    merge=merge,
     whole_axis_count=schedules.counts_whole_axis(syncs),
   )
 
@@ -401,10 +471,11 @@ def periodic(
     count = _count(step)
     before = _local_step_before(step)
     carry = _start(step, before)
-    index = schedules.firing(jnp.reshape(count, ()), engine.syncs)
+    scalar_count = jnp.reshape(count, ())
+    index = schedules.firing(scalar_count, engine.syncs)
     carry = _syncs(step, index, carry)
     updates, local_state = _local_step_after(step, before, carry)
-    updates = _updates(step, index, carry, updates)
+    updates = _updates(step, scalar_count, index, carry, updates)
     new_state = _new_state(step, count, carry, local_state)
     return step.treedef.unflatten(updates), new_state
 

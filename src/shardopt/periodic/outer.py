@@ -27,6 +27,7 @@ import optax
 
 from shardopt import _axes
 from shardopt.periodic import _xla
+from shardopt.periodic import fragments as _fragments
 
 
 def fragment_view(treedef, num_fragments: int):
@@ -56,7 +57,8 @@ class Optimizer:
       return self.optimizer.init(params)
     leaves = jax.tree.leaves(params)
     return tuple(
-      self.optimizer.init(view([leaves[i] for i in f])) for f in fragments
+      self.optimizer.init(view([_fragments.take(leaves[p.leaf], p) for p in f]))
+      for f in fragments
     )
 
   def step(self, combined, mine, center, global_state, any_finite, view):
@@ -124,3 +126,40 @@ def pull_after(synced: list, center: list, params: list, updates: list) -> list:
     jnp.where(f, c.astype(p.dtype) - p, u)
     for f, c, p, u in zip(synced, center, params, updates)
   ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Merge:
+  """Streaming DiLoCo's overlap: after a fragment's sync the replicas keep
+  training, and ``overlap_steps`` later (:func:`.schedules.merges`) each
+  replica's fragment becomes ``alpha * params + (1 - alpha) * center``.
+
+  A replica left out of the sync (its contribution was not finite) cannot be
+  mixed: it is pulled onto the center at the sync, as without overlap.
+  """
+
+  alpha: float
+
+  def updates(
+    self,
+    synced: list,
+    merging: list,
+    left_out: jax.Array,
+    center: list,
+    params: list,
+    updates: list,
+  ) -> list:
+    """Per leaf (``synced``/``merging``: which elements a sync moved in this
+    step, which rejoin the center): updates onto the mix for the merging
+    elements, onto the center for a left-out replica's synced ones, the
+    local optimizer's elsewhere. Outside every cond, like
+    :func:`pull_after`."""
+    out = []
+    for s, m, c, p, u in zip(synced, merging, center, params, updates):
+      c = c.astype(p.dtype)
+      target = c
+      if self.alpha:
+        target = self.alpha * optax.apply_updates(p, u) + (1 - self.alpha) * c
+      u = jnp.where(m, target - p, u)
+      out.append(jnp.where(s & left_out, c - p, u))
+    return out

@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from shardopt import _axes
+from shardopt.periodic.fragments import layer_mask
 
 
 class Sync(NamedTuple):
@@ -33,12 +33,17 @@ class Sync(NamedTuple):
     group_size: replicas per contiguous group (replica ``i`` is in group
       ``i // group_size``); None: the transform's ``axis_index_groups``, or
       the whole axis.
+    lag: the sync of step ``t`` runs in the update of step ``t + lag``
+      (overlap: with ``lag=1`` its all-reduce reads the params the update
+      is given, not that step's gradient). For a merge
+      (:func:`merges`), the steps from the sync to the merge.
   """
 
   period: int
   phase: int = 0
   fragment: int = 0
   group_size: int | None = None
+  lag: int = 0
 
 
 def every(period: int) -> tuple[Sync, ...]:
@@ -51,53 +56,23 @@ def hierarchy(period_group_sizes: dict) -> tuple[Sync, ...]:
   return tuple(Sync(p, 0, 0, s) for p, s in period_group_sizes.items())
 
 
-def streaming(period: int, num_fragments: int) -> tuple[Sync, ...]:
-  """Fragment ``f`` after step t iff ``t % period == (f * period) // F``."""
+def streaming(
+  period: int, num_fragments: int, lag: int = 0
+) -> tuple[Sync, ...]:
+  """Fragment ``f`` after step t iff ``t % period == (f * period) // F``
+  (run ``lag`` steps later)."""
   return tuple(
-    Sync(period, (f * period) // num_fragments, f) for f in range(num_fragments)
+    Sync(period, (f * period) // num_fragments, f, lag=lag)
+    for f in range(num_fragments)
   )
 
 
-def split_fragments(
-  leaf_bytes: Sequence[int], num_fragments: int
-) -> tuple[tuple[int, ...], ...]:
-  """Contiguous fragments of leaf indices, balanced by bytes.
-
-  The ``k``-th cut goes where the cumulative bytes come closest to ``k *
-  total / num_fragments`` (the first such place on a tie), keeping every
-  fragment non-empty. Needs ``1 <= num_fragments <= len(leaf_bytes)``.
-  """
-  n = len(leaf_bytes)
-  cumulative = np.cumsum(leaf_bytes)
-  total = float(cumulative[-1]) if n else 0.0
-  cuts = [0]
-  for k in range(1, num_fragments):
-    target = k * total / num_fragments
-    candidates = range(cuts[-1] + 1, n - (num_fragments - k) + 1)
-    cuts.append(min(candidates, key=lambda j: abs(cumulative[j - 1] - target)))
-  cuts.append(n)
-  return tuple(tuple(range(a, b)) for a, b in zip(cuts[:-1], cuts[1:]))
-
-
-def _leaf_bytes(params: Any) -> list[int]:
-  return [
-    int(np.prod(np.shape(p))) * np.dtype(p.dtype).itemsize
-    for p in jax.tree.leaves(params)
-  ]
-
-
-def check_fragments(
-  params: Any, num_fragments: int, transform: str
-) -> tuple[tuple[int, ...], ...]:
-  """The fragments of ``params``, or a ValueError naming the fix."""
-  n = len(jax.tree.leaves(params))
-  if num_fragments > max(n, 1):
-    raise ValueError(
-      f"{transform}: num_fragments={num_fragments} but the params have only"
-      f" {n} leaves; fragments are made of whole leaves (contiguous in"
-      f" jax.tree.leaves order), so use num_fragments <= {n}."
-    )
-  return split_fragments(_leaf_bytes(params), num_fragments)
+def merges(
+  period: int, num_fragments: int, overlap_steps: int
+) -> tuple[Sync, ...]:
+  """When each fragment of :func:`streaming` rejoins the center:
+  ``overlap_steps`` after its sync."""
+  return streaming(period, num_fragments, lag=overlap_steps)
 
 
 def replica_groups(
@@ -140,19 +115,30 @@ def counts_whole_axis(syncs: Sequence[Sync]) -> bool:
 
 
 def firing(step: jax.Array, syncs: Sequence[Sync]) -> jax.Array:
-  """Which sync fires after ``step`` (0: none; later syncs win)."""
+  """Which sync runs in the update of ``step`` (0: none; later syncs win):
+  the one of step ``step - lag``."""
   index = jnp.zeros([], jnp.int32)
   for k, sync in enumerate(syncs):
-    index = jnp.where(step % sync.period == sync.phase, k + 1, index)
+    t = step - sync.lag if sync.lag else step
+    fires = t % sync.period == sync.phase
+    if sync.lag:
+      fires = fires & (t >= 1)
+    index = jnp.where(fires, k + 1, index)
   return index
 
 
 def synced_leaves(
-  index: jax.Array, syncs: Sequence[Sync], fragments, num_leaves: int
+  index: jax.Array, syncs: Sequence[Sync], fragments, shapes: Sequence
 ) -> list:
-  """One flag per leaf: whether sync ``index`` moves it (0: none does)."""
-  synced = [jnp.zeros([], bool)] * num_leaves
+  """Per leaf (of ``shapes``), which of its elements sync ``index`` moves
+  (0: none does): a flag, or a mask of layers (:mod:`.fragments`)."""
+  synced = [jnp.zeros([], bool)] * len(shapes)
   for k, sync in enumerate(syncs):
-    for i in fragments[sync.fragment]:
-      synced[i] = synced[i] | (index == k + 1)
+    fired = index == k + 1
+    for piece in fragments[sync.fragment]:
+      if piece.axis is not None:
+        fired_here = fired & layer_mask(piece, shapes[piece.leaf])
+      else:
+        fired_here = fired
+      synced[piece.leaf] = synced[piece.leaf] | fired_here
   return synced

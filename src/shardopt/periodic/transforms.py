@@ -360,6 +360,9 @@ def diloco(
   axis_index_groups=None,
   comm_dtype=None,
   num_fragments: int = 1,
+  overlap_steps: int = 0,
+  overlap_alpha: float = 0.0,
+  layer_axes: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DiLoCo: local inner steps, then an outer Nesterov step on the mean delta.
 
@@ -384,10 +387,42 @@ def diloco(
   move: the peak bytes of a step drop to about ``1 / F`` of DiLoCo's (plus the
   imbalance of the split). ``F = 1`` is DiLoCo, bit for bit (and its state has
   the same structure). Fragments are whole leaves: ``F`` larger than the
-  number of leaves raises a ``ValueError`` at ``init``/``update`` (split big
-  leaves in the model instead). With ``F > 1`` do not snap the params onto
-  the center after a sync (see :func:`agn`): only one fragment's center is
-  current.
+  number of leaves raises a ``ValueError`` at ``init``/``update``, unless
+  ``layer_axes`` splits layer stacks. With ``F > 1`` do not snap the params
+  onto the center after a sync (see :func:`agn`): only one fragment's center
+  is current.
+
+  **Fragments over layers** (``layer_axes``): a transformer written with
+  ``nn.scan``/``nnx.scan`` keeps its blocks in a few stacked leaves, which
+  whole-leaf fragments cannot split. ``layer_axes`` is a pytree prefix of the
+  params giving, per leaf, the index of its stacked layer axis (or None):
+  layer ``l`` of a stack then belongs to fragment ``l % F`` (*strided*, as in
+  the paper: every fragment holds layers from the bottom to the top), and the
+  number of layers must be divisible by ``F`` (else a ``ValueError``). The
+  leaves that are not stacks are split into ``F`` contiguous groups balanced
+  by bytes (with fewer than ``F`` of them, the ``j``-th goes to fragment
+  ``j``). A sync all-reduces its fragment's layers of every stack (read and
+  written in place: a reshape and an index) plus its other leaves, about
+  ``1 / F`` of the params, and each fragment keeps its own outer momentum
+  over its pieces (a stack of ``L`` layers contributes a piece of ``L / F``).
+
+  **Overlap** (``overlap_steps=tau``, ``overlap_alpha=alpha``): fragment
+  ``f`` still syncs after local step ``t`` (its outer gradient ``center_f -
+  mean_i(params_i,f)`` moves ``center_f`` by the outer optimizer), but the
+  replicas keep training on their own params; after local step ``t + tau``
+  each replica's fragment becomes ``alpha * params_f + (1 - alpha) *
+  center_f``. ``tau = 0, alpha = 0`` is the streaming DiLoCo above, bit for
+  bit; ``0 <= tau < sync_period`` and ``0 <= alpha < 1``. With ``tau >= 1``
+  the sync of step ``t`` runs in the update of step ``t + 1``, from the
+  params that update is given, so its all-reduce does not depend on that
+  step's gradient: ``state.center`` and ``state.sync_count`` show it one
+  step later, and after the last step of a run one sync is still pending
+  (its center lands in the next update). XLA does not run a conditional
+  concurrently with the rest of the step on its own; what the overlap buys
+  is that the collective has no data dependence on the step's forward and
+  backward pass (``tests/test_streaming.py`` checks it in the jaxpr). A
+  replica whose contribution is not finite is pulled onto the center at the
+  sync, as without overlap.
 
   Islands (DiLoCo as deployed: synchronous data parallelism inside each island
   of accelerators, DiLoCo across islands): nest it over a 2-D mesh
@@ -418,7 +453,15 @@ def diloco(
     axis_index_groups: optional equal-size groups; each group has its center.
     comm_dtype: optional floating dtype used on the wire.
     num_fragments: Streaming DiLoCo's number of fragments ``F``; an integer
-      with ``1 <= F <= min(sync_period, number of leaves)``.
+      with ``1 <= F <= sync_period`` (and, without ``layer_axes``, at most
+      the number of leaves).
+    overlap_steps: local steps ``tau`` between a fragment's sync and its
+      merge; an integer in ``[0, sync_period)``.
+    overlap_alpha: the weight ``alpha`` of the local params in the merge; a
+      number in ``[0, 1)`` (the paper uses 0.5).
+    layer_axes: a pytree prefix of the params (or one int or None for all
+      leaves): per leaf its stacked layer axis, or None (the default: whole
+      leaves).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -451,6 +494,24 @@ def diloco(
       >>> np.asarray(params["a"])[:3], np.asarray(params["b"])[:3]
       (array([0., 2., 4.], dtype=float32), array([9.31, 9.31, 9.31], dtype=float32))
 
+    Fragments over the layers of a stack (a scanned model's blocks): with
+    ``F = 2``, layers 0 and 2 of ``"blocks"`` form fragment 0, which syncs
+    after step 2 (and 4, ...), and layers 1 and 3 fragment 1 (after steps 1,
+    3, ...); each fragment's outer momentum covers 2 of the 4 layers::
+
+      >>> tx = shardopt.diloco(optax.sgd(1.0), "batch", sync_period=2,
+      ...                      num_fragments=2, layer_axes={"blocks": 0})
+      >>> params = {"blocks": jnp.zeros((8, 4, 1))}  # 8 replicas, 4 layers
+      >>> state = jax.pmap(tx.init)(params)
+      >>> [m.shape[1:] for m in jax.tree.leaves(state.global_state)]
+      [(2, 1), (2, 1)]
+      >>> grads = {"blocks": -jnp.ones((8, 4, 1)) * jnp.arange(8.0)[:, None, None]}
+      >>> params, state = step(params, state, grads)
+      >>> np.asarray(params["blocks"])[:3, :, 0]  # layers 1, 3 at 4.655
+      array([[0.   , 4.655, 0.   , 4.655],
+             [1.   , 4.655, 1.   , 4.655],
+             [2.   , 4.655, 2.   , 4.655]], dtype=float32)
+
   References:
     Douillard et al., `DiLoCo: Distributed Low-Communication Training of
     Language Models <https://arxiv.org/abs/2311.08105>`_, 2023.
@@ -467,14 +528,22 @@ def diloco(
     nesterov=bool(nesterov),
   )
   fragments = checks.check_num_fragments(num_fragments, period, name)
+  tau, alpha = checks.check_overlap(overlap_steps, overlap_alpha, period, name)
+  overlaps = tau > 0 or alpha > 0
   return engine.periodic(
     name,
     optimizer,
     axis_name,
-    syncs=schedules.streaming(period, fragments),
+    # With overlap, the sync of step t runs in the update of step t + 1, so
+    # that its all-reduce reads the params as given, not that step's
+    # gradient: it can run alongside the step's forward and backward pass.
+    syncs=schedules.streaming(period, fragments, lag=min(tau, 1)),
     contribution=contributions.PseudoGradients(),
     outer_step=outer.Optimizer(outer_optimizer),
     axis_index_groups=axis_index_groups,
     comm_dtype=comm_dtype,
     num_fragments=fragments,
+    layer_axes=layer_axes,
+    merges=schedules.merges(period, fragments, tau) if overlaps else (),
+    merge=outer.Merge(alpha) if overlaps else None,
   )
