@@ -95,11 +95,14 @@ x_train, _, y_train, _ = load_digits_split()
 # ## Specs: params replicated, optimizer state sharded
 #
 # `tower`'s state is `inner`'s state over the owned slices: replica `i` owns
-# every n-th row (`i, i + n, ...`) of a leaf whose first dimension divides by
-# `n` (other leaves: the flattened leaf, zero-padded to a multiple of `n`). In
-# `shard_map` the slices get `P("batch")` (the global array is the
-# concatenation of the slices) and scalar counters stay `P()`;
-# `shardopt.state_specs` reads that from JAX's types.
+# the contiguous block `i` of every leaf (the rows from `i * d / n` up to
+# `(i + 1) * d / n` of a leaf whose first dimension `d` divides by `n`; other
+# leaves: the `i`-th `1/n` of the leaf flattened and zero-padded to a multiple
+# of `n`), so the reduce-scatter and the all-gather move contiguous blocks
+# and XLA adds no layout copies around them. In `shard_map` the slices get
+# `P("batch")` (the global array is the concatenation of the slices: the full
+# moment, for a leaf whose first dimension divides by `n`) and scalar
+# counters stay `P()`; `shardopt.state_specs` reads that from JAX's types.
 
 # %%
 inner = optax.adam(1e-2)

@@ -20,8 +20,9 @@ The examples below assume 8 devices, e.g. a CPU forced to show them with
 
 from __future__ import annotations
 
+import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,24 +39,36 @@ _CLIP = "shardopt.clip_by_global_norm"
 # --- The owned-slice layout: one place for "which part of a leaf is mine". ---
 #
 # Each leaf is viewed with one extra dimension of size n (the number of
-# owners) and replica i owns index i along it:
+# owners) and replica i owns index i along it. The owned chunk has the shape
+# ``shape[:d] + (shape[d] // n,) + shape[d + 1:]`` for the first dimension
+# ``d`` whose size is a multiple of n (under an Explicit mesh, one whose model
+# sharding also divides ``shape[d] // n``), and ``(ceil(size / n),)`` for any
+# other leaf (a scalar, a shape with no such dimension). Which elements it
+# holds is decided by :func:`_layout` alone, in one of two layouts:
 #
-# * a leaf with a dimension ``d`` whose size is a multiple of n is viewed as
-#   ``shape[:d] + (shape[d] // n, n) + shape[d + 1:]``: replica i owns every
-#   n-th slice along ``d`` (slices i, i + n, i + 2n, ...). The leaf keeps its
-#   other dimensions, so a leaf sharded over a model axis (tensor parallel,
-#   FSDP) is sliced inside each device's own block: XLA neither gathers nor
-#   reshuffles it over the model axis, and every device holds
-#   1 / (n * model degree) of the leaf's optimizer state. Under an Explicit
-#   mesh, a dimension whose model sharding would not divide ``shape[d] // n``
-#   is passed over.
-# * any other leaf (a scalar, a shape with no such dimension) is flattened,
-#   zero-padded to a multiple of n and viewed as ``(size // n, n)``: each
-#   replica owns ``ceil(size / n)`` elements.
+# * Contiguous (owner-major), everywhere but in model-parallel replicas: the
+#   leaf is flattened (row-major), zero-padded to a multiple of n and viewed
+#   as ``(n, ceil(size / n))``; replica i owns the contiguous block i, held
+#   in the chunk's shape (for ``d = 0``: rows ``i * shape[0] // n`` up to
+#   ``(i + 1) * shape[0] // n``). The reduce-scatter and the all-gather then
+#   move contiguous blocks along the major dimension and XLA adds no layout
+#   copy (transpose) around them, as in shardopt 0.1.
+# * Strided (owner-minor), in model-parallel replicas (a partial-manual
+#   shard_map whose mesh has other axes left to the compiler, see
+#   ``_axes.other_axes_present``, or a leaf split over Explicit mesh axes):
+#   dimension ``d`` is viewed as ``(shape[d] // n, n)`` and replica i owns
+#   every n-th slice along it (slices i, i + n, i + 2n, ...). The leaf keeps
+#   its other dimensions and each owned slice lies inside each device's own
+#   model block, so a leaf sharded over a model axis (tensor parallel, FSDP)
+#   is sliced there: XLA neither gathers nor reshuffles it over the model
+#   axis, and every device holds 1 / (n * model degree) of the leaf's
+#   optimizer state. A leaf with no such ``d`` is flattened, zero-padded and
+#   viewed as ``(ceil(size / n), n)``.
 #
 # The owned chunk is the view indexed at ``axis_index`` along the owners'
-# dimension: what ``psum_scatter(..., scatter_dimension=k)`` leaves on the
-# replica and what ``all_gather(..., axis=k)`` puts back in place.
+# dimension (reshaped to the chunk's shape): what ``psum_scatter(...,
+# scatter_dimension=k)`` leaves on the replica and what ``all_gather(...,
+# axis=k)`` puts back in place.
 
 
 def _model_degree(x: Any, dim: int) -> int:
@@ -79,29 +92,59 @@ def _owned_dim(x: Any, num_owners: int) -> int | None:
   return None
 
 
-def _owners_view(x: jax.Array, num_owners: int) -> tuple[jax.Array, int]:
-  """``x`` with the owners' dimension split out, and that dimension's index."""
+class _Layout(NamedTuple):
+  """How a leaf is split among the owners (see above)."""
+
+  flat: bool  # the view is of the flattened, zero-padded leaf
+  view: tuple  # the shape the leaf (or its flattening) is viewed as
+  owners: int  # the owners' dimension in ``view``
+  chunk: tuple  # the owned chunk's shape
+
+
+def _layout(x: Any, num_owners: int) -> _Layout:
+  """The layout of ``x``'s owned chunks: the one place that picks the
+  contiguous or the strided layout (see above)."""
+  shape = tuple(np.shape(x))
   dim = _owned_dim(x, num_owners)
+  size = -(-math.prod(shape) // num_owners)  # elements per owner
   if dim is None:
+    chunk = (size,)
+  else:
+    chunk = shape[:dim] + (shape[dim] // num_owners,) + shape[dim + 1 :]
+  if not _axes.other_axes_present() and all(
+    _model_degree(x, d) == 1 for d in range(len(shape))
+  ):
+    return _Layout(True, (num_owners, size), 0, chunk)
+  if dim is None:
+    return _Layout(True, (size, num_owners), 1, chunk)
+  view = shape[:dim] + (shape[dim] // num_owners, num_owners) + shape[dim + 1 :]
+  return _Layout(False, view, dim + 1, chunk)
+
+
+def _owners_view(x: jax.Array, layout: _Layout) -> jax.Array:
+  """``x`` viewed as ``layout.view`` (flattened and zero-padded first if the
+  layout says so)."""
+  if layout.flat:
     if _axes.explicit_spec(x) is not None:
       # No dimension to slice inside the model blocks: this leaf is gathered
       # over its Explicit axes (the one case tower communicates over them).
       x = jax.sharding.reshard(x, jax.sharding.PartitionSpec())
     flat = jnp.reshape(x, (-1,))
-    pad = (-flat.size) % num_owners
-    flat = jnp.pad(flat, (0, pad)) if pad else flat
-    return jnp.reshape(flat, (flat.size // num_owners, num_owners)), 1
-  shape = tuple(x.shape)
-  view = shape[:dim] + (shape[dim] // num_owners, num_owners) + shape[dim + 1 :]
-  return jnp.reshape(x, view), dim + 1
+    pad = math.prod(layout.view) - flat.size
+    x = jnp.pad(flat, (0, pad)) if pad else flat
+  return jnp.reshape(x, layout.view)
 
 
 def _owned_slice(x: jax.Array, axis_name: Any, num_owners: int) -> jax.Array:
   """This replica's chunk of ``x`` (no communication)."""
-  view, dim = _owners_view(x, num_owners)
-  return jax.lax.dynamic_index_in_dim(
-    view, _axes.axis_index(axis_name), axis=dim, keepdims=False
+  layout = _layout(x, num_owners)
+  owned = jax.lax.dynamic_index_in_dim(
+    _owners_view(x, layout),
+    _axes.axis_index(axis_name),
+    axis=layout.owners,
+    keepdims=False,
   )
+  return jnp.reshape(owned, layout.chunk)
 
 
 def _owned_sum(
@@ -119,14 +162,15 @@ def _owned_sum(
     # _axes.other_axes_present); twice a reduce-scatter's bytes.
     total = jax.lax.psum(y, _axes.as_axis(varying))
     return _owned_slice(total, _axes.as_axis(names), num_owners)
-  view, dim = _owners_view(y, num_owners)
+  layout = _layout(y, num_owners)
+  view, dim = _owners_view(y, layout), layout.owners
   shape = view.shape
   if len(varying) == len(names):
     # tiled=True keeps the owners' dimension (size 1); the reshape drops it.
     owned = jax.lax.psum_scatter(
       view, _axes.as_axis(names), scatter_dimension=dim, tiled=True
     )
-    return jnp.reshape(owned, shape[:dim] + shape[dim + 1 :])
+    return jnp.reshape(owned, layout.chunk)
   # Mixed: split the owners' dimension into one per axis (row-major, as
   # axis_index orders a tuple of axes) and pick this replica's index along
   # each, summing along the varying ones.
@@ -140,7 +184,7 @@ def _owned_sum(
       blocks = jax.lax.dynamic_slice_in_dim(
         blocks, jax.lax.axis_index(name), 1, axis=dim + offset
       )
-  return jnp.reshape(blocks, shape[:dim] + shape[dim + 1 :])
+  return jnp.reshape(blocks, layout.chunk)
 
 
 def _unshard(
@@ -154,23 +198,19 @@ def _unshard(
   """
   if like.size == 0:
     return jnp.zeros(like.shape, chunk.dtype)
-  dim = _owned_dim(like, num_owners)
-  owned_shape = (
-    (-(-like.size // num_owners),)
-    if dim is None
-    else like.shape[:dim]
-    + (like.shape[dim] // num_owners,)
-    + like.shape[dim + 1 :]
-  )
+  layout = _layout(like, num_owners)
+  gather_dim = layout.owners
   # A state stacked under shard_map (counters of shape (1,)) can broadcast
-  # inner's updates to a leading 1: back to the owned chunk's shape.
-  chunk = jnp.reshape(chunk, owned_shape)
-  gather_dim = 1 if dim is None else dim + 1
+  # inner's updates to a leading 1: back to the owned chunk, in the view's
+  # shape without the owners' dimension.
+  chunk = jnp.reshape(
+    chunk, layout.view[:gather_dim] + layout.view[gather_dim + 1 :]
+  )
   if _axes.other_axes_present():
     full = _assemble_by_psum(chunk, axis_name, gather_dim, num_owners)
   else:
     full = _all_gather(chunk, axis_name, gather_dim)
-  if dim is None:
+  if layout.flat:
     return jnp.reshape(jnp.reshape(full, (-1,))[: like.size], like.shape)
   return jnp.reshape(full, like.shape)
 
@@ -234,9 +274,13 @@ def tower(
   the ``n`` replicas of ``axis_name`` instead of repeated on each:
 
   * ``init(params)`` (call it inside ``pmap``/``shard_map``) builds ``inner``'s
-    state for the owned slice only: every leaf flattened, zero-padded to a
-    multiple of ``n``, and chunk ``axis_index`` kept (``ceil(size / n)``
-    elements). The state *is* ``inner``'s state over those slices, so
+    state for the owned slice only: block ``axis_index`` of every leaf
+    flattened and zero-padded to a multiple of ``n`` (``ceil(size / n)``
+    elements, contiguous), shaped like the leaf with its first dimension
+    divisible by ``n`` divided by ``n`` (1-D if there is none). Inside
+    model-parallel replicas the slice is strided instead, to lie inside each
+    device's model block (see ``docs/model_parallel.md``). The state *is*
+    ``inner``'s state over those slices, so
     ``optax.tree_utils.tree_get(state, "mu")`` works as for ``inner``.
   * ``update(grads, state, params)`` reduce-scatters the gradients
     (``psum_scatter``; divided by ``n`` for ``"mean"``), runs ``inner.update``
