@@ -517,3 +517,131 @@ def test_an_overlapped_sync_does_not_depend_on_the_steps_gradient(tau):
   syncs = [reads for holds_collective, reads in conds if holds_collective]
   assert len(syncs) == 2, conds
   assert all(syncs) if tau == 0 else not any(syncs), (tau, conds)
+
+
+# --------------------------------------------------------------------------
+# Quantized outer gradients, with error feedback, on every fragment's sync.
+
+
+INT4 = shardopt.quantized(jnp.int4, block_size=32)
+
+
+def _constant_outer_gradient_run(error_feedback, syncs_per_leaf, **kwargs):
+  """Local SGD (outer sgd(1.0), no momentum) with a constant gradient per
+  replica: the params restart from the center at every sync, so an element
+  whose last sync came after local step ``t`` has the exact center ``-t *
+  lr * mean_i(g_i)``. Returns the centers (R, D) per leaf, the error
+  buffers, and those exact centers per leaf."""
+  d, period, lr = 300, 2, 0.1
+  g = np.random.default_rng(0).standard_normal((R, d)).astype(np.float32)
+  tx = shardopt.diloco(
+    optax.sgd(lr),
+    "batch",
+    sync_period=period,
+    outer_learning_rate=1.0,
+    outer_momentum=0.0,
+    comm_dtype=INT4,
+    error_feedback=error_feedback,
+    **kwargs,
+  )
+  params = {"a": jnp.zeros((R, d)), "b": jnp.zeros((R, d))}
+  state = jax.pmap(tx.init)(params)
+
+  def step(p, s):
+    mine = jnp.asarray(g)[jax.lax.axis_index("batch")]
+    u, s = tx.update({"a": mine, "b": mine}, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.pmap(step, axis_name="batch")
+  for _ in range(syncs_per_leaf * period):
+    params, state = step(params, state)
+    jax.block_until_ready(params)
+  steps = syncs_per_leaf * period
+  exact = {}
+  for leaf, phase in _phases(kwargs, d, period).items():
+    last_sync = steps - (steps - phase) % period
+    exact[leaf] = -last_sync * lr * g.astype(np.float64).mean(0)
+  return jax.tree.map(np.asarray, (state.center, state.error)), exact
+
+
+def _phases(kwargs, d, period):
+  """Per leaf ("a", "b" of d elements), each element's sync phase."""
+  num_fragments = kwargs.get("num_fragments", 1)
+  if "layer_axes" in kwargs:  # element l in fragment l % F
+    fragment = np.arange(d) % num_fragments
+    ids = {"a": fragment, "b": fragment}
+  else:  # whole leaves: "a" fragment 0, "b" fragment F - 1
+    ids = {"a": np.zeros(d, int), "b": np.full(d, num_fragments - 1)}
+  return {k: (f * period) // num_fragments for k, f in ids.items()}
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [{}, {"num_fragments": 2}, {"num_fragments": 2, "layer_axes": 0}],
+  ids=["whole", "fragments", "layer fragments"],
+)
+def test_outer_gradient_error_feedback_keeps_the_center_on_course(kwargs):
+  """With a 4-bit outer gradient the same rounding repeats at every sync:
+  without error feedback the center drifts from the exact one linearly in
+  the number of syncs; with it, the drift stays bounded and the center is
+  the exact one plus the mean of the error buffers (issue 22's identity,
+  per fragment)."""
+  syncs = 30
+  drift = {}
+  for feedback in (False, True):
+    (center, error), exact = _constant_outer_gradient_run(
+      feedback, syncs, **kwargs
+    )
+    for leaf in ("a", "b"):
+      np.testing.assert_array_equal(
+        center[leaf], np.broadcast_to(center[leaf][0], center[leaf].shape)
+      )
+    drift[feedback] = max(
+      np.abs(center[leaf][0] - exact[leaf]).max() for leaf in ("a", "b")
+    )
+    if feedback:
+      assert {e.dtype for e in jax.tree.leaves(error)} == {np.dtype("float32")}
+      for leaf in ("a", "b"):
+        # center = -(sum of outputs) = -(sum of exact means - mean error).
+        np.testing.assert_allclose(
+          center[leaf][0],
+          exact[leaf] + error[leaf].astype(np.float64).mean(0),
+          atol=1e-3,
+        )
+    else:
+      assert error == ()
+  print(f"{kwargs}: center drift after {syncs} int4 syncs {drift}")
+  assert drift[True] * 10 < drift[False], drift
+
+
+def test_quantized_streaming_with_overlap_and_layers_under_shard_map(mesh):
+  """An int4 wire with error feedback on layer fragments with overlap, in a
+  checking shard_map: runs, keeps the centers bit-identical, the error
+  buffers per replica, and stays close to the float32 wire's params."""
+  shapes = {"blocks": (4, 3, 2), "embed": (5,), "head": (2, 2)}
+  params0, targets = _params0(shapes), _targets(shapes, 8)
+  # Inside the shard_map every leaf has a leading per-replica axis of 1.
+  layers = {"blocks": 1, "embed": None, "head": None}
+  kwargs = dict(overlap_steps=1, overlap_alpha=0.5, layer_axes=layers)
+  exact = _shard_map_history(_diloco(2, **kwargs), mesh, params0, targets)
+  quantized = _shard_map_history(
+    _diloco(2, comm_dtype=jnp.int4, error_feedback=True, **kwargs),
+    mesh,
+    params0,
+    targets,
+  )
+  params, state = quantized
+  for leaf in jax.tree.leaves(state.center):
+    np.testing.assert_array_equal(
+      leaf, np.broadcast_to(leaf[:, :1], leaf.shape)
+    )
+  errors = jax.tree.leaves(state.error)
+  assert errors and all(e.dtype == np.float32 for e in errors)
+  assert any(not np.array_equal(e[-1, 0], e[-1, 1]) for e in errors)
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(exact[0])):
+    np.testing.assert_allclose(got, want, atol=0.05)
+
+
+def test_error_feedback_needs_a_quantized_outer_wire():
+  with pytest.raises(ValueError, match=r"shardopt\.diloco.*error_feedback"):
+    _diloco(2, comm_dtype=jnp.bfloat16, error_feedback=True)

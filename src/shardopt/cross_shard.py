@@ -45,25 +45,6 @@ class ErrorFeedbackState(NamedTuple):
   inner_state: Any
 
 
-def _check_error_feedback(
-  error_feedback: Any, comm_dtype: Any, name: str, axis_name: Any
-) -> bool:
-  if not isinstance(error_feedback, bool):
-    raise TypeError(
-      f"{name}: error_feedback={error_feedback!r} (axis {axis_name!r}) must"
-      " be True or False."
-    )
-  if error_feedback and not isinstance(comm_dtype, quantize.QuantizedSpec):
-    raise ValueError(
-      f"{name}: error_feedback=True (axis {axis_name!r}) keeps what a"
-      f" quantized wire drops, but comm_dtype={comm_dtype} does not"
-      " quantize. Pass a quantized comm_dtype (jnp.int8, jnp.float8_e4m3fn,"
-      " jnp.float8_e5m2, jnp.int4 or shardopt.quantized(...)), or"
-      " error_feedback=False."
-    )
-  return error_feedback
-
-
 def _zero_error(params: Any) -> Any:
   return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
 
@@ -95,7 +76,7 @@ def _reducing_transform(
 ) -> optax.GradientTransformation:
   _axes.check_reduction(reduction, name, axis_name)
   comm_dtype = _axes.check_comm_dtype(comm_dtype, name, axis_name)
-  if _check_error_feedback(error_feedback, comm_dtype, name, axis_name):
+  if quantize.check_error_feedback(error_feedback, comm_dtype, name, axis_name):
 
     def init_fn(params):
       return ErrorFeedbackState(_zero_error(params), optax.EmptyState())
@@ -319,7 +300,7 @@ def cross_shard(
   _axes.check_transform(inner, name)
   _axes.check_reduction(reduction, name, axis_name)
   comm_dtype = _axes.check_comm_dtype(comm_dtype, name, axis_name)
-  if _check_error_feedback(error_feedback, comm_dtype, name, axis_name):
+  if quantize.check_error_feedback(error_feedback, comm_dtype, name, axis_name):
     inner = optax.with_extra_args_support(inner)
 
     def init_with_error(params):

@@ -173,6 +173,27 @@ def as_spec(comm_dtype: Any) -> QuantizedSpec | None:
   return QuantizedSpec(dt) if dt in _QMAX else None
 
 
+def check_error_feedback(
+  error_feedback: Any, comm_dtype: Any, name: str, axis_name: Any
+) -> bool:
+  """Whether ``error_feedback`` is on; a TypeError/ValueError naming the fix
+  if it is not a bool, or is on without a quantized ``comm_dtype``."""
+  if not isinstance(error_feedback, bool):
+    raise TypeError(
+      f"{name}: error_feedback={error_feedback!r} (axis {axis_name!r}) must"
+      " be True or False."
+    )
+  if error_feedback and not isinstance(comm_dtype, QuantizedSpec):
+    raise ValueError(
+      f"{name}: error_feedback=True (axis {axis_name!r}) keeps what a"
+      f" quantized wire drops, but comm_dtype={comm_dtype} does not"
+      " quantize. Pass a quantized comm_dtype (jnp.int8, jnp.float8_e4m3fn,"
+      " jnp.float8_e5m2, jnp.int4 or shardopt.quantized(...)), or"
+      " error_feedback=False."
+    )
+  return error_feedback
+
+
 # --------------------------------------------------------------------------
 # The block quantizer.
 

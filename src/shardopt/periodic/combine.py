@@ -21,15 +21,22 @@ def combine(
   comm_dtype,
   whole_axis_count: bool,
   transform: str,
+  error: list | None = None,
 ):
   """One collective round; a non-finite contribution is left out.
 
   Returns the combined contribution (sum or mean over the finite replicas of
   the group), this replica's finiteness, the number of finite replicas in its
-  group and (with ``whole_axis_count`` and groups) in the whole axis.
+  group and (with ``whole_axis_count`` and groups) in the whole axis, and
+  (with ``error``, error feedback on a quantized wire) the new error
+  buffers: ``error`` is added to this replica's contribution (not if it is
+  left out) and what the wire drops from it is kept (see
+  :func:`shardopt.quantize.all_reduce`).
   """
   finite = all_finite(mine)
   masked = [jnp.where(finite, a, jnp.zeros_like(a)) for a in mine]
+  if error:
+    error = [jnp.where(finite, e, jnp.zeros_like(e)) for e in error]
   flag = finite.astype(jnp.float32)
   if _axes.vma_checked():
     flag = _axes.cast_varying(flag, _axes.axis_names(axis_name))
@@ -58,7 +65,10 @@ def combine(
       axis_index_groups=groups,
       comm_dtype=comm_dtype,
       _transform=transform,
+      _error=error or None,
     )
+    if error:
+      total, error = total
     in_group = reduce(
       flag,
       axis_name,
@@ -75,4 +85,4 @@ def combine(
   if reduction == "mean":
     divisor = jnp.maximum(in_group, 1.0)
     total = [t / divisor.astype(t.dtype) for t in total]
-  return total, finite, in_group, in_axis
+  return total, finite, in_group, in_axis, error

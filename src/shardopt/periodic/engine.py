@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import optax
 
 from shardopt import _axes
+from shardopt import quantize
 from shardopt.periodic import _xla
 from shardopt.periodic import checks
 from shardopt.periodic import combine
@@ -67,6 +68,7 @@ from shardopt.periodic import outer
 from shardopt.periodic import schedules
 from shardopt.periodic.state import AGNState
 from shardopt.periodic.state import Carry
+from shardopt.periodic.state import initial_error
 from shardopt.periodic.state import initial_flags
 
 
@@ -86,6 +88,7 @@ class _Engine:
   comm_dtype: Any
   num_fragments: int
   layer_axes: Any
+  error_feedback: bool
   # Streaming DiLoCo's overlap: when each fragment rejoins the center
   # (schedules.merges) and how (outer.Merge); () and None without overlap.
   merges: Sequence[schedules.Sync]
@@ -223,6 +226,7 @@ def _start(step: _Step, before) -> Carry:
       state.accumulator, step.grads
     ),
     center=jax.tree.leaves(state.center),
+    error=jax.tree.leaves(state.error),
     global_state=state.global_state,
     sync_count=state.sync_count,
     skipped=state.skipped,
@@ -256,7 +260,7 @@ def _sync(step: _Step, k: int, part: Carry) -> Carry:
   mine = engine.contribution.of(
     accumulator, center, params, _sync_updates(step, sync, part, pieces)
   )
-  combined, finite, in_group, in_axis = combine.combine(
+  combined, finite, in_group, in_axis, error = combine.combine(
     mine,
     engine.axis_name,
     step.groups[k],
@@ -264,6 +268,7 @@ def _sync(step: _Step, k: int, part: Carry) -> Carry:
     comm_dtype=engine.comm_dtype,
     whole_axis_count=engine.whole_axis_count,
     transform=engine.name,
+    error=take(part.error) if part.error else None,
   )
   center, global_state = engine.outer_step.step(
     combined, mine, center, part.global_state, in_group > 0, step.view
@@ -277,6 +282,7 @@ def _sync(step: _Step, k: int, part: Carry) -> Carry:
       part.accumulator, [_xla.zeros_after(a, in_group) for a in accumulator]
     ),
     center=put(part.center, center),
+    error=put(part.error, error) if part.error else [],
     global_state=global_state,
     sync_count=part.sync_count + 1,
     skipped=_skipped(step, k, part.skipped, in_axis),
@@ -370,6 +376,7 @@ def _new_state(step: _Step, count, carry: Carry, local_state) -> AGNState:
     global_state=carry.global_state,
     skipped=carry.skipped,
     restart=jnp.reshape(carry.left_out, (1,)),
+    error=step.treedef.unflatten(carry.error) if carry.error else (),
   )
 
 
@@ -398,6 +405,9 @@ def _init(params, *, engine: _Engine) -> AGNState:
     global_state=global_state,
     skipped=skipped,
     restart=restart,
+    error=treedef.unflatten(initial_error(leaves, engine.axis_name))
+    if engine.error_feedback
+    else (),
   )
 
 
@@ -416,6 +426,7 @@ def periodic(
   layer_axes: Any = None,
   merges: Sequence[schedules.Sync] = (),
   merge: outer.Merge | None = None,
+  error_feedback: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """The engine: ``optimizer`` every step, the ``syncs`` on their schedule.
 
@@ -441,6 +452,8 @@ def periodic(
       (:func:`.schedules.merges`).
     merge: how the params rejoin the center after a sync run with overlap
       (:class:`.outer.Merge`); None: pulled onto it at the sync.
+    error_feedback: keep what a quantized wire drops from each replica's
+      contribution (``state.error``) and add it to its next one.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`AGNState`.
@@ -448,6 +461,7 @@ def periodic(
   _axes.check_transform(optimizer, name, "optimizer")
   outer_step.check(name)
   _axes.check_reduction(reduction, name, axis_name)
+  comm_dtype = _axes.check_comm_dtype(comm_dtype, name, axis_name)
   engine = _Engine(
     name=name,
     optimizer=optimizer,
@@ -458,9 +472,12 @@ def periodic(
     outer_step=outer_step,
     reduction=reduction,
     axis_index_groups=axis_index_groups,
-    comm_dtype=_axes.check_comm_dtype(comm_dtype, name, axis_name),
+    comm_dtype=comm_dtype,
     num_fragments=num_fragments,
     layer_axes=layer_axes,
+    error_feedback=quantize.check_error_feedback(
+      error_feedback, comm_dtype, name, axis_name
+    ),
     merges=tuple(merges),
     merge=merge,
     whole_axis_count=schedules.counts_whole_axis(syncs),

@@ -50,6 +50,12 @@ class AGNState(NamedTuple):
       left out of the last sync (not finite), so its local state, which may
       hold the non-finite values, restarts from ``optimizer.init(params)``
       (float leaves; step counts are kept) at the start of its next step.
+    error: with ``error_feedback=True`` (a quantized ``comm_dtype``): float32,
+      this replica's own, in the params' shape: what the quantized wire
+      dropped from its last contribution to each leaf's sync (its phase-1
+      quantization, plus, on the chunk it owns, the phase-2 requantization),
+      added to its next contribution. Varying like the params (``P(axis)``
+      under ``jax.shard_map``). An empty tuple without error feedback.
   """
 
   count: chex.Array
@@ -60,6 +66,7 @@ class AGNState(NamedTuple):
   global_state: Any
   skipped: chex.Array
   restart: chex.Array
+  error: Any = ()
 
 
 class Carry(NamedTuple):
@@ -72,12 +79,13 @@ class Carry(NamedTuple):
   updates: list  # this step's updates, only where they go through the conds
   accumulator: list  # agn's accumulator (empty for the others)
   center: list
+  error: list  # error feedback's buffers (empty without it)
   global_state: Any
   sync_count: jax.Array
   skipped: jax.Array
   left_out: jax.Array  # bool: this replica's contribution was left out
 
-  PER_LEAF = ("updates", "accumulator", "center")
+  PER_LEAF = ("updates", "accumulator", "center", "error")
 
 
 def initial_flags(leaves: list, axis_name: Any, whole_axis_count: bool):
@@ -97,3 +105,16 @@ def initial_flags(leaves: list, axis_name: Any, whole_axis_count: bool):
     skipped = _axes.cast_varying(skipped, axes)
     restart = _axes.cast_varying(restart, own | axes)
   return skipped, restart
+
+
+def initial_error(leaves: list, axis_name: Any) -> list:
+  """Error feedback's zero buffers, float32, one per leaf, typed varying
+  like ``restart`` (each replica keeps its own)."""
+  zeros = [jnp.zeros(jnp.shape(p), jnp.float32) for p in leaves]
+  if not _axes.vma_checked():
+    return zeros
+  own = frozenset(_axes.axis_names(axis_name))
+  return [
+    _axes.cast_varying(z, own | frozenset(_axes.varying_axes(p)))
+    for z, p in zip(zeros, leaves)
+  ]

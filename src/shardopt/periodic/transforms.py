@@ -32,6 +32,7 @@ def agn(
   reduction: str = "mean",
   axis_index_groups=None,
   comm_dtype=None,
+  error_feedback: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulated Gradient Normalization (TensorFlow's ``AGNOptimizer``).
 
@@ -104,7 +105,14 @@ def agn(
       ``ValueError("Unsupported reduction: ...")``.
     axis_index_groups: optional equal-size groups of replica indices that
       partition the axis; each group combines and keeps its own center.
-    comm_dtype: optional floating dtype used on the wire (e.g. bfloat16).
+    comm_dtype: optional wire dtype of the sync: a floating one (e.g.
+      bfloat16), or a quantized one (``jnp.int8``, ``jnp.float8_e4m3fn``,
+      ``jnp.float8_e5m2``, ``jnp.int4``, ``shardopt.quantized(...)``); the
+      finite flag and counts always travel in float32.
+    error_feedback: with a quantized ``comm_dtype``: keep what the wire
+      drops from this replica's contribution (``state.error``, float32, per
+      replica, in the params' shape) and add it to its next one, so that the
+      rounding does not accumulate over syncs.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -177,6 +185,7 @@ def agn(
     reduction=reduction,
     axis_index_groups=axis_index_groups,
     comm_dtype=comm_dtype,
+    error_feedback=error_feedback,
   )
 
 
@@ -187,6 +196,7 @@ def local_sgd(
   period: int,
   axis_index_groups=None,
   comm_dtype=None,
+  error_feedback: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Periodic model averaging (local SGD): every ``period`` steps, params ← mean.
 
@@ -206,7 +216,10 @@ def local_sgd(
     axis_name: the ``pmap``/mesh axis name (or tuple of names) of the replicas.
     period: local steps between two averagings; an integer >= 1.
     axis_index_groups: optional equal-size groups; each group averages alone.
-    comm_dtype: optional floating dtype used on the wire.
+    comm_dtype: optional wire dtype, floating or quantized (see
+      :func:`agn`).
+    error_feedback: with a quantized ``comm_dtype``, keep what the wire
+      drops and send it at the next sync (see :func:`agn`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -245,6 +258,7 @@ def local_sgd(
     outer_step=outer.mean(),
     axis_index_groups=axis_index_groups,
     comm_dtype=comm_dtype,
+    error_feedback=error_feedback,
   )
 
 
@@ -359,6 +373,7 @@ def diloco(
   nesterov: bool = True,
   axis_index_groups=None,
   comm_dtype=None,
+  error_feedback: bool = False,
   num_fragments: int = 1,
   overlap_steps: int = 0,
   overlap_alpha: float = 0.0,
@@ -451,7 +466,10 @@ def diloco(
     outer_momentum: the outer momentum in ``[0, 1)``.
     nesterov: whether the outer momentum is Nesterov's.
     axis_index_groups: optional equal-size groups; each group has its center.
-    comm_dtype: optional floating dtype used on the wire.
+    comm_dtype: optional wire dtype, floating or quantized (see
+      :func:`agn`).
+    error_feedback: with a quantized ``comm_dtype``, keep what the wire
+      drops and send it at the next sync (see :func:`agn`).
     num_fragments: Streaming DiLoCo's number of fragments ``F``; an integer
       with ``1 <= F <= sync_period`` (and, without ``layer_axes``, at most
       the number of leaves).
@@ -542,6 +560,7 @@ def diloco(
     outer_step=outer.Optimizer(outer_optimizer),
     axis_index_groups=axis_index_groups,
     comm_dtype=comm_dtype,
+    error_feedback=error_feedback,
     num_fragments=fragments,
     layer_axes=layer_axes,
     merges=schedules.merges(period, fragments, tau) if overlaps else (),
