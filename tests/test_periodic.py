@@ -1031,3 +1031,164 @@ def test_groups_need_a_varying_center_under_shard_map(mesh):
     jax.eval_shape(
       f, _abstract(mesh, (1,), P()), _abstract(mesh, (8,), P("batch"))
     )
+
+
+# --------------------------------------------------------------------------
+# Warm-up: synchronous steps on the mean gradient before the schedule.
+
+
+def _np_warm_start(x, y, *, warmup, period, inner, outer, groups=None):
+  """Steps 1..warmup: every replica of a group takes the inner step on the
+  group's mean gradient and the center follows the params; then local
+  steps, and a sync after steps warmup + period, warmup + 2 period, ...
+  ``inner(p, g, k)`` is one inner step (k counts inner steps, from 1);
+  ``outer(center, delta)`` the outer step on the mean outer gradient."""
+  w, b = _w0()
+  start = np.concatenate([w, [b]]).astype(np.float64)
+  p, center = np.tile(start, (R, 1)), np.tile(start, (R, 1))
+  history = []
+  for t in range(1, len(x) + 1):
+    g = np.stack([_np_grad(p[i], x[t - 1, i], y[t - 1, i]) for i in range(R)])
+    if t <= warmup:
+      for group in groups or [list(range(R))]:
+        g[group] = g[group].mean(0)
+    p = inner(p, g, t)
+    if t <= warmup:
+      center = p.copy()
+    elif (t - warmup) % period == 0:
+      for group in groups or [list(range(R))]:
+        delta = center[group[0]] - p[group].mean(0)
+        center[group] = outer(center[group[0]], delta)
+        p[group] = center[group]
+    history.append((p.copy(), center.copy()))
+  return history
+
+
+def _np_adam(lr, b1=0.9, b2=0.999, eps=1e-8):
+  moments = {}
+
+  def step(p, g, k):
+    mu, nu = moments.get("m", (np.zeros_like(p), np.zeros_like(p)))
+    mu = b1 * mu + (1 - b1) * g
+    nu = b2 * nu + (1 - b2) * g * g
+    moments["m"] = (mu, nu)
+    return p - lr * (mu / (1 - b1**k)) / (np.sqrt(nu / (1 - b2**k)) + eps)
+
+  return step
+
+
+def _np_nesterov(lr, momentum):
+  buffer = {}
+
+  def step(center, delta):
+    m = momentum * buffer.get("m", np.zeros_like(delta)) + delta
+    buffer["m"] = m
+    return center - lr * (delta + momentum * m)
+
+  return step
+
+
+def _check_warm_start(history, reference, warmup):
+  for t, (want_p, want_c) in enumerate(reference, 1):
+    params, state = jax.tree.map(lambda v, t=t: v[t - 1], history)
+    got = _flat(params)
+    np.testing.assert_allclose(got, want_p, rtol=1e-4, atol=1e-5, err_msg=t)
+    np.testing.assert_allclose(
+      _flat(state.center), want_c, rtol=1e-4, atol=1e-5, err_msg=t
+    )
+    if t <= warmup:  # one synchronous model
+      np.testing.assert_array_equal(got, np.broadcast_to(got[0], got.shape))
+      assert int(state.sync_count[0]) == 0
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_diloco_warm_start_matches_numpy(warmup):
+  """DiLoCo's synchronous start: Adam on the mean gradient for W steps,
+  then H local steps per outer Nesterov step, the first after step W + H."""
+  period, lr = 3, 0.05
+  tx = shardopt.diloco(
+    optax.adam(lr), "batch", sync_period=period, warmup_steps=warmup
+  )
+  x, y = _data(43, warmup + 2 * period + 1)
+  reference = _np_warm_start(
+    x,
+    y,
+    warmup=warmup,
+    period=period,
+    inner=_np_adam(lr),
+    outer=_np_nesterov(0.7, 0.9),
+  )
+  history = _pmap_trajectory(tx, x, y)
+  _check_warm_start(history, reference, warmup)
+  assert int(history[1].sync_count[-1, 0]) == 2
+
+
+@pytest.mark.parametrize("kind", ["local_sgd", "agn"])
+def test_local_sgd_and_agn_warm_start_within_groups_match_numpy(kind):
+  """Within each group of axis_index_groups the warm-up averages the
+  gradients of that group; agn with global sgd(lr * period) is local SGD
+  (its accumulator starts after the warm-up)."""
+  warmup, period, lr = 2, 3, 0.1
+  if kind == "agn":
+    tx = shardopt.agn(
+      optax.sgd(lr),
+      "batch",
+      communication_period=period,
+      global_optimizer=optax.sgd(lr * period),
+      axis_index_groups=GROUPS,
+      warmup_steps=warmup,
+    )
+  else:
+    tx = shardopt.local_sgd(
+      optax.sgd(lr),
+      "batch",
+      period=period,
+      axis_index_groups=GROUPS,
+      warmup_steps=warmup,
+    )
+  x, y = _data(44, warmup + 2 * period)
+  reference = _np_warm_start(
+    x,
+    y,
+    warmup=warmup,
+    period=period,
+    inner=lambda p, g, k: p - lr * g,
+    outer=lambda center, delta: center - delta,
+    groups=GROUPS,
+  )
+  history = _pmap_trajectory(tx, x, y)
+  for t, (want_p, want_c) in enumerate(reference, 1):
+    params, state = jax.tree.map(lambda v, t=t: v[t - 1], history)
+    np.testing.assert_allclose(
+      _flat(params), want_p, rtol=1e-4, atol=1e-5, err_msg=t
+    )
+    np.testing.assert_allclose(
+      _flat(state.center), want_c, rtol=1e-4, atol=1e-5, err_msg=t
+    )
+    _assert_identical_within_groups(state.center, GROUPS)
+
+
+def test_warm_start_runs_its_all_reduce_only_in_its_branch():
+  """The warm-up's gradient all-reduce sits in a cond on the counter, like
+  the sync's: the compiled step runs no collective outside conditionals."""
+  from benchmarks import hlo  # noqa: PLC0415
+
+  tx = shardopt.diloco(optax.adam(0.1), "batch", sync_period=4, warmup_steps=5)
+  params = _stack(_w0())
+  x, y = _data(1, 1)
+  text = (
+    _pmap_step(tx)
+    .lower(params, jax.pmap(tx.init)(params), x[0], y[0])
+    .compile()
+    .as_text()
+  )
+  ops = hlo.compiled_collectives(text)
+  assert [op for op in ops if op.context == "top"] == [], ops
+  # The warm-up's all-reduce of the gradient, and the sync's.
+  assert len({op.branch.split("#")[0] for op in ops}) >= 2, ops
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3"])
+def test_warmup_steps_must_be_a_non_negative_integer(bad):
+  with pytest.raises(ValueError, match=r"shardopt\.local_sgd: warmup_steps"):
+    shardopt.local_sgd(optax.sgd(0.1), "batch", period=2, warmup_steps=bad)

@@ -828,6 +828,16 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
       ),
       2,
     ),
+    # Past a warm-up: its two conds (the mean gradient, the center's copy)
+    # hand their operands back untouched.
+    "diloco(adam) after a warm-up": (
+      shardopt.diloco(plain, "batch", sync_period=big, warmup_steps=3),
+      2,
+    ),
+    "agn(adam) after a warm-up": (
+      shardopt.agn(plain, "batch", communication_period=big, warmup_steps=3),
+      3,
+    ),
     "hierarchical_local_sgd(adam)": (
       shardopt.hierarchical_local_sgd(
         plain, "batch", period_group_sizes={big: 2, 2 * big: 8}

@@ -108,6 +108,16 @@ def check_outer_args(
     )
 
 
+def check_warmup_steps(value: Any, transform: str) -> int:
+  if not _axes.is_integer(value) or int(value) < 0:
+    raise ValueError(
+      f"{transform}: warmup_steps={value!r} must be an integer >= 0 (steps"
+      " of synchronous training on the mean gradient before the local"
+      " steps start; 0, the default, starts them at once)."
+    )
+  return int(value)
+
+
 def check_overlap(
   overlap_steps: Any, overlap_alpha: Any, sync_period: int, transform: str
 ) -> tuple[int, float]:

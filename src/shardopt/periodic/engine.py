@@ -9,7 +9,8 @@ after which local step), a
 and an *outer step* (:mod:`.outer`: how the combined contributions move the
 shared center). ``update`` runs these steps, one call each:
 
-1. :func:`_count`: ``count += 1``, checked replicated.
+1. :func:`_count`: ``count += 1``, checked replicated; :func:`_warm_up`:
+   during a warm-up, the mean gradient, and the center follows the params.
 2. :func:`_local_step_before`: where :func:`._xla.placement` puts it before
    the syncs, the local optimizer's step on this replica's params
    (:func:`_local_step`; a replica left out of the last sync first restarts
@@ -59,6 +60,7 @@ import optax
 
 from shardopt import _axes
 from shardopt import quantize
+from shardopt.collectives import reduce
 from shardopt.periodic import _xla
 from shardopt.periodic import checks
 from shardopt.periodic import combine
@@ -89,6 +91,8 @@ class _Engine:
   num_fragments: int
   layer_axes: Any
   error_feedback: bool
+  # For steps 1..warmup_steps: the mean gradient, the center follows.
+  warmup_steps: int
   # Streaming DiLoCo's overlap: when each fragment rejoins the center
   # (schedules.merges) and how (outer.Merge); () and None without overlap.
   merges: Sequence[schedules.Sync]
@@ -156,9 +160,11 @@ def _trace(engine: _Engine, grads, state, params, extra_args) -> _Step:
     placement=None,
   )
   # A sync run a step late (overlap) reads the params it is given, not
-  # this step's updates.
-  reads_updates = engine.contribution.reads_updates and any(
-    s.lag == 0 for s in engine.syncs
+  # this step's updates. A warm-up's cond reads them (it recomputes them,
+  # as a sync does; with the local step placed before it, XLA copies the
+  # local state).
+  reads_updates = engine.warmup_steps > 0 or (
+    engine.contribution.reads_updates and any(s.lag == 0 for s in engine.syncs)
   )
   return step._replace(
     placement=_xla.placement(
@@ -179,6 +185,51 @@ def _count(step: _Step) -> jax.Array:
   count = step.state.count + 1
   _axes.check_replicated_predicate(count, step.engine.name)
   return count
+
+
+def _warm_up(step: _Step, count: jax.Array) -> tuple[_Step, list, jax.Array]:
+  """Step 1b, with ``warmup_steps=W``: for steps 1..W the local optimizer
+  gets the mean gradient over the axis (a synchronous data-parallel step,
+  so the replicas stay identical) and the center follows the params.
+
+  Two conds on ``count <= W``, so that later steps run neither the
+  all-reduce nor the center's write: one for the gradient, one for the
+  center, which recomputes this step's local params in its branch from the
+  state before the step (as a sync does, see :mod:`._xla`). The local step
+  proper reads a gradient ordered after the second (:func:`._xla.after`),
+  so it overwrites its state in place after that read. Returns the step
+  with the gradient it trains on, the center's leaves and the sync count
+  (handed through the second cond, which orders what reads it).
+  """
+  engine = step.engine
+  center = jax.tree.leaves(step.state.center)
+  if not engine.warmup_steps:
+    return step, center, step.state.sync_count
+  warm = jnp.reshape(count, ()) <= engine.warmup_steps
+  grads = _xla.cond(
+    warm,
+    lambda g: reduce(
+      g,
+      engine.axis_name,
+      reduction="mean",
+      axis_index_groups=step.groups[0],
+      _transform=engine.name,
+    ),
+    lambda g: g,
+    step.grads,
+  )
+  step = step._replace(grads=grads)
+
+  def follow(operands):
+    center, order = operands
+    updates = step.local_step(step.grads)[0]
+    local = [optax.apply_updates(p, u) for p, u in zip(step.leaves, updates)]
+    return [x.astype(c.dtype) for x, c in zip(local, center)], order
+
+  center, order = _xla.cond(
+    warm, follow, lambda o: o, (center, step.state.sync_count)
+  )
+  return step._replace(grads=_xla.after(grads, order)), center, order
 
 
 def _local_step(optimizer, local, grads, state, params, extra_args):
@@ -216,19 +267,21 @@ def _local_step_before(step: _Step):
   return None
 
 
-def _start(step: _Step, before) -> Carry:
+def _start(step: _Step, before, count, center: list, sync_count) -> Carry:
   """Step 3: what the syncs may change, the accumulator after this step's
-  gradients."""
+  gradients (not a warm-up step's)."""
   state = step.state
+  grads = step.grads
+  if step.engine.warmup_steps:
+    warm = jnp.reshape(count, ()) <= step.engine.warmup_steps
+    grads = jax.tree.map(lambda g: jnp.where(warm, jnp.zeros_like(g), g), grads)
   return Carry(
     updates=before[0] if step.placement.through_conds else [],
-    accumulator=step.engine.contribution.accumulate(
-      state.accumulator, step.grads
-    ),
-    center=jax.tree.leaves(state.center),
+    accumulator=step.engine.contribution.accumulate(state.accumulator, grads),
+    center=center,
     error=jax.tree.leaves(state.error),
     global_state=state.global_state,
-    sync_count=state.sync_count,
+    sync_count=sync_count,
     skipped=state.skipped,
     left_out=jnp.zeros([], bool),
   )
@@ -355,7 +408,7 @@ def _updates(step: _Step, count, index, carry: Carry, updates: list) -> list:
   if engine.merge is None:
     return outer.pull_after(synced, carry.center, step.leaves, updates)
   merging = schedules.synced_leaves(
-    schedules.firing(count, engine.merges),
+    schedules.firing(count, engine.merges, engine.warmup_steps),
     engine.merges,
     step.fragments,
     shapes,
@@ -427,6 +480,7 @@ def periodic(
   merges: Sequence[schedules.Sync] = (),
   merge: outer.Merge | None = None,
   error_feedback: bool = False,
+  warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """The engine: ``optimizer`` every step, the ``syncs`` on their schedule.
 
@@ -454,6 +508,9 @@ def periodic(
       (:class:`.outer.Merge`); None: pulled onto it at the sync.
     error_feedback: keep what a quantized wire drops from each replica's
       contribution (``state.error``) and add it to its next one.
+    warmup_steps: steps of synchronous training (the mean gradient, the
+      center following the params) before the schedule starts; validated
+      by the caller.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`AGNState`.
@@ -480,16 +537,18 @@ def periodic(
     ),
     merges=tuple(merges),
     merge=merge,
+    warmup_steps=warmup_steps,
     whole_axis_count=schedules.counts_whole_axis(syncs),
   )
 
   def update_fn(grads, state, params=None, **extra_args):
     step = _trace(engine, grads, state, params, extra_args)
     count = _count(step)
+    step, center, sync_count = _warm_up(step, count)
     before = _local_step_before(step)
-    carry = _start(step, before)
+    carry = _start(step, before, count, center, sync_count)
     scalar_count = jnp.reshape(count, ())
-    index = schedules.firing(scalar_count, engine.syncs)
+    index = schedules.firing(scalar_count, engine.syncs, engine.warmup_steps)
     carry = _syncs(step, index, carry)
     updates, local_state = _local_step_after(step, before, carry)
     updates = _updates(step, scalar_count, index, carry, updates)

@@ -114,14 +114,18 @@ def counts_whole_axis(syncs: Sequence[Sync]) -> bool:
 # At trace time of a step.
 
 
-def firing(step: jax.Array, syncs: Sequence[Sync]) -> jax.Array:
+def firing(
+  step: jax.Array, syncs: Sequence[Sync], warmup_steps: int = 0
+) -> jax.Array:
   """Which sync runs in the update of ``step`` (0: none; later syncs win):
-  the one of step ``step - lag``."""
+  the one of step ``step - lag``, counted from the end of the warm-up (step
+  ``warmup_steps`` is step 0 of the schedule)."""
   index = jnp.zeros([], jnp.int32)
   for k, sync in enumerate(syncs):
-    t = step - sync.lag if sync.lag else step
+    shift = sync.lag + warmup_steps
+    t = step - shift if shift else step
     fires = t % sync.period == sync.phase
-    if sync.lag:
+    if shift:
       fires = fires & (t >= 1)
     index = jnp.where(fires, k + 1, index)
   return index

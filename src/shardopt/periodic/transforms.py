@@ -33,6 +33,7 @@ def agn(
   axis_index_groups=None,
   comm_dtype=None,
   error_feedback: bool = False,
+  warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulated Gradient Normalization (TensorFlow's ``AGNOptimizer``).
 
@@ -113,6 +114,14 @@ def agn(
       drops from this replica's contribution (``state.error``, float32, per
       replica, in the params' shape) and add it to its next one, so that the
       rounding does not accumulate over syncs.
+    warmup_steps: ``W`` steps of synchronous training first (DDP before
+      PyTorch's ``start_localSGD_iter``, DiLoCo's synchronous start): for
+      steps ``1..W`` the local optimizer receives the mean gradient over
+      the axis (within each group), the replicas stay identical and the
+      center follows the params; the schedule then runs as if step ``W``
+      were step 0 (the first sync after step ``W + period``). The warm-up's
+      all-reduce and the center's copy sit in conds on the replicated
+      counter: later steps run neither. 0 (the default): no warm-up.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -186,6 +195,7 @@ def agn(
     axis_index_groups=axis_index_groups,
     comm_dtype=comm_dtype,
     error_feedback=error_feedback,
+    warmup_steps=checks.check_warmup_steps(warmup_steps, name),
   )
 
 
@@ -197,6 +207,7 @@ def local_sgd(
   axis_index_groups=None,
   comm_dtype=None,
   error_feedback: bool = False,
+  warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """Periodic model averaging (local SGD): every ``period`` steps, params ← mean.
 
@@ -220,6 +231,8 @@ def local_sgd(
       :func:`agn`).
     error_feedback: with a quantized ``comm_dtype``, keep what the wire
       drops and send it at the next sync (see :func:`agn`).
+    warmup_steps: steps of synchronous training (the mean gradient) before
+      the local steps start; see :func:`agn`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -259,6 +272,7 @@ def local_sgd(
     axis_index_groups=axis_index_groups,
     comm_dtype=comm_dtype,
     error_feedback=error_feedback,
+    warmup_steps=checks.check_warmup_steps(warmup_steps, name),
   )
 
 
@@ -374,6 +388,7 @@ def diloco(
   axis_index_groups=None,
   comm_dtype=None,
   error_feedback: bool = False,
+  warmup_steps: int = 0,
   num_fragments: int = 1,
   overlap_steps: int = 0,
   overlap_alpha: float = 0.0,
@@ -470,6 +485,8 @@ def diloco(
       :func:`agn`).
     error_feedback: with a quantized ``comm_dtype``, keep what the wire
       drops and send it at the next sync (see :func:`agn`).
+    warmup_steps: steps of synchronous training (the mean gradient) before
+      the local steps start; see :func:`agn`.
     num_fragments: Streaming DiLoCo's number of fragments ``F``; an integer
       with ``1 <= F <= sync_period`` (and, without ``layer_axes``, at most
       the number of leaves).
@@ -561,6 +578,7 @@ def diloco(
     axis_index_groups=axis_index_groups,
     comm_dtype=comm_dtype,
     error_feedback=error_feedback,
+    warmup_steps=checks.check_warmup_steps(warmup_steps, name),
     num_fragments=fragments,
     layer_axes=layer_axes,
     merges=schedules.merges(period, fragments, tau) if overlaps else (),
