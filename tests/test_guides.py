@@ -112,8 +112,13 @@ def test_coming_from_ddp():
   assert spread(ns["free_guard"]) == 0.0
 
 
-def test_diloco():
-  ns = run_page("diloco")
+@pytest.fixture(scope="module")
+def diloco_page():
+  return run_page("diloco")
+
+
+def test_diloco(diloco_page):
+  ns = diloco_page
   # Islands apart between outer steps, together (to rounding) after 4 and 8.
   gaps = [g["w"] for g in ns["gaps"]]
   assert all(gaps[t] > 1e-3 for t in (0, 1, 2, 4, 5, 6)), gaps
@@ -166,3 +171,31 @@ def test_checkpointing():
   ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert old.local_state[0].mu["w"].shape == (8 * 16, 8)
+
+
+def test_diloco_streaming_sections(diloco_page):
+  """Layer fragments, overlap, warm start and error feedback as the DiLoCo
+  guide shows them."""
+  ns = diloco_page
+  # Fragment 1 (rows 1, 5, 9, 13 of w: layer l in fragment l % 4) synced
+  # after step 5; the others took local steps since their syncs.
+  assert ns["met"] == [1, 5, 9, 13]
+  moments = jax.tree.leaves(ns["layered_state"].global_state)
+  assert [m.shape for m in moments if m.ndim == 2] == [(4, 8)] * 4
+  # Overlap, alpha = 0.5: w syncs after steps 2 and 6 and merges a step
+  # later, halving its own share of the gap: it shrinks, never closes.
+  gaps = [g["w"] for g in ns["overlap_gaps"]]
+  assert gaps[2] < gaps[1] and gaps[6] < gaps[5], gaps
+  assert min(gaps) > 1e-3, gaps
+  # The syncs of steps 2, 4 and 6 are in; step 8's lands in the next update.
+  assert int(ns["overlap_state"].sync_count) == 3
+  # Warm start: identical for steps 1-2, one outer step (after step 6).
+  warm = [g["w"] for g in ns["warm_gaps"]]
+  assert warm[0] == warm[1] == 0.0 and warm[5] < 1e-6, warm
+  assert min(warm[2:5]) > 1e-3, warm
+  assert int(ns["warm_state"].sync_count) == 1
+  errors = ns["ef_state"].error
+  assert {k: v.dtype for k, v in errors.items()} == {
+    "b": np.float32,
+    "w": np.float32,
+  }
