@@ -25,8 +25,12 @@ reduce-scatter or an all-gather of the same buffer moves half of that. So
 (reduce-scatter + all-gather buffers) / 2: the number to compare with
 "parameter bytes" for every method.
 
-Collective-permutes and all-to-alls count in full (none of shardopt's
-transforms emits them).
+An all-to-all of a buffer of ``B`` bytes moves ``(n - 1) / n * B`` per
+device, as a reduce-scatter does, so it counts half (the quantized wire's
+two-phase reduction, an all-to-all then an all-gather of the narrow chunks,
+is one all-reduce of its buffer). Collective-permutes count in full.
+:func:`sent_bytes` gives what a device actually sends, with each
+collective's own group size.
 
 Example (8 devices, e.g. ``XLA_FLAGS=--xla_force_host_platform_device_count=8``):
   >>> import jax, jax.numpy as jnp
@@ -483,15 +487,23 @@ def lowered_collectives(
 
 def allreduce_equivalent_bytes(op: Collective) -> float:
   """``op``'s buffer in all-reduce-equivalent bytes (see the module docstring)."""
-  weight = (
-    1.0
-    if op.kind in ("all-reduce", "collective-permute", "all-to-all")
-    else 0.5
-  )
+  weight = 1.0 if op.kind in ("all-reduce", "collective-permute") else 0.5
   return weight * op.buffer_bytes
 
 
-def by_branch(collectives: list[Collective]) -> dict:
+def sent_bytes(op: Collective, num_devices: int = 8) -> float:
+  """Bytes one device sends for ``op`` in a bandwidth-optimal algorithm, in
+  its own groups of ``g`` (``op.group_size``, or ``num_devices`` when the
+  text does not say): a ring all-reduce ``2 (g - 1) / g`` of its buffer, a
+  reduce-scatter, all-gather or all-to-all ``(g - 1) / g``, a
+  collective-permute its buffer."""
+  if op.kind == "collective-permute":
+    return float(op.buffer_bytes)
+  g = op.group_size or num_devices
+  return 2 * allreduce_equivalent_bytes(op) * (g - 1) / g
+
+
+def by_branch(collectives: list[Collective], measure=None) -> dict:
   """All-reduce-equivalent bytes of the top level and of each conditional branch.
 
   A step runs its ``top`` collectives every time and, for each conditional,
@@ -504,17 +516,21 @@ def by_branch(collectives: list[Collective]) -> dict:
     with ``label`` the outermost branch (:attr:`Collective.branch`),
     ``group_sizes`` the sorted replica-group sizes of its collectives and
     ``count`` ``{kind: n}``. Branches without collectives are not listed.
+    ``measure(op)`` gives an op's bytes (default
+    :func:`allreduce_equivalent_bytes`; :func:`sent_bytes` for what a device
+    sends).
   """
+  measure = measure or allreduce_equivalent_bytes
   top = 0.0
   branches: dict = {}
   for op in collectives:
     if not op.branch:
-      top += allreduce_equivalent_bytes(op)
+      top += measure(op)
       continue
     entry = branches.setdefault(
       op.branch, {"bytes": 0.0, "group_sizes": set(), "count": defaultdict(int)}
     )
-    entry["bytes"] += allreduce_equivalent_bytes(op)
+    entry["bytes"] += measure(op)
     entry["group_sizes"].add(op.group_size)
     entry["count"][op.kind] += 1
   return {

@@ -75,7 +75,9 @@ class Config:
   batch_per_replica: int = 8
   steps: int = 768
   eval_every: int = 64
-  learning_rate: float = 2e-3
+  learning_rate: float = 2e-3  # the peak of the schedule
+  warmup_fraction: float = 0.05  # linear warm-up, a fraction of the updates
+  end_fraction: float = 0.1  # the cosine decays to this fraction of the peak
   weight_decay: float = 1e-4
   val_windows: int = 128
   validation_every: int = 10  # one file in N goes to validation
@@ -216,10 +218,26 @@ def bits_per_byte(nats: float) -> float:
   return nats / math.log(2)
 
 
-def adamw(config: Config):
-  """The optimizer factory every method wraps."""
+def learning_rate(config: Config, updates: int | None = None):
+  """Linear warm-up from 0 to the peak, then cosine decay to ``end_fraction``
+  of it (``optax.warmup_cosine_decay_schedule``) over ``updates`` optimizer
+  updates (default: ``config.steps``)."""
+  updates = config.steps if updates is None else updates
+  return optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=config.learning_rate,
+    warmup_steps=max(1, round(config.warmup_fraction * updates)),
+    decay_steps=updates,
+    end_value=config.learning_rate * config.end_fraction,
+  )
+
+
+def adamw(config: Config, updates: int | None = None):
+  """The optimizer factory every method wraps: AdamW on
+  :func:`learning_rate`'s schedule over ``updates`` updates (default
+  ``config.steps``; ``accumulate(..., k)`` makes ``steps / k``)."""
   return lambda: optax.adamw(
-    config.learning_rate, weight_decay=config.weight_decay
+    learning_rate(config, updates), weight_decay=config.weight_decay
   )
 
 

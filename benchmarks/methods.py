@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import optax
 
 import shardopt
@@ -35,6 +36,10 @@ class Method:
     rounds_per_step: communication rounds per step (1 = every step), for the
       "per round" view.
     quick: part of the ``--quick`` smoke run (one per code path).
+    updates_per_step: optimizer updates per step (``accumulate(..., k)``:
+      ``1 / k``), so that a learning-rate schedule spans the run's updates.
+    family: the group it is plotted with (``"sync"``, ``"powersgd"``,
+      ``"diloco"``, ...).
   """
 
   label: str
@@ -43,6 +48,24 @@ class Method:
   schedule: schedules.Schedule
   rounds_per_step: float = 1.0
   quick: bool = False
+  updates_per_step: float = 1.0
+  family: str = ""
+
+
+def wire_name(comm_dtype, error_feedback: bool = False) -> str:
+  """``"int8"``, ``"int4+EF"``, ``"float8_e4m3fn"``, ``quantized(...)``'s
+  repr, or ``""`` for None (float32)."""
+  if comm_dtype is None:
+    return ""
+  try:
+    name = jnp.dtype(comm_dtype).name
+  except TypeError:  # a shardopt.quantized spec
+    name = repr(comm_dtype)
+  return name + ("+EF" if error_feedback else "")
+
+
+def _suffix(*parts: str) -> str:
+  return "".join(f", {p}" for p in parts if p)
 
 
 def build(
@@ -69,6 +92,31 @@ def sync(name: str = "adamw") -> Method:
     lambda opt: shardopt.cross_shard(opt(), AXIS),
     schedules.every(),
     quick=True,
+    family="sync",
+  )
+
+
+def cross_shard_mean(
+  comm_dtype=None,
+  error_feedback: bool = False,
+  quick: bool = False,
+  name: str = "adamw",
+) -> Method:
+  """``chain(cross_shard_mean(comm_dtype, error_feedback), optimizer)``:
+  synchronous training with the gradient's mean on a (quantized) wire."""
+  wire = wire_name(comm_dtype, error_feedback)
+  return Method(
+    f"chain(cross_shard_mean({wire or 'float32'}), {name})",
+    ("cross_shard_mean",),
+    lambda opt: optax.chain(
+      shardopt.cross_shard_mean(
+        AXIS, comm_dtype=comm_dtype, error_feedback=error_feedback
+      ),
+      opt(),
+    ),
+    schedules.every(),
+    quick=quick,
+    family="sync",
   )
 
 
@@ -80,17 +128,25 @@ def accumulate(k: int, quick: bool = False, name: str = "adamw") -> Method:
     schedules.periodic(k),
     1.0 / k,
     quick,
+    updates_per_step=1.0 / k,
+    family="accumulate",
   )
 
 
-def powersgd(rank: int, quick: bool = False, name: str = "adamw") -> Method:
+def powersgd(
+  rank: int, quick: bool = False, name: str = "adamw", comm_dtype=None
+) -> Method:
+  wire = wire_name(comm_dtype)
   return Method(
-    f"chain(powersgd(rank={rank}), {name})",
+    f"chain(powersgd(rank={rank}{_suffix(wire)}), {name})",
     ("powersgd",),
-    lambda opt: optax.chain(shardopt.powersgd(AXIS, rank=rank), opt()),
+    lambda opt: optax.chain(
+      shardopt.powersgd(AXIS, rank=rank, comm_dtype=comm_dtype), opt()
+    ),
     schedules.every(taken="min"),
     1.0,
     quick,
+    family="powersgd",
   )
 
 
@@ -113,32 +169,84 @@ def local_sgd(period: int, quick: bool = False, name: str = "adamw") -> Method:
     schedules.periodic(period),
     1.0 / period,
     quick,
+    family="local_sgd",
   )
 
 
-def diloco(period: int, quick: bool = False, name: str = "adamw") -> Method:
+def diloco(
+  period: int,
+  quick: bool = False,
+  name: str = "adamw",
+  comm_dtype=None,
+  error_feedback: bool = False,
+  warmup_steps: int = 0,
+) -> Method:
+  """``diloco(optimizer, sync_period=period)`` with the paper's outer
+  Nesterov SGD (lr 0.7, momentum 0.9, shardopt's defaults), its outer
+  gradient on ``comm_dtype`` (optionally with error feedback), after
+  ``warmup_steps`` synchronous steps."""
+  wire = wire_name(comm_dtype, error_feedback)
+  warm = f"warm-up {warmup_steps}" if warmup_steps else ""
   return Method(
-    f"diloco({name}, H={period})",
+    f"diloco({name}, H={period}{_suffix(wire, warm)})",
     ("diloco",),
-    lambda opt: shardopt.diloco(opt(), AXIS, sync_period=period),
-    schedules.periodic(period),
+    lambda opt: shardopt.diloco(
+      opt(),
+      AXIS,
+      sync_period=period,
+      comm_dtype=comm_dtype,
+      error_feedback=error_feedback,
+      **({"warmup_steps": warmup_steps} if warmup_steps else {}),
+    ),
+    schedules.periodic(period, warmup=warmup_steps),
     1.0 / period,
     quick,
+    family="diloco",
   )
 
 
 def streaming_diloco(
-  period: int, num_fragments: int, quick: bool = False, name: str = "adamw"
+  period: int,
+  num_fragments: int,
+  quick: bool = False,
+  name: str = "adamw",
+  overlap_steps: int = 0,
+  overlap_alpha: float = 0.0,
+  comm_dtype=None,
+  error_feedback: bool = False,
 ) -> Method:
+  """Streaming DiLoCo: ``num_fragments`` fragments, optionally overlapped
+  (``overlap_steps``, ``overlap_alpha``) and on a quantized wire."""
+  overlap = (
+    f"overlap {overlap_steps}, alpha={overlap_alpha:g}"
+    if overlap_steps or overlap_alpha
+    else ""
+  )
+  wire = wire_name(comm_dtype, error_feedback)
   return Method(
-    f"streaming diloco({name}, H={period}, F={num_fragments})",
+    f"streaming diloco({name}, H={period}, F={num_fragments}"
+    f"{_suffix(overlap, wire)})",
     ("diloco",),
     lambda opt: shardopt.diloco(
-      opt(), AXIS, sync_period=period, num_fragments=num_fragments
+      opt(),
+      AXIS,
+      sync_period=period,
+      num_fragments=num_fragments,
+      **(
+        {"overlap_steps": overlap_steps, "overlap_alpha": overlap_alpha}
+        if overlap
+        else {}
+      ),
+      **(
+        {"comm_dtype": comm_dtype, "error_feedback": error_feedback}
+        if wire
+        else {}
+      ),
     ),
-    schedules.fragments(period, num_fragments),
+    schedules.fragments(period, num_fragments, lag=min(overlap_steps, 1)),
     num_fragments / period,
     quick,
+    family="streaming",
   )
 
 
@@ -163,21 +271,55 @@ def hierarchical(
     schedules.levels(period_group_sizes),
     rounds,
     quick,
+    family="hierarchical",
   )
 
 
-def quality_per_byte() -> list[Method]:
-  """The eleven methods of issue 15's quality-per-byte comparison."""
+def quality_per_byte(steps: int = 2048, quick: bool = False) -> list[Method]:
+  """Issue 24's frontier (section 8), for a run of ``steps`` steps.
+
+  Full: sync and ``cross_shard_mean`` on an int8 wire with error feedback;
+  ``accumulate`` k = 4; ``powersgd`` rank 2 and 4 on a float32 and an int8
+  wire; ``local_sgd`` H = 32; ``diloco`` H = 16, 32, 64, 128 with a float32,
+  int4 and int4 + error feedback outer gradient, int8 and float8_e4m3fn at
+  H = 64, and H = 64 after ``steps / 16`` synchronous steps; streaming
+  ``diloco`` H = 64, F = 4 with overlap (1 step, alpha 0.5);
+  hierarchical ``{8: 2, 64: 8}``. ``quick`` (the CI smoke run): five
+  methods that cover the code paths (a quantized wire with error feedback
+  and a warm-up in one DiLoCo), with periods that fit a short run (H = 16).
+  """
+  if quick:
+    return [
+      sync(),
+      powersgd(2, quick=True, comm_dtype=jnp.int8),
+      diloco(
+        16,
+        quick=True,
+        comm_dtype=jnp.int4,
+        error_feedback=True,
+        warmup_steps=16,
+      ),
+      streaming_diloco(16, 4, quick=True, overlap_steps=1, overlap_alpha=0.5),
+      hierarchical({4: 2, 16: 8}, quick=True),
+    ]
+  warm = max(64, steps // 16 // 64 * 64)  # a multiple of H = 64
   return [
     sync(),
+    cross_shard_mean(jnp.int8, error_feedback=True),
     accumulate(4),
-    powersgd(1),
-    powersgd(2, quick=True),
+    powersgd(2),
+    powersgd(2, comm_dtype=jnp.int8),
     powersgd(4),
-    agn(8),
-    local_sgd(16),
-    diloco(16),
-    diloco(64),
-    streaming_diloco(64, 4, quick=True),
-    hierarchical({4: 2, 16: 8}, quick=True),
+    powersgd(4, comm_dtype=jnp.int8),
+    local_sgd(32),
+    *(
+      diloco(h, comm_dtype=wire, error_feedback=ef)
+      for h in (16, 32, 64, 128)
+      for wire, ef in ((None, False), (jnp.int4, False), (jnp.int4, True))
+    ),
+    diloco(64, comm_dtype=jnp.int8),
+    diloco(64, comm_dtype=jnp.float8_e4m3fn),
+    diloco(64, warmup_steps=warm),
+    streaming_diloco(64, 4, overlap_steps=1, overlap_alpha=0.5),
+    hierarchical({8: 2, 64: 8}),
   ]

@@ -273,6 +273,14 @@ def main(argv=None) -> int:
   results["machine"]["load_average_at_end"] = list(os.getloadavg())
   results["total_seconds"] = time.perf_counter() - start
 
+  if args.only and os.path.exists(json_path):
+    # Another --only run may have written its sections while this one ran
+    # (a section can take an hour): keep them, replace only ours.
+    with open(json_path) as f:
+      latest = json.load(f)
+    for name, section in latest.get("sections", {}).items():
+      if name not in names:
+        results["sections"][name] = section
   with open(json_path, "w") as f:
     json.dump(results, f, indent=1, default=str)
   text = markdown(results)

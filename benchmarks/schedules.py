@@ -27,7 +27,14 @@ Schedules (``t`` = local step, 1-based, as the transforms count):
   after step ``t`` the largest period dividing ``t`` wins; its branch is the
   one whose largest collective runs in groups of that size.
 
-Bytes are all-reduce-equivalent (see :mod:`benchmarks.hlo`).
+A warm-up (``warmup=W``, the periodic family's ``warmup_steps``): steps
+``1..W`` take the warm-up's branch (the first in program order: the
+all-reduce of the mean gradient), then the schedule runs as if step ``W``
+were step 0. A lag (``lag=1``, Streaming DiLoCo's overlap) runs each sync
+one step after its own. :func:`run_bytes` sums a whole run.
+
+Bytes are all-reduce-equivalent (see :mod:`benchmarks.hlo`), or what
+``per_step``'s ``measure`` counts (:func:`benchmarks.hlo.sent_bytes`).
 """
 
 from __future__ import annotations
@@ -49,15 +56,19 @@ class Schedule:
   num_fragments: int = 1
   levels: tuple = ()
   taken: str = "max"
+  warmup: int = 0
+  lag: int = 0
 
   def describe(self) -> str:
+    warm = f"every step for {self.warmup}, then " if self.warmup else ""
     if self.kind == "every":
       return "every step"
     if self.kind == "periodic":
-      return f"once per {self.period} steps"
+      return f"{warm}once per {self.period} steps"
     if self.kind == "fragments":
       return (
-        f"{self.num_fragments} fragments, each once per {self.period} steps"
+        f"{warm}{self.num_fragments} fragments, each once per"
+        f" {self.period} steps"
       )
     return "levels " + ", ".join(
       f"every {p}: groups of {g}" for p, g in self.levels
@@ -68,12 +79,20 @@ def every(taken: str = "max") -> Schedule:
   return Schedule("every", taken=taken)
 
 
-def periodic(period: int) -> Schedule:
-  return Schedule("periodic", period=period)
+def periodic(period: int, warmup: int = 0) -> Schedule:
+  return Schedule("periodic", period=period, warmup=warmup)
 
 
-def fragments(period: int, num_fragments: int) -> Schedule:
-  return Schedule("fragments", period=period, num_fragments=num_fragments)
+def fragments(
+  period: int, num_fragments: int, lag: int = 0, warmup: int = 0
+) -> Schedule:
+  return Schedule(
+    "fragments",
+    period=period,
+    num_fragments=num_fragments,
+    lag=lag,
+    warmup=warmup,
+  )
 
 
 def levels(period_group_sizes: Mapping[int, int]) -> Schedule:
@@ -96,23 +115,38 @@ def _label_key(label: str) -> tuple:
   return tuple(int(n) for n in re.findall(r"\d+", label))
 
 
-def per_step(collectives: list, schedule: Schedule) -> dict:
+def per_step(collectives: list, schedule: Schedule, measure=None) -> dict:
   """Mean and peak all-reduce-equivalent bytes per step of ``schedule``.
 
   Args:
     collectives: :func:`benchmarks.hlo.compiled_collectives` of ONE step.
     schedule: which branches the steps of a cycle take.
+    measure: an op's bytes (:func:`benchmarks.hlo.by_branch`'s default:
+      all-reduce-equivalent).
 
   Returns:
     ``{"mean_bytes", "peak_bytes", "top_bytes", "cycle": [bytes of step t for
-    t = 1..cycle length], "branches": by_branch's branches, "warning"}``;
-    ``warning`` is ``""`` unless the HLO does not look like the schedule
-    (say, F fragments expected and a different number of branches found).
+    t = 1..cycle length], "warmup_bytes": bytes of a warm-up step (0 without
+    one), "branches": by_branch's branches, "warning"}``; ``warning`` is
+    ``""`` unless the HLO does not look like the schedule (say, F fragments
+    expected and a different number of branches found). The cycle, mean and
+    peak are those after the warm-up.
   """
-  split = hlo.by_branch(collectives)
+  split = hlo.by_branch(collectives, measure)
   top, branches = split["top"], split["branches"]
   sizes = {label: b["bytes"] for label, b in branches.items()}
   warning = ""
+  warmup_bytes = 0.0
+  if schedule.warmup:
+    if not sizes:
+      raise ValueError("per_step: a warm-up, but no branch with collectives.")
+    first = min(sizes, key=_label_key)
+    warmup_bytes = top + sizes.pop(first)
+    if branches[first]["count"] != {"all-reduce": 1}:
+      warning = (
+        f"the warm-up's branch {first} is not one all-reduce:"
+        f" {branches[first]['count']}"
+      )
   if schedule.kind == "every":
     extra = 0.0
     if sizes:
@@ -136,7 +170,8 @@ def per_step(collectives: list, schedule: Schedule) -> dict:
         f" fragment), found {len(sizes)}"
       )
     for offset, value in zip(offsets, per_fragment):
-      cycle[(offset - 1) % period] += value  # step t sits at index t - 1
+      # step t sits at index t - 1; a lagged sync runs lag steps later
+      cycle[(offset + schedule.lag - 1) % period] += value
   elif schedule.kind == "levels":
     by_size: dict = {}
     for label in sizes:
@@ -156,9 +191,26 @@ def per_step(collectives: list, schedule: Schedule) -> dict:
     raise ValueError(f"per_step: unknown schedule kind {schedule.kind!r}.")
   return {
     "mean_bytes": sum(cycle) / len(cycle),
-    "peak_bytes": max(cycle),
+    "peak_bytes": max(cycle + ([warmup_bytes] if schedule.warmup else [])),
     "top_bytes": top,
     "cycle": cycle,
+    "warmup_bytes": warmup_bytes,
     "branches": branches,
     "warning": warning,
   }
+
+
+def run_bytes(measured: dict, schedule: Schedule, steps: int) -> float:
+  """Bytes of a run of ``steps`` steps: the warm-up's steps, then the cycle
+  of :func:`per_step`'s result ``measured`` from its start (step ``W + 1``
+  takes ``cycle[0]``). A lagged sync (``schedule.lag``) of one of the last
+  ``lag`` steps runs after the run and is not counted; the first ``lag``
+  steps, which its cycle charges with the syncs of the steps before them,
+  have none (there are none before step ``W + 1``)."""
+  warm = min(schedule.warmup, steps)
+  cycle = measured["cycle"]
+  top = measured["top_bytes"]
+  total = warm * measured["warmup_bytes"]
+  for i in range(steps - warm):
+    total += top if i < schedule.lag else cycle[i % len(cycle)]
+  return total
