@@ -286,7 +286,29 @@ class _Bench:
     )
 
 
-def _periodic_methods(donate: bool) -> list:
+def _streaming_variants(period: int, num_layers: int) -> list:
+  """Streaming DiLoCo (F = 4) with overlap (tau = 1, alpha = 0.5), and with
+  fragments over layers (every weight matrix's rows dealt to the fragments
+  as a stack's layers; the biases as whole leaves)."""
+  layers = {f"layer{i}": {"w": 0, "b": None} for i in range(num_layers)}
+  variants = {
+    "overlap tau=1, alpha=0.5": {"overlap_steps": 1, "overlap_alpha": 0.5},
+    "layer fragments": {"layer_axes": layers},
+  }
+  return [
+    methods.Method(
+      f"streaming diloco(adam, H={period}, F=4, {label})",
+      ("diloco",),
+      lambda opt, kwargs=kwargs: shardopt.diloco(
+        opt(), _common.AXIS, sync_period=period, num_fragments=4, **kwargs
+      ),
+      schedules.fragments(period, 4),
+    )
+    for label, kwargs in variants.items()
+  ]
+
+
+def _periodic_methods(donate: bool, num_layers: int) -> list:
   """The periodic transforms; with donation, periods no call reaches."""
   if donate:
     h = HUGE_PERIOD
@@ -295,6 +317,7 @@ def _periodic_methods(donate: bool) -> list:
       methods.local_sgd(h, name="adam"),
       methods.diloco(h, name="adam"),
       methods.streaming_diloco(h, 4, name="adam"),
+      *_streaming_variants(h, num_layers),
       methods.hierarchical({h: 2, 4 * h: 8}, name="adam"),
     ]
   return [
@@ -302,6 +325,7 @@ def _periodic_methods(donate: bool) -> list:
     methods.local_sgd(16, name="adam"),
     methods.diloco(16, name="adam"),
     methods.streaming_diloco(64, 4, name="adam"),
+    *_streaming_variants(64, num_layers),
     methods.hierarchical({4: 2, 16: 8}, name="adam"),
   ]
 
@@ -454,10 +478,11 @@ def _copies_text(copies: dict) -> str:
   return text
 
 
-def run(quick: bool, only_guards: bool = False) -> dict:
+def run(quick: bool, only_guards: bool = False, only_nonsync=False) -> dict:
   """Times every available path against its baseline; returns the section.
 
-  ``only_guards=True`` times group 5 (the finite guards) alone.
+  ``only_guards=True`` times group 5 (the finite guards) alone,
+  ``only_nonsync=True`` group 1 (the periodic family's non-sync steps).
   """
   bench = _Bench(quick)
   rows, comparisons, skipped, powersgd = [], {}, {}, {}
@@ -520,7 +545,8 @@ def run(quick: bool, only_guards: bool = False) -> dict:
   for donate in passes:
     tag = ", donated" if donate else ""
     # 5. The finite guards (first, so that only_guards can stop here).
-    _time_guards(bench, donate, record)
+    if not only_nonsync:
+      _time_guards(bench, donate, record)
     if only_guards:
       continue
     # 1. Non-sync steps vs the same local optax step.
@@ -532,7 +558,7 @@ def run(quick: bool, only_guards: bool = False) -> dict:
       floor: bench.runner(_adam_and_accumulator_add(), donate),
       select: bench.runner(_adam_and_center_select(), donate),
     }
-    for method in _periodic_methods(donate):
+    for method in _periodic_methods(donate, len(bench.sizes) - 1):
       tx = available(method)
       if tx is not None:
         runners[f"{method.label}: non-sync step{tag}"] = bench.runner(
@@ -560,6 +586,8 @@ def run(quick: bool, only_guards: bool = False) -> dict:
         else:
           what, base = "adam + the select onto the center", select
         over_floor[name] = (what, _timing.ratio(timing, name, base))
+    if only_nonsync:
+      continue
 
     # 2-3. accumulate (mid, emit) and apply_if_finite vs their baselines.
     sync = f"cross_shard(adam){tag}"

@@ -108,16 +108,15 @@ def _reduce_on_wire(
   ``summing_collective`` sums over ``members`` replicas and may change the
   shape (``psum_scatter`` keeps one chunk). A quantized ``comm_dtype`` has
   its own reduction (:func:`shardopt.quantize.all_reduce`, from
-  :func:`reduce`); an opaque collective (``tower``'s reduce-scatter) cannot
-  take it yet.
+  :func:`reduce`; ``tower`` calls :func:`shardopt.quantize.reduce_scatter`
+  itself); an opaque collective cannot take it.
   """
   if isinstance(comm_dtype, quantize.QuantizedSpec):
     raise NotImplementedError(
       f"comm_dtype={comm_dtype!r}: a quantized wire is implemented for"
       " all-reduces (shardopt.reduce, cross_shard*, the periodic family,"
-      " powersgd), not yet for shardopt.tower's reduce-scatter. Use a float"
-      " comm_dtype (e.g. jnp.bfloat16) with tower, or"
-      " shardopt.cross_shard(inner, axis, comm_dtype=...)."
+      " powersgd) and tower's reduce-scatter, not for this collective. Use a"
+      " float comm_dtype (e.g. jnp.bfloat16) here."
     )
   wire = comm_dtype if comm_dtype is not None else x.dtype
   prescale = float(members) if wire == jnp.float16 else 1.0

@@ -319,6 +319,33 @@ def _position(axis, groups: tuple | None) -> jax.Array:
   return jnp.asarray(table)[index]
 
 
+def reduce_scatter(
+  rows: jax.Array, axis, spec: QuantizedSpec, *, divisor: int
+) -> jax.Array:
+  """Phase 1 of :func:`all_reduce` alone: ``rows`` is ``(members, m)``,
+  row ``j`` this replica's contribution to member ``j``'s chunk; returns
+  this replica's chunk of the sum over ``axis`` (divided by ``divisor``),
+  ``(m,)`` float32. Each row is quantized in blocks, the rows travel by one
+  all-to-all of uint8 bytes (values and scales), and the received rows are
+  dequantized and summed in float32 in member order. ``shardopt.tower``'s
+  reduce-scatter on a quantized wire.
+  """
+  members, m = rows.shape
+  block, blocks = layout(members * m, members, spec)
+  values = rows.astype(jnp.float32)
+  values = jnp.pad(values, ((0, 0), (0, blocks * block - m)))
+  received = jax.lax.all_to_all(
+    encode(values.reshape(members, blocks, block), spec), axis, 0, 0
+  )
+  terms = decode(received, spec, block, blocks)
+  total = terms[0]
+  for j in range(1, members):  # member order, the same on every backend
+    total = total + terms[j]
+  if divisor != 1:
+    total = total * jnp.float32(1.0 / divisor)
+  return total.reshape(-1)[:m]
+
+
 def all_reduce(
   leaves: list,
   axis,

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from shardopt import _axes
+from shardopt import quantize
 from shardopt.collectives import _reduce_on_wire
 
 _TOWER = "shardopt.tower"
@@ -187,6 +188,39 @@ def _owned_sum(
   return jnp.reshape(blocks, layout.chunk)
 
 
+def _quantized_owned_sum(
+  g: jax.Array,
+  names: tuple,
+  varying: tuple,
+  num_owners: int,
+  spec: quantize.QuantizedSpec,
+  reduction: str,
+) -> jax.Array:
+  """The owned chunk of the sum (or mean) of ``g`` over a quantized wire
+  (:func:`shardopt.quantize.reduce_scatter`): each replica sends every
+  owner its chunk in blocks of ``spec`` with float32 scales, and the owner
+  sums them in float32. The updates then travel back exact (all-gather)."""
+  layout = _layout(g, num_owners)
+  if len(varying) != len(names) or not (layout.flat and layout.owners == 0):
+    raise NotImplementedError(
+      f"{_TOWER}: comm_dtype={spec!r} on axis {_axes.as_axis(names)!r}: a"
+      " quantized reduce-scatter is implemented for gradients varying over"
+      " every axis of axis_name, on replicas that are not model-parallel;"
+      f" here the gradient varies over {varying!r} only, or the replicas"
+      " are sharded over a model axis. Use a float comm_dtype (e.g."
+      " jnp.bfloat16) there, or shardopt.cross_shard(inner, axis,"
+      " comm_dtype=...)."
+    )
+  rows = _owners_view(g, layout)
+  owned = quantize.reduce_scatter(
+    rows,
+    _axes.as_axis(names),
+    spec,
+    divisor=num_owners if reduction == "mean" else 1,
+  )
+  return jnp.reshape(owned, layout.chunk).astype(g.dtype)
+
+
 def _unshard(
   chunk: jax.Array, like: jax.Array, axis_name: Any, num_owners: int
 ) -> jax.Array:
@@ -325,7 +359,13 @@ def tower(
     comm_dtype: optional floating dtype used on the wire for the gradients'
       reduce-scatter (e.g. ``jnp.bfloat16``), cast exactly as in
       :func:`shardopt.reduce`. The updates are all-gathered in their own
-      dtype, so every replica applies the update ``inner`` computed.
+      dtype, so every replica applies the update ``inner`` computed. A
+      quantized one (``jnp.int8``, ``jnp.float8_e4m3fn``, ``jnp.int4``,
+      ``shardopt.quantized(...)``) quantizes each replica's rows in blocks
+      with float32 scales and sends them by one all-to-all of bytes; each
+      owner sums its rows in float32
+      (:func:`shardopt.quantize.reduce_scatter`). Not inside model-parallel
+      replicas (``NotImplementedError``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s
@@ -392,6 +432,10 @@ def tower(
           chunk / jnp.asarray(num_owners, g.dtype)
           if (reduction == "mean")
           else chunk
+        )
+      if isinstance(comm_dtype, quantize.QuantizedSpec):
+        return _quantized_owned_sum(
+          g, names, varying, num_owners, comm_dtype, reduction
         )
       return _reduce_on_wire(
         g,
