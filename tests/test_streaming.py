@@ -645,3 +645,17 @@ def test_quantized_streaming_with_overlap_and_layers_under_shard_map(mesh):
 def test_error_feedback_needs_a_quantized_outer_wire():
   with pytest.raises(ValueError, match=r"shardopt\.diloco.*error_feedback"):
     _diloco(2, comm_dtype=jnp.bfloat16, error_feedback=True)
+
+
+def test_layer_axes_as_a_plain_dict_for_nnx_state_params():
+  """Flax nnx hands its params as an ``nnx.State`` (a mapping that is not a
+  dict): a plain-dict ``layer_axes`` is read along each leaf's key path."""
+  nnx = pytest.importorskip("flax.nnx")
+  params = nnx.State(
+    {"blocks": {"w": jnp.zeros((4, 2))}, "embed": jnp.zeros(3)}
+  )
+  tx = _diloco(2, layer_axes={"blocks": 0, "embed": None})
+  shapes = [x.shape for x in jax.tree.leaves(tx.init(params).global_state)]
+  assert sorted(shapes) == [(2, 2), (2, 2), (3,)]
+  with pytest.raises(ValueError, match="not a pytree prefix"):
+    _diloco(2, layer_axes={"blocks": 0}).init(params)

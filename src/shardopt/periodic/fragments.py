@@ -145,11 +145,40 @@ def layer_axes_of(params: Any, layer_axes: Any, transform: str) -> list:
     axes = jax.tree.broadcast(layer_axes, params, is_leaf=lambda x: x is None)
     axes = jax.tree.leaves(axes, is_leaf=lambda x: x is None)
   except (ValueError, TypeError) as error:
+    axes = _axes_by_key_path(layer_axes, params)
+    if axes is not None:
+      return _checked(params, axes, transform)
     raise ValueError(
       f"{transform}: layer_axes={layer_axes!r} is not a pytree prefix of the"
       " params; give, per leaf (or per subtree), the index of its stacked"
       " layer axis or None, e.g. {'blocks': 0, 'embed': None}."
     ) from error
+  return _checked(params, axes, transform)
+
+
+def _axes_by_key_path(layer_axes: Any, params: Any) -> list | None:
+  """Per leaf, the axis a prefix made of plain dicts gives it, read along
+  the leaf's key path (for params in another mapping type, such as
+  ``flax.nnx.State``); None if some leaf's path is not in the prefix."""
+  out = []
+  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+    node = layer_axes
+    for key in path:
+      if not isinstance(node, dict):
+        break
+      name = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
+      if name not in node:
+        return None
+      node = node[name]
+    if isinstance(node, dict):
+      return None
+    out.append(node)
+  return out
+
+
+def _checked(params: Any, axes: list, transform: str) -> list:
+  """``axes`` (one per leaf) checked against the leaves' ranks and made
+  non-negative."""
   leaves = jax.tree.leaves(params)
   out = []
   for leaf, axis in zip(leaves, axes):
