@@ -321,13 +321,20 @@ def test_overlap_matches_numpy_reference_under_shard_map(mesh):
   _check(history, reference, tau, "shard_map, F=2, tau=1, a=0.5")
 
 
-def test_tau_0_alpha_0_is_streaming_diloco_bit_for_bit():
+@pytest.mark.parametrize(
+  "num_fragments, extra", [(2, {}), (1, {"layer_axes": 0})], ids=["F2", "F1"]
+)
+def test_tau_0_alpha_0_is_streaming_diloco_bit_for_bit(num_fragments, extra):
+  """tau = 0, alpha = 0 is today's streaming DiLoCo; F = 1 (whatever
+  layer_axes says) is plain DiLoCo."""
   steps = 10
   params0, targets = _params0(LEAVES), _targets(LEAVES, steps, seed=6)
   explicit = _pmap_history(
-    _diloco(2, overlap_steps=0, overlap_alpha=0.0), params0, targets
+    _diloco(num_fragments, overlap_steps=0, overlap_alpha=0.0, **extra),
+    params0,
+    targets,
   )
-  default = _pmap_history(_diloco(2), params0, targets)
+  default = _pmap_history(_diloco(num_fragments), params0, targets)
   for t in range(steps):
     chex.assert_trees_all_equal(
       jax.tree.map(lambda v, t=t: v[t], explicit),
