@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _streaming_reference import np_streaming_diloco
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -214,36 +215,24 @@ def _flat(tree, lead):
 
 
 def _np_streaming(params0, targets, ids, num_fragments, tau, alpha):
-  """The spec in numpy, float64, on flat vectors.
-
-  Returns params after every step (steps, R, N) and the center after every
-  step, step 0 included (steps + 1, N).
-  """
+  """The spec in numpy (tests/_streaming_reference.py) on this file's loss,
+  whose gradient is ``params - target``."""
   steps = len(jax.tree.leaves(targets)[0])
-  ids = np.concatenate([i.reshape(-1) for i in ids])
   y = _flat(targets, (steps, R))
-  center = _flat(params0, ())
-  params = np.tile(center, (R, 1))
-  momentum = np.zeros_like(center)  # disjoint per fragment: F states in one
-  phases = [(f * H) // num_fragments for f in range(num_fragments)]
-  params_out, centers = [], [center.copy()]
-  for t in range(1, steps + 1):
-    params = params - LR * (params - y[t - 1])
-    for f, phase in enumerate(phases):
-      if t % H == phase:
-        m = ids == f
-        delta = center[m] - params[:, m].mean(axis=0)
-        momentum[m] = OUTER_MOMENTUM * momentum[m] + delta
-        center[m] = center[m] - OUTER_LR * (
-          delta + OUTER_MOMENTUM * momentum[m]
-        )
-    for f, phase in enumerate(phases):
-      if t - tau >= 1 and (t - tau) % H == phase:
-        m = ids == f
-        params[:, m] = alpha * params[:, m] + (1 - alpha) * center[m]
-    params_out.append(params.copy())
-    centers.append(center.copy())
-  return np.stack(params_out), np.stack(centers)
+  return np_streaming_diloco(
+    _flat(params0, ()),
+    lambda params, t: params - y[t - 1],
+    steps,
+    np.concatenate([i.reshape(-1) for i in ids]),
+    num_fragments=num_fragments,
+    period=H,
+    tau=tau,
+    alpha=alpha,
+    lr=LR,
+    outer_lr=OUTER_LR,
+    outer_momentum=OUTER_MOMENTUM,
+    replicas=R,
+  )
 
 
 def _check(history, reference, tau, where):

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _streaming_reference import np_streaming_diloco
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -310,40 +311,29 @@ def _grads_oracle():
 
 
 def _np_streaming(tokens, num_fragments, tau, alpha, layer_axes):
-  """The algorithm in float64 numpy, on one flat vector per replica; jax
-  only gives the gradient of the loss at the reference's params.
-
-  Returns the params after every step (steps, R, N) and the center after
-  every step, step 0 included (steps + 1, N).
-  """
+  """The algorithm in float64 numpy (tests/_streaming_reference.py); jax
+  only gives the gradient of the loss at the reference's params."""
   params0, _, _ = _model()
   ids = np.concatenate(
     [i.reshape(-1) for i in _fragment_ids(params0, layer_axes, num_fragments)]
   )
-  center = _flat(params0, ())
-  params = np.tile(center, (R, 1))
-  momentum = np.zeros_like(center)  # disjoint per fragment: F states in one
-  phases = [(f * H) // num_fragments for f in range(num_fragments)]
   grad = _grads_oracle()
-  params_out, centers = [], [center.copy()]
-  for t in range(1, len(tokens) + 1):
-    g = grad(_unflat(params, params0), tokens[t - 1])
-    params = params - LR * _flat(g, (R,))
-    for f, phase in enumerate(phases):
-      if t % H == phase:
-        m = ids == f
-        delta = center[m] - params[:, m].mean(axis=0)
-        momentum[m] = OUTER_MOMENTUM * momentum[m] + delta
-        center[m] = center[m] - OUTER_LR * (
-          delta + OUTER_MOMENTUM * momentum[m]
-        )
-    for f, phase in enumerate(phases):
-      if t - tau >= 1 and (t - tau) % H == phase:
-        m = ids == f
-        params[:, m] = alpha * params[:, m] + (1 - alpha) * center[m]
-    params_out.append(params.copy())
-    centers.append(center.copy())
-  return np.stack(params_out), np.stack(centers)
+  return np_streaming_diloco(
+    _flat(params0, ()),
+    lambda params, t: _flat(
+      grad(_unflat(params, params0), tokens[t - 1]), (R,)
+    ),
+    len(tokens),
+    ids,
+    num_fragments=num_fragments,
+    period=H,
+    tau=tau,
+    alpha=alpha,
+    lr=LR,
+    outer_lr=OUTER_LR,
+    outer_momentum=OUTER_MOMENTUM,
+    replicas=R,
+  )
 
 
 # --------------------------------------------------------------------------
