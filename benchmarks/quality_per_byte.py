@@ -5,15 +5,15 @@ interpreter's stdlib sources, 8 replicas under ``jax.pmap``), trained long
 enough that synchronous training's validation curve has flattened. Every
 method wraps the same inner optimizer, AdamW with a linear warm-up and a
 cosine decay (:func:`benchmarks.lm.adamw`), and trains from the same seeds
-on the same data stream (issue 24's list, :func:`benchmarks.methods.
+on the same data stream (issue 24's list, as much of it as fits in about an
+hour on the shared 2-core machine: :func:`benchmarks.methods.
 quality_per_byte`): synchronous ``cross_shard(adamw)`` and
-``cross_shard_mean`` on an int8 wire with error feedback,
-``accumulate(cross_shard(adamw), 4)``, ``powersgd`` rank 2 and 4 on a
-float32 and an int8 wire, ``local_sgd``, ``diloco`` (the paper's outer
-Nesterov SGD, lr 0.7, momentum 0.9) for H = 16..128 with a float32 and an
-int4 outer gradient, with and without error feedback, int8 and
-float8_e4m3fn at one H, a synchronous warm start, streaming DiLoCo with F = 4
-fragments and overlap, and hierarchical local SGD.
+``cross_shard_mean`` on an int8 wire with error feedback, ``powersgd`` rank 4
+on a float32 and an int8 wire, ``diloco`` (the paper's outer Nesterov SGD,
+lr 0.7, momentum 0.9) for H = 16..128 with a float32 outer gradient, int4
+with and without error feedback at H = 32 and 64, int8 and float8_e4m3fn at
+H = 64, a synchronous warm start, and streaming DiLoCo with F = 4 fragments
+and overlap.
 
 Bytes: each method's training chunk is compiled once; its HLO is read by
 :mod:`benchmarks.hlo` (the loop body is one step) and weighted by the
@@ -56,6 +56,7 @@ if __name__ == "__main__":  # standalone: 8 CPU devices before jax is imported
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import json  # noqa: E402
 import re  # noqa: E402
 import resource  # noqa: E402
 import time  # noqa: E402
@@ -80,6 +81,7 @@ MOONSHOT_LOSS = 0.01  # within 1% of sync's final validation loss
 MOONSHOT_BYTES = 100.0  # with at least 100x fewer bytes
 FLAT = 0.2  # sync has flattened: its last 20% of steps ...
 FLAT_GAIN = 0.02  # ... improve its validation loss by under 2%
+PARTIAL_DIR = os.path.join(os.path.dirname(__file__), "results", "tmp")
 
 
 def _cpu_seconds() -> float:
@@ -191,6 +193,10 @@ def measure(
     )
     for r in entry["runs"]:
       del r["train_bpb"]  # kept as the mean only: the JSON stays small
+    if not quick:  # what is done so far, should the run not finish
+      os.makedirs(PARTIAL_DIR, exist_ok=True)
+      with open(os.path.join(PARTIAL_DIR, f"{NAME}.partial.json"), "w") as f:
+        json.dump(out, f, default=str)
   return {
     "config": dataclasses.asdict(config),
     "seeds": list(seeds),
@@ -604,7 +610,7 @@ def plot(result: dict, directory: str) -> list[str]:
   data = result["data"]
   entries = {k: e for k, e in data["methods"].items() if e["available"]}
   fig, (left, right) = plt.subplots(
-    1, 2, figsize=(17, 7.5), gridspec_kw={"width_ratios": [1.35, 1]}
+    1, 2, figsize=(16, 9), gridspec_kw={"width_ratios": [1.3, 1]}
   )
   sync = entries.get(SYNC)
   for i, (label, e) in enumerate(entries.items()):
@@ -676,8 +682,10 @@ def plot(result: dict, directory: str) -> list[str]:
   )
   for ax in (left, right):
     ax.grid(alpha=0.3, which="both")
-  left.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-  fig.tight_layout()
+  handles, labels = left.get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7.5)
+  rows = -(-len(labels) // 3)
+  fig.tight_layout(rect=(0, 0.03 + 0.028 * rows, 1, 1))
   path = os.path.join(directory, "quality_per_byte.png")
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -687,7 +695,6 @@ def plot(result: dict, directory: str) -> list[str]:
 def main(argv=None) -> int:
   """``python -m benchmarks.quality_per_byte [--quick] [--seeds N] [--only LABEL]``."""
   import argparse
-  import json
 
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true")
