@@ -150,7 +150,7 @@ def test_quick_run_writes_every_section(tmp_path):
     env=env,
     capture_output=True,
     text=True,
-    timeout=300,
+    timeout=900,
   )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   results = json.loads((tmp_path / "latest.json").read_text())

@@ -815,7 +815,7 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
       shardopt.diloco(
         plain, "batch", sync_period=big, num_fragments=4, layer_axes=-1
       ),
-      2,
+      None,
     ),
     "streaming diloco(adam) with overlap": (
       shardopt.diloco(
@@ -826,17 +826,17 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
         overlap_steps=1,
         overlap_alpha=0.5,
       ),
-      2,
+      None,
     ),
     # Past a warm-up: its two conds (the mean gradient, the center's copy)
     # hand their operands back untouched.
     "diloco(adam) after a warm-up": (
       shardopt.diloco(plain, "batch", sync_period=big, warmup_steps=3),
-      2,
+      None,
     ),
     "agn(adam) after a warm-up": (
       shardopt.agn(plain, "batch", communication_period=big, warmup_steps=3),
-      3,
+      None,
     ),
     "hierarchical_local_sgd(adam)": (
       shardopt.hierarchical_local_sgd(
@@ -846,9 +846,13 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
     ),
   }
   donated, kept = {}, {}
+  # The variants (None) are checked donated only: not donated, they copy
+  # what their base transform copies (compiled twice per case, the test's
+  # cost).
   for name, (tx, trees) in cases.items():
     donated[name] = _non_sync_copied_bytes(tx, sizes, donate=True)
-    kept[name] = _non_sync_copied_bytes(tx, sizes, donate=False)
+    if trees is not None:
+      kept[name] = _non_sync_copied_bytes(tx, sizes, donate=False)
   print(
     f"bytes copied by a non-sync step ({tree} B of params): donated"
     f" {donated}, not donated {kept}"
@@ -856,7 +860,8 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
   for name, (_, trees) in cases.items():
     # Scalars (counters, the finite flag) may be copied: a few bytes.
     assert donated[name] <= donated["plain adam"] + 64, (name, donated)
-    assert kept[name] <= trees * tree + 64, (name, kept)
+    if trees is not None:
+      assert kept[name] <= trees * tree + 64, (name, kept)
 
 
 def _params_shaped_cond_outputs(tx, axis_env) -> list[int]:
