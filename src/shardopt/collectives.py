@@ -108,7 +108,7 @@ def _reduce_on_wire(
   ``summing_collective`` sums over ``members`` replicas and may change the
   shape (``psum_scatter`` keeps one chunk). A quantized ``comm_dtype`` has
   its own reduction (:func:`shardopt.quantize.all_reduce`, from
-  :func:`reduce`; ``tower`` calls :func:`shardopt.quantize.reduce_scatter`
+  :func:`reduce`; ``tower`` calls ``shardopt.quantize.reduce_scatter``
   itself); an opaque collective cannot take it.
   """
   if isinstance(comm_dtype, quantize.QuantizedSpec):

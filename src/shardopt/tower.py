@@ -197,7 +197,7 @@ def _quantized_owned_sum(
   reduction: str,
 ) -> jax.Array:
   """The owned chunk of the sum (or mean) of ``g`` over a quantized wire
-  (:func:`shardopt.quantize.reduce_scatter`): each replica sends every
+  (``shardopt.quantize.reduce_scatter``): each replica sends every
   owner its chunk in blocks of ``spec`` with float32 scales, and the owner
   sums them in float32. The updates then travel back exact (all-gather)."""
   layout = _layout(g, num_owners)
@@ -364,7 +364,7 @@ def tower(
       ``shardopt.quantized(...)``) quantizes each replica's rows in blocks
       with float32 scales and sends them by one all-to-all of bytes; each
       owner sums its rows in float32
-      (:func:`shardopt.quantize.reduce_scatter`). Not inside model-parallel
+      (``shardopt.quantize.reduce_scatter``). Not inside model-parallel
       replicas (``NotImplementedError``).
 
   Returns:
