@@ -122,9 +122,13 @@ def measure(
   quick: bool,
   seeds: Sequence[int] | None = None,
   only: Sequence[str] | None = None,
+  **overrides,
 ) -> dict:
-  """Trains every available method on every seed; returns curves and bytes."""
-  config = lm.QUICK if quick else lm.FULL
+  """Trains every available method on every seed; returns curves and bytes.
+
+  ``overrides``: fields of :class:`benchmarks.lm.Config` to change (a
+  longer run: ``steps=2048``)."""
+  config = dataclasses.replace(lm.QUICK if quick else lm.FULL, **overrides)
   seeds = tuple(seeds) if seeds is not None else ((0,) if quick else (0, 1))
   workload = lm.Workload(config)
   params = lm.init_params(config, 0)
@@ -399,10 +403,11 @@ def run(
   quick: bool,
   seeds: Sequence[int] | None = None,
   only: Sequence[str] | None = None,
+  **overrides,
 ) -> dict:
   """Runs :func:`measure` and formats the section (table, notes, data)."""
   start = time.perf_counter()
-  data = measure(quick, seeds, only)
+  data = measure(quick, seeds, only, **overrides)
   verdicts, verdict_notes = _verdicts(data)
   data["verdicts"] = verdicts
   m = data["methods"]
@@ -693,7 +698,8 @@ def plot(result: dict, directory: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-  """``python -m benchmarks.quality_per_byte [--quick] [--seeds N] [--only LABEL]``."""
+  """``python -m benchmarks.quality_per_byte [--quick] [--seeds N] [--only
+  LABEL] [--steps N] [--out DIR]``."""
   import argparse
 
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -708,10 +714,14 @@ def main(argv=None) -> int:
     "--only", action="append", default=None, help="a method label (repeatable)"
   )
   parser.add_argument("--out", default=None, help="write the section JSON here")
+  parser.add_argument(
+    "--steps", type=int, default=None, help="steps per run (default: lm's)"
+  )
   args = parser.parse_args(argv)
   seeds = None if args.seeds is None else range(args.seeds)
   start = time.perf_counter()
-  section = run(args.quick, seeds, args.only)
+  overrides = {} if args.steps is None else {"steps": args.steps}
+  section = run(args.quick, seeds, args.only, **overrides)
   table = section["table"]
   print("| " + " | ".join(table["columns"]) + " |")
   for row in table["rows"]:
