@@ -51,7 +51,10 @@ step and its baseline each time:
    ``apply_if_finite(tower(adam), axis, 5)`` vs their unguarded step (and
    the first vs ``optax.apply_if_finite(cross_shard(adam))``, which
    deadlocks on a one-replica NaN under pmap: timed on finite inputs).
-   Goal <= 1.05. ``run(quick, only_guards=True)`` times this group alone.
+   Goal <= 1.05. A hand-written floor times the finite check alone
+   (``adam`` plus ``all_finite`` of the gradients, deciding nothing): what
+   one more read of the gradients costs here. ``run(quick,
+   only_guards=True)`` times this group alone.
 
 Every entry whose transform this shardopt does not have yet is skipped and
 listed. A ``max |Δparam|`` column checks that each step computes what its
@@ -131,6 +134,22 @@ def _adam_and_center_select() -> optax.GradientTransformation:
       lambda u, c, p: jnp.where(sync, c - p, u), updates, center, params
     )
     return updates, (inner, center, count)
+
+  return optax.GradientTransformation(init, update)
+
+
+def _adam_and_finite_check() -> optax.GradientTransformation:
+  """``optax.adam`` plus :func:`shardopt.all_finite` of the gradients kept
+  in its state, deciding nothing, hand-written: the floor of a finite guard
+  (one more read of the gradients)."""
+  adam = _adam()
+
+  def init(params):
+    return adam.init(params), jnp.asarray(True)
+
+  def update(grads, state, params=None):
+    updates, inner = adam.update(grads, state[0], params)
+    return updates, (inner, shardopt.all_finite(grads))
 
   return optax.GradientTransformation(init, update)
 
@@ -354,6 +373,12 @@ def _guard_rows() -> list:
   return [
     (None, mean, optax.chain(shardopt.cross_shard_mean(axis), adam()), None),
     (
+      "floor",
+      "chain(cross_shard_mean, adam + finite check) (floor: no skip)",
+      optax.chain(shardopt.cross_shard_mean(axis), _adam_and_finite_check()),
+      mean,
+    ),
+    (
       "guard",
       "chain(cross_shard_mean, apply_if_finite(adam, None, 5)) (free guard)",
       optax.chain(
@@ -408,6 +433,9 @@ def _time_guards(bench: _Bench, donate: bool, record) -> None:
       continue
     if group is None:  # optax's guard vs the unguarded step
       record("optax guard", name, baseline, runners, timing, donate)
+      continue
+    if group == "floor":  # the check alone vs the unguarded step
+      record("floor", name, baseline, runners, timing, donate)
       continue
     record(group, name, baseline, runners, timing, donate, GOALS[group], True)
     if baseline in theirs:

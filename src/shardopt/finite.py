@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from shardopt import _axes
+from shardopt._skip import update_or_skip
 from shardopt.collectives import reduce
 
 _ALL_FINITE = "shardopt.all_finite"
@@ -105,16 +106,25 @@ def apply_if_finite(
   """Skips the update on every replica when any replica's gradient is not finite.
 
   ``optax.apply_if_finite`` with the decision made by :func:`all_finite`
-  over ``axis_name``, so every replica takes the same branch:
+  over ``axis_name``, so every replica decides the same:
 
   1. ``finite = all_finite(updates, axis_name)``: one 4-byte all-reduce, the
-     only collective outside the cond;
+     guard's only collective (none with ``axis_name=None``);
   2. ``notfinite_count`` counts consecutive non-finite steps (reset to 0 by a
      finite one), ``total_notfinite`` all of them, ``last_finite`` is
      ``finite``;
-  3. one ``jax.lax.cond``: if ``finite`` or ``notfinite_count >
-     max_consecutive_errors``, ``inner.update`` runs (with every collective
-     it holds); otherwise the updates are zeros and ``inner_state`` is kept.
+  3. ``inner.update`` runs on every step, with every collective it holds (the
+     same program on every replica, so none can hang). If ``finite`` or
+     ``notfinite_count > max_consecutive_errors``, its updates and new state
+     are returned, bit for bit; otherwise the updates are zeros and
+     ``inner_state`` is kept, bit for bit, whatever NaN or inf the skipped
+     update computed.
+
+  Step 3 is a select, not a ``lax.cond``: each new state leaf is selected
+  where ``inner`` computes it, so ``inner``'s update still fuses with the
+  caller's ``optax.apply_updates`` and a donated step copies nothing. The
+  guard costs what the finite check costs, one read of the gradients
+  (``benchmarks/cost.py`` group 5; ``docs/reliability.md``).
 
   The state is ``optax.ApplyIfFiniteState``, so checkpoints and
   ``optax.tree_utils.tree_get`` work as for optax's. With a ``inner`` that
@@ -190,36 +200,15 @@ def apply_if_finite(
     consecutive = _axes.scalar_counter(
       notfinite_count, _APPLY_IF_FINITE, "state.notfinite_count"
     )
-
-    def apply_branch():
-      updates_, inner_state_ = inner.update(
-        updates, state.inner_state, params, **extra_args
-      )
-      # The new state in the old state's dtypes, as optax.MultiSteps keeps
-      # it (adam's mu_dtype=None promotes f16 moments fed f32 gradients to
-      # f32), so that both branches have the same types.
-      return updates_, optax.tree.cast_like(inner_state_, state.inner_state)
-
-    apply_types = jax.eval_shape(apply_branch)
-
-    def skip_branch():
-      zeros = jax.tree.map(
-        lambda t: jnp.zeros(t.shape, t.dtype), apply_types[0]
-      )
-      return zeros, state.inner_state
-
-    # Why a cond and not a select (compute inner's update on every step and
-    # keep it or the old state with jnp.where): with the state donated, the
-    # select writes the new state in place while the caller's apply_updates,
-    # into which XLA fuses inner's update, still reads the old one, so XLA
-    # copies the whole state on every step (1.43x the unguarded step against
-    # the cond's 1.27x, docs/reliability.md).
-    new_updates, inner_state = _axes.cond_same_types(
+    # A select, not a lax.cond: the inner update stays fusable with the
+    # caller's apply_updates (see shardopt._skip).
+    new_updates, inner_state = update_or_skip(
       jnp.logical_or(finite, consecutive > max_consecutive_errors),
-      apply_branch,
-      skip_branch,
-      true_types=apply_types,
-      transform=_APPLY_IF_FINITE,
+      inner.update,
+      updates,
+      state.inner_state,
+      params,
+      **extra_args,
     )
     return new_updates, optax.ApplyIfFiniteState(
       notfinite_count=notfinite_count,
