@@ -495,3 +495,97 @@ def test_dynamic_loss_scale_from_the_replicated_flag_stays_in_sync(tmp_path):
   params = got["params"]
   for r in range(1, R):
     np.testing.assert_array_equal(params[:, r], params[:, 0])
+
+
+# --- Cost: a donated guarded step copies nothing more than the unguarded one.
+
+
+def _where_guard(inner):
+  """The naive select: inner's outputs or the old state, chosen at the end
+  (``jnp.where`` over inner's outputs), deciding on the local gradients."""
+
+  def update(grads, state, params=None):
+    ok = shardopt.all_finite(grads)
+    updates, new = inner.update(grads, state, params)
+    updates = jax.tree.map(lambda u: jnp.where(ok, u, 0.0), updates)
+    return updates, jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, state)
+
+  return optax.GradientTransformation(inner.init, update)
+
+
+@pytest.mark.parametrize(
+  "name",
+  ["free guard after cross_shard_mean", "flag around cross_shard", "tower"],
+)
+def test_a_donated_guarded_step_copies_no_more_than_the_unguarded_one(name):
+  """The guard selects each new state leaf where inner computes it, which
+  keeps adam's update fused with apply_updates: a donated step copies no
+  more than the unguarded one. The control, a plain where over inner's
+  outputs, makes XLA recompute the moments from the old ones inside the
+  caller's fusion after they were overwritten in place: it copies them."""
+  from tests.test_schedules import _non_sync_copied_bytes
+
+  adam = lambda: optax.adam(1e-3)
+  mean = lambda inner: optax.chain(shardopt.cross_shard_mean(AXIS), inner)
+  unguarded, guarded = {
+    "free guard after cross_shard_mean": (
+      lambda: mean(adam()),
+      lambda: mean(shardopt.apply_if_finite(adam(), None, 3)),
+    ),
+    "flag around cross_shard": (
+      lambda: shardopt.cross_shard(adam(), AXIS),
+      lambda: shardopt.apply_if_finite(
+        shardopt.cross_shard(adam(), AXIS), AXIS, 3
+      ),
+    ),
+    "tower": (
+      lambda: shardopt.tower(adam(), AXIS),
+      lambda: shardopt.apply_if_finite(shardopt.tower(adam(), AXIS), AXIS, 3),
+    ),
+  }[name]
+  sizes = (64, 128, 8)
+  bare = _non_sync_copied_bytes(unguarded(), sizes, donate=True)
+  mine = _non_sync_copied_bytes(guarded(), sizes, donate=True)
+  print(f"\n[hlo] {name}: copied bytes guarded {mine}, unguarded {bare}")
+  assert mine <= bare
+  if name.startswith("free"):
+    naive = _non_sync_copied_bytes(mean(_where_guard(adam())), sizes, True)
+    moments = 2 * 4 * (64 * 128 + 128 + 128 * 8 + 8)
+    print(f"[hlo] the naive where guard copies {naive} ({moments} of moments)")
+    assert naive >= moments
+
+
+@pytest.mark.parametrize(
+  "inner",
+  [
+    lambda: optax.adam(1e-2),
+    lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, 0.9)),
+    lambda: optax.lion(1e-3),
+  ],
+  ids=["adam", "clip+momentum", "lion"],
+)
+def test_update_or_skip_is_inner_bit_for_bit_or_the_old_state(inner):
+  """Applied: inner's updates and state, bit for bit (inner alone, jitted
+  on its own, is the reference). Skipped: zero updates and the old state's
+  bits, whatever NaN/inf the skipped update computed."""
+  from shardopt._skip import update_or_skip
+
+  tx = inner()
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)}
+  state = tx.init(params)
+  for _ in range(3):  # a state that is not all zeros
+    g = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)}
+    _, state = jax.jit(tx.update)(g, state, params)
+  grads = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)}
+  want = jax.jit(tx.update)(grads, state, params)
+  got = jax.jit(lambda g, s, p: update_or_skip(True, tx.update, g, s, p))(
+    grads, state, params
+  )
+  chex.assert_trees_all_equal(got, want)
+  bad = {"w": grads["w"].at[1, 2].set(jnp.nan)}
+  updates, kept = jax.jit(
+    lambda g, s, p: update_or_skip(False, tx.update, g, s, p)
+  )(bad, state, params)
+  chex.assert_trees_all_equal(kept, state)
+  chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))

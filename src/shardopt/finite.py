@@ -5,7 +5,8 @@
 one replica sends only that replica into the skip branch while the others
 wait in the all-reduce of the update branch: under ``pmap`` the step
 deadlocks. :func:`apply_if_finite` makes the decision with :func:`all_finite`
-over the axis, one scalar all-reduce, so every replica takes the same branch.
+over the axis, one scalar all-reduce, so every replica decides the same; it
+runs ``inner`` on every replica alike and keeps its results or the old state.
 
 The examples below assume 8 devices, e.g. a CPU forced to show them with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before jax is
