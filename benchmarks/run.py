@@ -17,28 +17,9 @@ from __future__ import annotations
 import os
 import sys
 
-if "xla_force_host_platform_device_count" not in os.environ.get(
-  "XLA_FLAGS", ""
-):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-  ).strip()
-if "xla_cpu_collective_timeout_seconds" not in os.environ["XLA_FLAGS"]:
-  # As in tests/conftest.py: on a loaded 2-core machine 8 device threads can
-  # take longer than XLA CPU's default to all reach a rendezvous, and XLA then
-  # aborts the process instead of waiting.
-  os.environ["XLA_FLAGS"] += (
-    " --xla_cpu_collective_timeout_seconds=900"
-    " --xla_cpu_collective_call_terminate_timeout_seconds=900"
-  )
-if (
-  "--quick" in sys.argv[1:]
-  and "xla_backend_optimization_level" not in (os.environ["XLA_FLAGS"])
-):
-  # The smoke run checks that the suite runs, not how fast: compile faster.
-  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from benchmarks._xla_flags import force_cpu_devices
+
+force_cpu_devices(quick="--quick" in sys.argv[1:])
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
