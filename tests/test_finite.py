@@ -589,3 +589,25 @@ def test_update_or_skip_is_inner_bit_for_bit_or_the_old_state(inner):
   )(bad, state, params)
   chex.assert_trees_all_equal(kept, state)
   chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
+
+
+def test_update_or_skip_keeps_each_leaf_when_one_value_is_two_state_leaves():
+  """A value the new state holds twice, over two different old leaves (and
+  an old leaf passed through unchanged), comes back as each leaf's own old
+  value on a skip."""
+  from shardopt._skip import update_or_skip
+
+  def update(g, state, params=None):
+    new = jnp.sum(g) * jnp.ones(2)
+    return g, (new, new, state[2])
+
+  state = (jnp.zeros(2), jnp.ones(2), jnp.full(2, 7.0))
+  g = jnp.array([1.0, jnp.nan])
+  _, kept = jax.jit(lambda g: update_or_skip(False, update, g, state))(g)
+  chex.assert_trees_all_equal(kept, state)
+  _, new = jax.jit(lambda g: update_or_skip(True, update, g, state))(
+    jnp.array([1.0, 2.0])
+  )
+  chex.assert_trees_all_equal(
+    new, (jnp.full(2, 3.0), jnp.full(2, 3.0), state[2])
+  )

@@ -29,6 +29,7 @@ work is thrown away.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -106,14 +107,16 @@ def update_or_skip(
   # Each new state leaf an equation defines -> the old leaf it replaces (a
   # variable that is two leaves of the state is selected at the end only).
   state_vars = jaxpr.outvars[num_updates:]
-  defined = [v for v in state_vars if isinstance(v, jax_core.Var)]
+  leaves_of = collections.Counter(
+    v for v in state_vars if isinstance(v, jax_core.Var)
+  )
   inputs = set(jaxpr.invars)
   old_of = {
     var: old
     for var, old in zip(state_vars, old_leaves)
     if isinstance(var, jax_core.Var)
     and var not in inputs
-    and sum(v is var for v in defined) == 1
+    and leaves_of[var] == 1
   }
 
   env: dict = {}
