@@ -611,3 +611,20 @@ def test_update_or_skip_keeps_each_leaf_when_one_value_is_two_state_leaves():
   chex.assert_trees_all_equal(
     new, (jnp.full(2, 3.0), jnp.full(2, 3.0), state[2])
   )
+
+
+def test_under_vmap_with_batched_counters_every_member_skips_together():
+  """No cond of its own: under jax.vmap(axis_name=...) with the state
+  vmapped, the guard runs (no error) and decides once for the whole axis."""
+  tx = shardopt.apply_if_finite(
+    shardopt.cross_shard(optax.sgd(1.0), AXIS), AXIS, 3
+  )
+  params = jnp.zeros((4, 3))
+  state = jax.vmap(tx.init)(params)
+  step = jax.jit(jax.vmap(lambda g, s, p: tx.update(g, s, p), axis_name=AXIS))
+  updates, state = step(jnp.ones((4, 3)).at[1, 0].set(jnp.nan), state, params)
+  np.testing.assert_array_equal(updates, 0.0)
+  np.testing.assert_array_equal(state.total_notfinite, [1, 1, 1, 1])
+  grads = jnp.ones((4, 3)) * jnp.arange(4.0)[:, None]
+  updates, state = step(grads, state, params)
+  np.testing.assert_array_equal(updates, -1.5)  # -(0 + 1 + 2 + 3) / 4
