@@ -170,12 +170,15 @@ def _compiled_update(tx, spelling, size=1024):
   return compiled(tx, spelling, size)
 
 
-def _bytes_by_context(tx, spelling) -> dict:
+def _bytes_by_branch(tx, spelling) -> dict:
+  """Buffer bytes of the compiled update's collectives: ``"top"`` and each
+  conditional branch (:func:`benchmarks.hlo.by_branch`)."""
   ops = hlo.compiled_collectives(_compiled_update(tx, spelling), num_devices=R)
-  out = {}
-  for op in ops:
-    out[op.context] = out.get(op.context, 0) + op.buffer_bytes
-  return out
+  summary = hlo.by_branch(ops, measure=lambda op: op.buffer_bytes)
+  return {
+    "top": summary["top"],
+    **{branch: e["bytes"] for branch, e in summary["branches"].items()},
+  }
 
 
 @pytest.mark.parametrize(
@@ -196,21 +199,18 @@ def test_the_guard_adds_only_the_4_byte_flag_to_the_inner_collectives(
   same branches (accumulate's all-reduce stays in its emit branch), plus
   the 4-byte flag at the top (which XLA may combine with an all-reduce of
   the inner's): no branch of its own around them."""
-  guarded = _bytes_by_context(
+  guarded = _bytes_by_branch(
     shardopt.apply_if_finite(INNERS[inner](), AXIS, 3), spelling
   )
-  bare = _bytes_by_context(INNERS[inner](), spelling)
+  bare = _bytes_by_branch(INNERS[inner](), spelling)
   print(
-    f"\n[hlo] apply_if_finite({inner}).update, {spelling}: bytes per context"
+    f"\n[hlo] apply_if_finite({inner}).update, {spelling}: bytes per branch"
     f" {guarded}; unguarded {bare}"
   )
   # Invariant gradients are the same on every replica: the flag needs no
   # all-reduce at all there.
   flag = 0 if spelling == "invariant" else 4
-  want = dict(bare)
-  if flag:
-    want["top"] = want.get("top", 0) + flag
-  assert guarded == want
+  assert guarded == {**bare, "top": bare["top"] + flag}
 
 
 # --- The free guard: after the reduce, the decision needs no collective. -------

@@ -117,16 +117,15 @@ def apply_if_finite(
   3. ``inner.update`` runs on every step, with every collective it holds (the
      same program on every replica, so none can hang). If ``finite`` or
      ``notfinite_count > max_consecutive_errors``, its updates and new state
-     are returned; otherwise the updates are zeros and
-     ``inner_state`` is kept, bit for bit, whatever NaN or inf the skipped
-     update computed.
+     are returned; otherwise the updates are zeros and ``inner_state`` is
+     kept, bit for bit, whatever NaN or inf the skipped update computed.
 
   Step 3 is a select, not a ``lax.cond``: each new state leaf is selected
   where ``inner`` computes it, so ``inner``'s update still fuses with the
   caller's ``optax.apply_updates`` and a donated step copies nothing more
-  than the unguarded one. The
-  guard costs what the finite check costs, one read of the gradients
-  (``benchmarks/cost.py`` group 5; ``docs/reliability.md``).
+  than the unguarded one. The guard costs what the finite check costs, one
+  read of the gradients (``benchmarks/cost.py`` group 5;
+  ``docs/reliability.md``).
 
   The state is ``optax.ApplyIfFiniteState``, so checkpoints and
   ``optax.tree_utils.tree_get`` work as for optax's. With a ``inner`` that
