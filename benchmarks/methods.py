@@ -161,11 +161,27 @@ def agn(period: int, quick: bool = False, name: str = "adamw") -> Method:
   )
 
 
-def local_sgd(period: int, quick: bool = False, name: str = "adamw") -> Method:
+def local_sgd(
+  period: int,
+  quick: bool = False,
+  name: str = "adamw",
+  comm_dtype=None,
+  error_feedback: bool = False,
+) -> Method:
+  """``local_sgd(optimizer, period=period)``: plain parameter averaging
+  every ``period`` steps, the average on ``comm_dtype`` (optionally with
+  error feedback)."""
+  wire = wire_name(comm_dtype, error_feedback)
   return Method(
-    f"local_sgd({name}, H={period})",
+    f"local_sgd({name}, H={period}{_suffix(wire)})",
     ("local_sgd",),
-    lambda opt: shardopt.local_sgd(opt(), AXIS, period=period),
+    lambda opt: shardopt.local_sgd(
+      opt(),
+      AXIS,
+      period=period,
+      comm_dtype=comm_dtype,
+      error_feedback=error_feedback,
+    ),
     schedules.periodic(period),
     1.0 / period,
     quick,
@@ -275,22 +291,22 @@ def hierarchical(
   )
 
 
-def quality_per_byte(steps: int = 768, quick: bool = False) -> list[Method]:
+def quality_per_byte(steps: int = 2048, quick: bool = False) -> list[Method]:
   """Issue 24's frontier (section 8), for a run of ``steps`` steps.
 
-  Full, as many as fit in about an hour on the shared 2-core machine, in
-  the issue's order of priority: sync and ``cross_shard_mean`` on an int8
-  wire with error feedback; ``powersgd`` rank 4 on a float32 and an int8
-  wire; ``diloco`` (the paper's outer Nesterov SGD) H = 16, 32, 64, 128 with
-  a float32 outer gradient, H = 32 and 64 with int4 with and without error
-  feedback, int8 and float8_e4m3fn at H = 64; ``diloco`` H = 64 after a
-  synchronous warm start of ``steps / 6`` (rounded down to a multiple of
-  64); streaming ``diloco`` H = 64, F = 4 with overlap (1 step, alpha 0.5).
-  Left out for time: ``accumulate``, ``powersgd`` rank 2, ``local_sgd``,
-  hierarchical local SGD, int4 at H = 16 and 128. ``quick`` (the CI smoke
-  run): four methods that cover the code paths (a quantized wire with error
-  feedback and a warm-up in one DiLoCo), with periods that fit a short run
-  (H = 16).
+  Full (22 methods, about an hour for 2 seeds on the shared 2-core
+  machine): sync and ``cross_shard_mean`` on an int8 wire with error
+  feedback; ``accumulate`` k = 4; ``powersgd`` rank 2 and 4 on a float32
+  and an int8 wire; ``local_sgd`` H = 16 and 64, and H = 16 with an int4
+  average and error feedback; ``diloco`` (the paper's outer Nesterov SGD)
+  H = 16, 32, 64, 128 with a float32 outer gradient, H = 16 and 64 with int4
+  with and without error feedback, H = 128 int4 with error feedback;
+  ``diloco`` H = 64 after a synchronous warm start of ``steps / 6``
+  (rounded down to a multiple of 64); streaming ``diloco`` H = 64, F = 4
+  with overlap (1 step, alpha 0.5); ``hierarchical_local_sgd`` pairs every
+  16 steps, all 8 every 64. ``quick`` (the CI smoke run): four methods that
+  cover the code paths (a quantized wire with error feedback and a warm-up
+  in one DiLoCo), with periods that fit a short run (H = 16).
   """
   if quick:
     return [
@@ -309,19 +325,19 @@ def quality_per_byte(steps: int = 768, quick: bool = False) -> list[Method]:
   return [
     sync(),
     cross_shard_mean(jnp.int8, error_feedback=True),
-    powersgd(4),
-    powersgd(4, comm_dtype=jnp.int8),
-    diloco(16),
-    diloco(32),
-    diloco(64),
-    diloco(128),
+    accumulate(4),
+    *(powersgd(r, comm_dtype=w) for r in (2, 4) for w in (None, jnp.int8)),
+    local_sgd(16),
+    local_sgd(16, comm_dtype=jnp.int4, error_feedback=True),
+    local_sgd(64),
+    *(diloco(h) for h in (16, 32, 64, 128)),
     *(
       diloco(h, comm_dtype=jnp.int4, error_feedback=ef)
-      for h in (32, 64)
+      for h in (16, 64)
       for ef in (False, True)
     ),
-    diloco(64, comm_dtype=jnp.int8),
-    diloco(64, comm_dtype=jnp.float8_e4m3fn),
+    diloco(128, comm_dtype=jnp.int4, error_feedback=True),
     diloco(64, warmup_steps=warm),
     streaming_diloco(64, 4, overlap_steps=1, overlap_alpha=0.5),
+    hierarchical({16: 2, 64: 8}),
   ]

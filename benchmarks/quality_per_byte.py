@@ -588,6 +588,12 @@ def _style(label: str, e: dict, index: int) -> dict:
       64: "tab:green",
       128: "tab:red",
     }.get(_period(label), "tab:blue")
+  elif family == "local_sgd":
+    color = {16: "tab:olive", 64: "darkolivegreen"}.get(
+      _period(label), "tab:olive"
+    )
+  elif family == "powersgd":
+    color = "tab:pink" if "rank=2" in label else "tab:purple"
   marker = "o"
   if "int4+EF" in label:
     marker = "P"
@@ -658,6 +664,17 @@ def plot(result: dict, directory: str) -> list[str]:
       zorder=0,
     )
   if sync:
+    # sync's own curve against the bytes it had sent by each evaluation: a
+    # point below it beats sync at equal bytes
+    sent = np.asarray(sync["steps"][1:]) * sync["mean_bytes_per_step"] / 1e6
+    left.plot(
+      sent,
+      sync["val_mean"][1:],
+      color="black",
+      lw=0.8,
+      alpha=0.6,
+      label="sync's validation curve vs bytes sent so far",
+    )
     target = sync["final_mean"] * (1 + MOONSHOT_LOSS)
     budget = sync["total_bytes"] / MOONSHOT_BYTES / 1e6
     left.axhline(target, color="black", lw=0.6, ls="--")
