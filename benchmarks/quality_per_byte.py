@@ -4,16 +4,17 @@ The workload is :mod:`benchmarks.lm` (a byte-level transformer on the
 interpreter's stdlib sources, 8 replicas under ``jax.pmap``), trained long
 enough that synchronous training's validation curve has flattened. Every
 method wraps the same inner optimizer, AdamW with a linear warm-up and a
-cosine decay (:func:`benchmarks.lm.adamw`), and trains from the same seeds
-on the same data stream (issue 24's list, as much of it as fits in about an
-hour on the shared 2-core machine: :func:`benchmarks.methods.
+cosine decay to zero (:func:`benchmarks.lm.adamw`), and trains from the
+same seeds on the same data stream (issue 24's list, 22 methods, about an
+hour for 2 seeds on the shared 2-core machine: :func:`benchmarks.methods.
 quality_per_byte`): synchronous ``cross_shard(adamw)`` and
-``cross_shard_mean`` on an int8 wire with error feedback, ``powersgd`` rank 4
-on a float32 and an int8 wire, ``diloco`` (the paper's outer Nesterov SGD,
-lr 0.7, momentum 0.9) for H = 16..128 with a float32 outer gradient, int4
-with and without error feedback at H = 32 and 64, int8 and float8_e4m3fn at
-H = 64, a synchronous warm start, and streaming DiLoCo with F = 4 fragments
-and overlap.
+``cross_shard_mean`` on an int8 wire with error feedback, ``accumulate``
+k = 4, ``powersgd`` rank 2 and 4 on a float32 and an int8 wire,
+``local_sgd`` H = 16 and 64 (and H = 16 on an int4 wire with error
+feedback), ``diloco`` (the paper's outer Nesterov SGD, lr 0.7, momentum
+0.9) for H = 16..128 with a float32 outer gradient and int4 with and
+without error feedback, a synchronous warm start, streaming DiLoCo with
+F = 4 fragments and overlap, and hierarchical local SGD.
 
 Bytes: each method's training chunk is compiled once; its HLO is read by
 :mod:`benchmarks.hlo` (the loop body is one step) and weighted by the
@@ -454,7 +455,7 @@ def run(
     f" per replica per step, {c['steps']} steps; inside every method AdamW"
     f" (weight decay {c['weight_decay']}), learning rate warmed up linearly"
     f" from 0 to {c['learning_rate']} over {c['warmup_fraction']:.0%} of its"
-    f" updates, then cosine decay to {c['end_fraction']:g}x at the last"
+    f" updates, then cosine decay to {c['learning_rate'] * c['end_fraction']:g} at the last"
     " (optax.warmup_cosine_decay_schedule); DiLoCo's outer step: Nesterov"
     f" SGD lr 0.7, momentum 0.9. Mean ± std over {len(data['seeds'])}"
     f" seed(s) {data['seeds']}.",

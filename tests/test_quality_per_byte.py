@@ -1,0 +1,136 @@
+"""Section 8's yardsticks (flattening, the frontier, the moonshot, sync's
+bytes to the same loss) against hand computation, and its method list
+against issue 24's.
+
+The section itself trains for an hour; CI runs its ``--quick`` variant in
+``test_benchmarks_smoke.py``. These tests check the arithmetic the report
+rests on, on made-up curves whose answers are worked out by hand below.
+"""
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+from benchmarks import methods
+from benchmarks import quality_per_byte as qpb
+
+
+def _entry(final, total_bytes, std=0.0, per_step=None, curve=None):
+  steps = [0, 100, 200, 300, 400, 500]
+  return {
+    "available": True,
+    "final_mean": final,
+    "final_std": std,
+    "total_bytes": total_bytes,
+    "mean_bytes_per_step": per_step or total_bytes / 500,
+    "steps": steps,
+    "val_mean": curve or [8.0, 4.0, 3.0, 2.6, 2.5, final],
+  }
+
+
+def test_flattening_is_the_relative_gain_over_the_last_fifth():
+  # last 20% of 500 steps starts at step 400: curve 2.5 there, 2.44 at the
+  # end -> (2.5 - 2.44) / 2.5 = 2.4%: not under 2%, not flat
+  steps = [0, 100, 200, 300, 400, 500]
+  out = qpb.flattening(steps, [8.0, 4.0, 3.0, 2.6, 2.5, 2.44])
+  assert out["from_step"] == 400
+  assert out["at_from"] == 2.5
+  assert out["relative_gain"] == pytest.approx(0.024)
+  assert not out["flat"]
+  # interpolated between evaluations: 480 steps -> from step 384, between
+  # 300 (2.6) and 400 (2.5) at 0.84 -> 2.516; (2.516 - 2.49) / 2.516
+  out = qpb.flattening([0, 100, 200, 300, 400, 480], [8, 4, 3, 2.6, 2.5, 2.49])
+  assert out["at_from"] == pytest.approx(2.516)
+  assert out["relative_gain"] == pytest.approx((2.516 - 2.49) / 2.516)
+  assert out["flat"]
+
+
+def test_sync_steps_to_reach_interpolates_sync_curve():
+  steps, curve = [0, 100, 200], [8.0, 4.0, 3.0]
+  assert qpb._sync_steps_to_reach(3.5, steps, curve) == pytest.approx(150.0)
+  assert qpb._sync_steps_to_reach(4.0, steps, curve) == pytest.approx(100.0)
+  assert qpb._sync_steps_to_reach(2.9, steps, curve) is None  # never
+
+
+def test_frontier_keeps_points_no_other_beats_on_both_axes():
+  data = {
+    "methods": {
+      qpb.SYNC: _entry(2.40, 1000.0),
+      "cheap and bad": _entry(3.00, 1.0),
+      "dominated": _entry(3.10, 5.0),  # more bytes and worse than "cheap"
+      "middle": _entry(2.60, 10.0),
+      "close": _entry(2.41, 100.0),
+    }
+  }
+  assert qpb.frontier(data) == ["cheap and bad", "middle", "close", qpb.SYNC]
+
+
+def test_moonshot_needs_both_one_percent_and_100x():
+  sync = _entry(2.40, 1000.0)
+  data = {
+    "methods": {
+      qpb.SYNC: sync,
+      # 2.40 * 1.01 = 2.424 and 1000 / 100 = 10 bytes
+      "close but dear": _entry(2.42, 11.0),
+      "cheap but far": _entry(2.43, 10.0),
+    }
+  }
+  shot = qpb.moonshot(data)
+  assert shot["target_loss"] == pytest.approx(2.424)
+  assert shot["byte_budget"] == pytest.approx(10.0)
+  assert shot["reached"] == []
+  assert shot["fewest_bytes_within_loss"]["label"] == "close but dear"
+  assert shot["best_loss_within_bytes"]["label"] == "cheap but far"
+  assert shot["best_loss_within_bytes"]["bytes_reduction"] == pytest.approx(100)
+  data["methods"]["both"] = _entry(2.423, 9.0)
+  assert qpb.moonshot(data)["reached"] == ["both"]
+
+
+def test_verdicts_read_sync_bytes_to_the_same_loss_off_its_curve():
+  # sync sends 2 bytes a step; reaches 3.5 at step 150 -> 300 bytes
+  sync = _entry(
+    2.5, 1000.0, std=0.01, per_step=2.0, curve=[8.0, 4.0, 3.0, 2.7, 2.6, 2.5]
+  )
+  data = {
+    "config": {"steps": 500},
+    "methods": {
+      qpb.SYNC: sync,
+      "m": _entry(3.5, 100.0, std=0.02),
+      "tie": _entry(3.5, 290.0),
+    },
+  }
+  verdicts, notes = qpb._verdicts(data)
+  v = verdicts["m"]
+  assert v["sync_steps_to_same_loss"] == pytest.approx(150.0)
+  assert v["sync_bytes_to_same_loss"] == pytest.approx(300.0)
+  assert v["wins_per_byte"] == "yes"  # 300 / 100 = 3x
+  assert v["loses_per_step"]  # 1.0 above sync, spread 0.04
+  assert verdicts["tie"]["wins_per_byte"] == "tie"  # 300 / 290 < 1.05
+  assert len(notes) == 2
+
+
+def test_the_full_frontier_has_issue_24s_methods():
+  labels = [m.label for m in methods.quality_per_byte(1536)]
+  families = {m.family for m in methods.quality_per_byte(1536)}
+  assert {
+    "sync",
+    "accumulate",
+    "powersgd",
+    "local_sgd",
+    "diloco",
+    "streaming",
+    "hierarchical",
+  } <= families
+  for rank in (2, 4):
+    for wire in (None, jnp.int8):
+      assert methods.powersgd(rank, comm_dtype=wire).label in labels
+  for h in (16, 32, 64, 128):
+    assert methods.diloco(h).label in labels
+  assert methods.diloco(16, comm_dtype=jnp.int4).label in labels
+  assert (
+    methods.diloco(16, comm_dtype=jnp.int4, error_feedback=True).label in labels
+  )
+  assert len(set(labels)) == len(labels)
+  for method in methods.quality_per_byte(1536):  # each builds here
+    tx, why = methods.build(method, lambda: optax.sgd(0.1))
+    assert tx is not None, (method.label, why)
