@@ -1,6 +1,7 @@
 """DiLoCo's outer step on section 8's language model: what breaks first.
 
-``python -m benchmarks.outer_sweep [--steps N] [--seeds S] [--periods 16,64]``
+``python -m benchmarks.outer_sweep [--steps N] [--seeds S] [--periods 16,64]
+[--outer "0.7,0.9;1,0"] [--batch-per-replica B] [--end-fraction F] [--name N]``
 trains section 8's byte-level transformer (:mod:`benchmarks.lm`, its FULL
 config and data: 8 replicas under ``pmap``, 4 windows of 64 bytes per replica
 per step, AdamW on warm-up + cosine) with
@@ -48,13 +49,13 @@ OUTER_STEPS = (  # (learning rate, momentum), all Nesterov SGD
 )
 
 
-def methods(periods) -> dict:
+def methods(periods, outer_steps=OUTER_STEPS) -> dict:
   """Label -> a factory of the transform, given the inner optimizer's."""
   out = {
     "sync cross_shard(adamw)": lambda opt: shardopt.cross_shard(opt(), lm.AXIS)
   }
   for period in periods:
-    for lr, momentum in OUTER_STEPS:
+    for lr, momentum in outer_steps:
       out[f"diloco H={period}, outer lr {lr} momentum {momentum}"] = (
         lambda opt, period=period, lr=lr, momentum=momentum: shardopt.diloco(
           opt(),
@@ -67,11 +68,14 @@ def methods(periods) -> dict:
   return out
 
 
-def run(steps: int, seeds: int, periods) -> dict:
-  config = dataclasses.replace(lm.FULL, steps=steps)
+def run(
+  steps: int, seeds: int, periods, outer_steps=OUTER_STEPS, **overrides
+) -> dict:
+  """``overrides``: fields of :class:`benchmarks.lm.Config` to change."""
+  config = dataclasses.replace(lm.FULL, steps=steps, **overrides)
   workload = lm.Workload(config)
   runs = {}
-  todo = methods(periods)
+  todo = methods(periods, outer_steps)
   for i, (label, make) in enumerate(todo.items(), 1):
     curves = []
     for seed in range(seeds):
@@ -114,7 +118,7 @@ def table(section: dict) -> str:
   return "\n".join(lines)
 
 
-def plot(section: dict, directory: str) -> str:
+def plot(section: dict, directory: str, name: str = NAME) -> str:
   import matplotlib
 
   matplotlib.use("Agg")
@@ -129,10 +133,14 @@ def plot(section: dict, directory: str) -> str:
     ax.plot(r["steps"][1:], mean[1:], style, marker=".", label=label)
   ax.set_xlabel("step")
   ax.set_ylabel("validation bits per byte")
-  ax.set_title("DiLoCo's outer step on section 8's LM (8 replicas)")
+  c = section["config"]
+  ax.set_title(
+    "DiLoCo's outer step on section 8's LM (8 replicas,"
+    f" {c['batch_per_replica']} windows each per step)"
+  )
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7)
-  path = os.path.join(directory, f"{NAME}.png")
+  path = os.path.join(directory, f"{name}.png")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -144,13 +152,51 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=384)
   parser.add_argument("--seeds", type=int, default=1)
   parser.add_argument("--periods", default="16,64")
+  parser.add_argument(
+    "--outer",
+    default=None,
+    help="outer steps as lr,momentum;lr,momentum (default: all four)",
+  )
+  parser.add_argument(
+    "--batch-per-replica",
+    type=int,
+    default=None,
+    help="windows per replica per step (default: section 8's)",
+  )
+  parser.add_argument(
+    "--end-fraction",
+    type=float,
+    default=None,
+    help="where the cosine ends, a fraction of the peak (default: section"
+    " 8's; the 2026-11-24 21:03 sweep ran with 0.1)",
+  )
+  parser.add_argument(
+    "--name",
+    default=NAME,
+    help="results/NAME.json and .png (default %(default)s)",
+  )
   args = parser.parse_args(argv)
   periods = [int(p) for p in args.periods.split(",")]
-  section = run(args.steps, args.seeds, periods)
+  outer = (
+    OUTER_STEPS
+    if args.outer is None
+    else tuple(
+      tuple(float(x) for x in pair.split(",")) for pair in args.outer.split(";")
+    )
+  )
+  overrides = {
+    field: value
+    for field, value in (
+      ("batch_per_replica", args.batch_per_replica),
+      ("end_fraction", args.end_fraction),
+    )
+    if value is not None
+  }
+  section = run(args.steps, args.seeds, periods, outer, **overrides)
   print(table(section))
   directory = os.path.join(os.path.dirname(__file__), "results")
-  png = plot(section, directory)
-  path = os.path.join(directory, f"{NAME}.json")
+  png = plot(section, directory, args.name)
+  path = os.path.join(directory, f"{args.name}.json")
   with open(path, "w") as f:
     json.dump(section, f, indent=1)
   print(f"wrote {path} and {png}")

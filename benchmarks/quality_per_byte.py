@@ -690,10 +690,8 @@ def plot(result: dict, directory: str) -> list[str]:
       fontsize=7,
     )
     finals = [e["final_mean"] for e in entries.values()]
-    left.set_ylim(
-      min(finals) - 0.08, min(max(finals) + 0.05, sync["final_mean"] * 1.5)
-    )
-    right.set_ylim(min(finals) - 0.05, sync["final_mean"] * 1.6)
+    left.set_ylim(min(finals) - 0.08, max(finals) + 0.08)
+    right.set_ylim(min(finals) - 0.05, max(finals) + 0.15)
   left.set(
     xscale="log",
     xlabel="MB sent per replica over the run (log)",
