@@ -415,6 +415,7 @@ def main(argv=None) -> int:
   )
   args = parser.parse_args(argv)
   import shardopt
+  from benchmarks import quality_per_byte  # it imports this module
 
   config = QUICK if args.quick else FULL
   if args.steps:
@@ -441,12 +442,12 @@ def main(argv=None) -> int:
   )
   for s, v in zip(result["steps"], result["val_bpb"]):
     print(f"  step {s:5d}  val {v:.3f} bits/byte")
-  start = 0.8 * result["steps"][-1]
-  at = float(np.interp(start, result["steps"], result["val_bpb"]))
+  flat = quality_per_byte.flattening(result["steps"], result["val_bpb"])
+  last = quality_per_byte.FLAT
   print(
-    f"[lm] the last 20% of the steps ({start:.0f} -> {config.steps}):"
-    f" {at:.4f} -> {result['val_bpb'][-1]:.4f} bits/byte,"
-    f" {100 * (at - result['val_bpb'][-1]) / at:.2f}% better"
+    f"[lm] the last {last:.0%} of the steps ({flat['from_step']:.0f} ->"
+    f" {config.steps}): {flat['at_from']:.4f} -> {flat['final']:.4f}"
+    f" bits/byte, {100 * flat['relative_gain']:.2f}% better"
   )
   return 0
 

@@ -291,7 +291,7 @@ def hierarchical(
   )
 
 
-def quality_per_byte(steps: int = 2048, quick: bool = False) -> list[Method]:
+def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
   """Issue 24's frontier (section 8), for a run of ``steps`` steps.
 
   Full (22 methods, about an hour for 2 seeds on the shared 2-core
