@@ -7,6 +7,7 @@ sharded state, on ``jax.lax`` collectives inside ``jax.shard_map`` or
 TowerOptimizer and AGNOptimizer.
 """
 
+from shardopt import elastic
 from shardopt._axes import AxisNotBoundError
 from shardopt.accumulate import AccumulateState
 from shardopt.accumulate import accumulate
@@ -59,4 +60,5 @@ __all__ = [
   "accumulate",
   "all_finite",
   "apply_if_finite",
+  "elastic",
 ]

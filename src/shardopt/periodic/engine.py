@@ -555,6 +555,9 @@ def periodic(
     new_state = _new_state(step, count, carry, local_state)
     return step.treedef.unflatten(updates), new_state
 
+  # What the transform was built with, for shardopt.elastic (.split), which
+  # runs the local step and the syncs apart.
+  update_fn.engine = engine
   return optax.GradientTransformationExtraArgs(
     functools.partial(_init, engine=engine), update_fn
   )

@@ -1,0 +1,242 @@
+"""DiLoCo across islands that may die and come back (shardopt.elastic).
+
+    python examples/elastic_diloco.py --coordinator HOST:PORT --num-processes N \
+        --process-id I --steps S --sync-period H --out DIR [--step-seconds X]
+
+Start one process per island, each with the same arguments but its own
+``--process-id`` (0 is the coordinator and must outlive the others). Each
+island trains a small MLP on its own data shard with AdamW, data parallel
+over its local devices (2 forced CPU devices unless XLA_FLAGS says
+otherwise); every H steps the live islands run a DiLoCo round
+(``shardopt.diloco``'s outer Nesterov step on the mean of their outer
+gradients) through ``shardopt.elastic``. Kill an island (SIGKILL) and the
+others carry on; start it again with the same ``--process-id`` and it heals
+in the round it joins.
+
+Each committed round appends one JSON line to ``DIR/p{I}.jsonl``::
+
+  {"round": r, "step": t, "live": [process ids], "params_sha256": hex,
+   "loss": held-out MSE of the center}
+
+(rounds 1, 2, ... at steps H, 2H, ..., S; the start-up handshake is not
+logged), and the process exits 0 after S steps. ``--step-seconds X`` sleeps
+X seconds per inner step, standing in for compute.
+
+For tests: ``ELASTIC_EXAMPLE_KILL=R:started`` (or ``R:gathered``) makes the
+process ``ELASTIC_EXAMPLE_KILL_PROCESS`` (default: the last) SIGKILL itself
+inside round R's ``live_devices`` block, before (after) its collective, once
+per ``DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+# -------------------------------------------------------- model and data (numpy)
+D_IN, D_HIDDEN = 16, 64
+SIZES = (D_IN, D_HIDDEN, D_HIDDEN, 1)
+BATCH = 64  # per island and step, split over its local devices
+LEARNING_RATE, WEIGHT_DECAY = 3e-3, 1e-4
+
+
+def init_mlp(seed: int, sizes=SIZES) -> dict:
+  """float32 params {"w0", "b0", ...} (the same on every island)."""
+  rng = np.random.default_rng(seed)
+  params = {}
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    params[f"w{i}"] = (rng.standard_normal((a, b)) / np.sqrt(a)).astype(
+      np.float32
+    )
+    params[f"b{i}"] = np.zeros((b,), np.float32)
+  return params
+
+
+def mlp(params: dict, x, xp=np):
+  layers = len(params) // 2
+  for i in range(layers):
+    x = x @ params[f"w{i}"] + params[f"b{i}"]
+    if i < layers - 1:
+      x = xp.tanh(x)
+  return x[..., 0]
+
+
+TEACHER = init_mlp(1234, (D_IN, 32, 1))
+
+
+def batch(island: int, step: int, n: int = BATCH, shift=None):
+  """Island ``island``'s batch of step ``step`` (1-based): its inputs are
+  shifted by 0.3 * island (each island its own shard), teacher targets."""
+  rng = np.random.default_rng([island, step])
+  offset = 0.3 * island if shift is None else shift
+  x = (rng.standard_normal((n, D_IN)) + offset).astype(np.float32)
+  return x, mlp(TEACHER, x).astype(np.float32)
+
+
+EVAL_X, EVAL_Y = batch(10_000, 0, 512, shift=0.3)
+
+
+def eval_loss(params: dict) -> float:
+  """Held-out MSE, in float64."""
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  return float(np.mean((mlp(p, EVAL_X) - EVAL_Y) ** 2))
+
+
+def params_sha256(params: dict) -> str:
+  """sha256 of the leaves' float32 bytes, in tree (sorted key) order."""
+  leaves = [np.asarray(params[k], np.float32) for k in sorted(params)]
+  return hashlib.sha256(
+    b"".join(np.ascontiguousarray(v).tobytes() for v in leaves)
+  ).hexdigest()
+
+
+# -------------------------------------------------------------------- training
+def parse(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--coordinator", required=True, help="HOST:PORT")
+  ap.add_argument("--num-processes", type=int, required=True)
+  ap.add_argument("--process-id", type=int, required=True)
+  ap.add_argument("--steps", type=int, required=True)
+  ap.add_argument("--sync-period", type=int, required=True)
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--step-seconds", type=float, default=0.0)
+  ap.add_argument("--heartbeat-seconds", type=int, default=5)
+  return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+  args = parse(argv)
+  me = args.process_id
+  os.makedirs(args.out, exist_ok=True)
+  if "xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""
+  ):
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "")
+      + " --xla_force_host_platform_device_count=2"
+      " --xla_cpu_collective_timeout_seconds=10"
+    )
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+  import jax
+  import optax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  import shardopt
+
+  def say(message: str) -> None:
+    print(f"[p{me} {time.time():.3f}] {message}", flush=True)
+
+  shardopt.elastic.initialize(
+    args.coordinator,
+    num_processes=args.num_processes,
+    process_id=me,
+    heartbeat_timeout_seconds=args.heartbeat_seconds,
+  )
+
+  # The island: its local devices, data parallel (params replicated, the
+  # batch split; XLA sums the gradients over the island's devices only).
+  mesh = Mesh(np.array(jax.local_devices()), ("data",))
+  replicated = NamedSharding(mesh, P())
+  split_batch = NamedSharding(mesh, P("data"))
+
+  tx = shardopt.diloco(
+    optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
+    "island",
+    sync_period=args.sync_period,
+  )
+  island = shardopt.elastic.Island(tx, on_event=_events(say, args, me))
+
+  def loss_fn(params, x, y):
+    return jax.numpy.mean((mlp(params, x, jax.numpy) - y) ** 2)
+
+  @jax.jit
+  def inner_step(params, state, x, y):
+    grads = jax.grad(loss_fn)(params, x, y)
+    updates, state = island.tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = jax.device_put(init_mlp(0), replicated)
+  state = jax.device_put(island.tx.init(params), replicated)
+
+  def log(done) -> None:
+    center = jax.tree.map(np.asarray, state.center)
+    row = {
+      "round": done.number,
+      "step": done.step,
+      "live": list(done.live),
+      "params_sha256": params_sha256(jax.tree.map(np.asarray, params)),
+      "loss": eval_loss(center),
+    }
+    with open(os.path.join(args.out, f"p{me}.jsonl"), "a") as f:
+      f.write(json.dumps(row) + "\n")
+    say(
+      f"round {done.number} step {done.step} live {list(done.live)}"
+      f" joined {list(done.joined)} attempts {done.attempts}"
+      f" ({done.seconds:.2f}s) loss {row['loss']:.5f}"
+    )
+
+  # Join: the handshake at the job's start, or the healing round of a
+  # restarted island (weight 0; it takes the center and the counters).
+  params, state, done = island.sync(params, state)
+  if done.number:
+    log(done)
+  while int(state.count) < args.steps:
+    count = int(state.count)
+    todo = min(args.sync_period - count % args.sync_period, args.steps - count)
+    for _ in range(todo):
+      step = int(state.count) + 1
+      x, y = batch(me, step)
+      params, state = inner_step(
+        params,
+        state,
+        jax.device_put(x, split_batch),
+        jax.device_put(y, split_batch),
+      )
+      jax.block_until_ready(state.count)
+      if args.step_seconds:
+        time.sleep(args.step_seconds)
+    params, state, done = island.sync(
+      params, state, early=not island.due(state)
+    )
+    log(done)
+  say("done")
+  if me == 0:
+    time.sleep(3)  # process 0 hosts the coordination service: leave last
+  os._exit(0)
+
+
+def _events(say, args, me):
+  """Logs the rounds' events; the fault-injection hook for tests."""
+  kill = os.environ.get("ELASTIC_EXAMPLE_KILL", "")
+  victim = int(
+    os.environ.get("ELASTIC_EXAMPLE_KILL_PROCESS", args.num_processes - 1)
+  )
+  marker = os.path.join(args.out, "killed.marker")
+  rounds = {"next": None}
+
+  def on_event(name: str, info: dict) -> None:
+    if name == "round_committed":
+      rounds["next"] = info["number"] + 1
+    if name == "round_failed":
+      say(f"round failed after {info['seconds']:.2f}s: {info['why']}")
+    if not kill or me != victim or os.path.exists(marker):
+      return
+    when, point = kill.split(":")
+    if name == f"round_{point}" and rounds["next"] == int(when):
+      open(marker, "w").close()
+      say(f"SIGKILL in round {when}, {point}")
+      os.kill(os.getpid(), signal.SIGKILL)
+
+  return on_event
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

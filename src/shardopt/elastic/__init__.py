@@ -1,0 +1,109 @@
+"""Elastic islands: DiLoCo, local SGD and AGN that keep training when an
+island dies, and take it back when it returns.
+
+Each process is an island (its local devices train together every step);
+islands meet only at the syncs of a periodic transform, in rounds over the
+islands that are alive, on JAX's own fault-tolerance runtime
+(``jax_enable_recoverability`` and
+``jax.experimental.multihost_utils.live_devices``, experimental)::
+
+  shardopt.elastic.initialize("10.0.0.1:1234", num_processes=N, process_id=i)
+  tx = shardopt.diloco(optax.adamw(3e-4), "island", sync_period=H)
+  island = shardopt.elastic.Island(tx)
+
+  @jax.jit
+  def inner_step(params, state, batch):       # never leaves the island
+    grads = jax.grad(loss)(params, batch)
+    updates, state = island.tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params, state, _ = island.sync(params, island.tx.init(params))  # join
+  while int(state.count) < steps:
+    params, state = inner_step(params, state, next_batch())
+    if island.due(state):
+      params, state, round = island.sync(params, state)
+
+- **Inner steps never wait on another island.** ``island.tx`` is the
+  transform's local step only; the sync runs as its own program, one
+  ``live_devices`` block and one collective per round.
+- **A failed round loses nothing.** A round commits only when its block
+  succeeded on every live island; otherwise every survivor keeps its params
+  and state (its local progress since the last sync included) and tries the
+  same round again over the new membership.
+- **Averages over the islands that take part**: the mean divides by the
+  number of contributing islands (up to date and finite), and the center
+  and the outer optimizer's state are bit-identical on every live island.
+- **A returning island heals in the round it joins**: a restarted process
+  (same ``process_id``) contributes with weight 0 and receives the center,
+  the outer state and the counters in that round; its inner optimizer
+  restarts (:class:`Island` says why).
+
+What cannot be survived (process 0's death: it hosts the coordination
+service; a peer that hangs but keeps heartbeating) ends the job with an
+error, never a hang. ``docs/elastic.md`` has the details and the timings;
+``examples/elastic_diloco.py`` runs it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from shardopt import _jax
+from shardopt.elastic.island import Island
+from shardopt.elastic.island import Round
+from shardopt.elastic.island import RoundFailedError
+
+__all__ = ["Island", "Round", "RoundFailedError", "initialize"]
+
+
+def initialize(
+  coordinator_address: str,
+  num_processes: int,
+  process_id: int,
+  *,
+  heartbeat_timeout_seconds: int = 5,
+  collective_timeout_seconds: int = 10,
+  initialization_timeout: int = 300,
+) -> None:
+  """``jax.distributed.initialize`` for elastic islands.
+
+  Turns on ``jax_enable_recoverability`` (survivors outlive a dead process;
+  a restarted one may reconnect), gloo for CPU collectives, and a CPU
+  collective timeout (XLA's default is 30 minutes: a survivor waiting on a
+  peer that already gave up would wait that long); then deletes the stale
+  rendezvous keys a previous incarnation of this process left for its own
+  local collectives (else they fail with ``ALREADY_EXISTS``).
+
+  Call it before any other JAX call (XLA reads its flags when the backend
+  starts; setting ``XLA_FLAGS`` before importing jax is surest).
+
+  Args:
+    coordinator_address: ``host:port`` of process 0, which hosts the
+      coordination service (and must outlive the job).
+    num_processes: the number of processes (islands) at the start.
+    process_id: this process's index; a restarted island reuses its own.
+    heartbeat_timeout_seconds: how long the coordination service waits for
+      a silent process before declaring it dead (detection latency).
+    collective_timeout_seconds: ``--xla_cpu_collective_timeout_seconds``,
+      added to ``XLA_FLAGS`` unless it is there.
+    initialization_timeout: seconds to wait for every process at the start.
+  """
+  if _jax.backends_initialized():
+    raise RuntimeError(
+      "shardopt.elastic.initialize: JAX's backends are already running, so"
+      " the recoverability option and the XLA flags can no longer change."
+      " Call initialize before any other JAX call."
+    )
+  _jax.add_xla_flag("xla_cpu_collective_timeout_seconds", collective_timeout_seconds)
+  _jax.enable_recoverability()
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+    coordinator_address,
+    num_processes=num_processes,
+    process_id=process_id,
+    heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+    initialization_timeout=initialization_timeout,
+  )
+  _jax.forget_cliques_within(
+    _jax.KeyValueStore(), [d.id for d in jax.local_devices()]
+  )

@@ -1,0 +1,105 @@
+"""Which devices, in which order, run a round's collective.
+
+On the CPU (gloo), a collective's communicator is keyed by its ordered device
+list, both in each process's cache and in the coordination service's
+rendezvous keys. A process that died leaves both behind: a restarted one
+cannot rendezvous under the old key (``ALREADY_EXISTS``), and the survivors
+would reuse a cached communicator whose peer is gone (``Connection closed by
+peer``). So every *membership* (the live processes, each with its
+incarnation id, and how many attempts of it failed) runs its rounds on a
+device list the job has never used before, and every process must know that
+list before the first collective.
+
+Process 0 hosts the coordination service, takes part in every round and
+never restarts (its death ends the job), so it has seen every list the job
+used. It picks the first unused one (one device per island, in some order of
+the islands) and publishes it in the coordination service's key-value store
+under the membership's name; the other processes read it there. A fresh
+process blocks on that read, outside any collective, until process 0 reaches
+the same round: which is how a restarted island waits for the survivors'
+next sync without timing out a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from shardopt import _jax
+
+Membership = tuple  # ((process index, incarnation id), ...), sorted
+
+
+def membership(devices: Sequence[Any], incarnations: dict) -> Membership:
+  """The live processes and their incarnations, sorted."""
+  return tuple(
+    sorted({(d.process_index, incarnations[d]) for d in devices})
+  )
+
+
+def by_process(devices: Sequence[Any]) -> dict[int, list]:
+  """The devices of each process, sorted by id."""
+  out: dict[int, list] = {}
+  for d in sorted(devices, key=lambda d: d.id):
+    out.setdefault(d.process_index, []).append(d)
+  return out
+
+
+def candidates(islands: dict[int, list]):
+  """Every device list with one device per island: the islands in every
+  order, each with each of its devices; the sorted first-device list first."""
+  ids = sorted(islands)
+  for choice in itertools.product(*(range(len(islands[i])) for i in ids)):
+    pick = {i: islands[i][c] for i, c in zip(ids, choice)}
+    for order in itertools.permutations(ids):
+      yield [pick[i] for i in order]
+
+
+class Cliques:
+  """The device list of each membership's attempts, the same on every
+  process (see the module docstring)."""
+
+  def __init__(self, store: _jax.KeyValueStore, *, timeout_s: float):
+    self._store = store
+    self._timeout_s = timeout_s
+    self._used: set[tuple[int, ...]] = set()
+    self._known: dict[str, list] = {}
+
+  @staticmethod
+  def key(members: Membership, attempt: int) -> str:
+    digest = hashlib.sha256(repr((members, attempt)).encode()).hexdigest()
+    return f"shardopt/elastic/clique/{digest[:32]}"
+
+  def devices(
+    self, members: Membership, attempt: int, live: Sequence[Any], me: int
+  ) -> list:
+    """The device list for this attempt of ``members`` (``me``: this
+    process's index; process 0 chooses, the others read)."""
+    key = self.key(members, attempt)
+    if key in self._known:
+      return self._known[key]
+    islands = by_process(live)
+    by_id = {d.id: d for d in live}
+    if me == 0:
+      for order in candidates(islands):
+        ids = tuple(d.id for d in order)
+        if ids not in self._used:
+          break
+      else:
+        raise RuntimeError(
+          "shardopt.elastic: every device order of the live islands"
+          f" {sorted(islands)} has been used by an earlier membership, so no"
+          " fresh gloo clique is left for this one (CPU collectives key"
+          " their communicators by the ordered device list). Restart the"
+          " job, or give each island more local devices."
+        )
+      self._store.set(key, ",".join(map(str, ids)))
+    else:
+      value = self._store.get(key, self._timeout_s)
+      ids = tuple(int(i) for i in value.split(","))
+    self._used.add(ids)
+    order = [by_id[i] for i in ids]
+    self._known[key] = order
+    return order

@@ -1,0 +1,379 @@
+"""One island's side of elastic training: its local steps, and the rounds it
+runs with the live islands.
+
+:class:`Island` wraps a periodic transform (``diloco``, ``local_sgd``,
+``agn``). Its ``tx`` is the island-local part (:func:`.split.local_update`):
+put it in the island's own jitted step; it never communicates outside the
+island. :meth:`Island.sync` runs one round whenever a sync is due:
+
+1. ``live_devices``: the live processes, each with its incarnation id (the
+   round's *membership*); one barrier, at the block's end.
+2. the layout: a *plain* round if every member took part in the last
+   committed round, else a *healing* one (:mod:`.rows`);
+3. the device list: one never used before for this membership and attempt
+   (:mod:`.cliques`);
+4. this island's row: its contribution (weight 0 if it joins now);
+5. one ``all_gather`` of the rows over the live islands, blocked on inside
+   the block;
+6. on success everywhere, the commit: every island combines the same rows in
+   the same order (mean over the contributing islands), the outer optimizer
+   moves the center, the sync's leaves land on it; a joining island takes
+   the center, the outer state and the counters from the first up-to-date
+   island's row. On ``ProcessFailureError`` or a collective error nothing is
+   adopted and the same round is tried again over the new membership.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardopt import _jax
+from shardopt.elastic import cliques as _cliques
+from shardopt.elastic import rows
+from shardopt.periodic import split
+
+
+class Round(NamedTuple):
+  """What one committed round did.
+
+  Attributes:
+    number: rounds committed so far (the state's ``sync_count``); 0 for the
+      handshake at the job's start, where no island had trained yet.
+    step: the local steps taken (the state's ``count``).
+    live: the processes that took part, sorted.
+    contributors: the processes whose contribution the mean counted.
+    joined: the processes that joined in this round (weight 0) and healed.
+    attempts: failed attempts before this one committed.
+    seconds: wall time of the committed attempt.
+    failures: why each failed attempt failed.
+  """
+
+  number: int
+  step: int
+  live: tuple
+  contributors: tuple
+  joined: tuple
+  attempts: int
+  seconds: float
+  failures: tuple
+
+
+class RoundFailedError(RuntimeError):
+  """A round failed ``max_attempts`` times in a row."""
+
+
+class Island:
+  """This process's island: local steps with ``tx``, rounds with
+  :meth:`sync`.
+
+  Args:
+    tx: ``shardopt.diloco``, ``shardopt.local_sgd`` or ``shardopt.agn``
+      (fragments and a quantized ``comm_dtype`` with or without error
+      feedback included; not hierarchical, overlap, warm-up or
+      ``axis_index_groups``). Its ``axis_name`` names the islands; the
+      island-local step never binds it.
+    timeout_s: how long a process waits for process 0 to publish a round's
+      device list (a joining island waits there for the survivors' next
+      sync).
+    max_attempts: failed attempts of one round before
+      :class:`RoundFailedError`.
+    on_event: ``on_event(name, info)`` at ``"round_started"`` (inside the
+      round's ``live_devices`` block, before its collective),
+      ``"round_gathered"`` (after it), ``"round_failed"`` and
+      ``"round_committed"``; for logs and fault injection.
+  """
+
+  def __init__(
+    self,
+    tx: optax.GradientTransformation,
+    *,
+    timeout_s: float = 600.0,
+    max_attempts: int = 100,
+    on_event: Callable[[str, dict], None] | None = None,
+  ):
+    self._engine = split.engine_of(tx, "shardopt.elastic.Island")
+    self._init = tx.init
+    self.tx = optax.GradientTransformationExtraArgs(self._init, self._update)
+    self._me = jax.process_index()
+    self._local = jax.local_devices()
+    self._all = jax.devices()
+    self._replicated = NamedSharding(
+      Mesh(np.array(self._local), ("island_devices",)), P()
+    )
+    self._cliques = _cliques.Cliques(_jax.KeyValueStore(), timeout_s=timeout_s)
+    self._max_attempts = max_attempts
+    self._on_event = on_event or (lambda name, info: None)
+    self._fresh = True  # no round committed by this incarnation yet
+    self._last: frozenset = frozenset()  # the last committed membership
+    self._attempts: collections.Counter = collections.Counter()
+    self._compiled: dict = {}
+
+  @property
+  def fresh(self) -> bool:
+    """True until this process commits its first round."""
+    return self._fresh
+
+  def _update(self, grads, state, params=None, **extra_args):
+    return split.local_update(self._engine, grads, state, params, extra_args)
+
+  def due(self, state) -> bool:
+    """Whether a sync is due after the state's last local step."""
+    return split.due(self._engine, int(state.count)) > 0
+
+  # ------------------------------------------------------------------ rounds
+
+  def sync(self, params, state, *, early: bool = False):
+    """Runs one round over the live islands, tried again until it commits.
+
+    Call it when :meth:`due` (and once before the first local step: a fresh
+    process joins with weight 0 and takes the center, the outer state and
+    the counters; at the job's start every island takes process 0's).
+
+    Args:
+      params: this island's params after its local steps.
+      state: the transform's state (``tx.init(params)`` for a fresh island).
+      early: run the transform's only sync though it is not due (a last
+        round at the end of training); single-fragment transforms only.
+
+    Returns:
+      ``(params, state, round)``; ``round`` is a :class:`Round`.
+    """
+    sync = self._sync_index(state, early)
+    failures = []
+    while True:
+      members, start = None, time.monotonic()
+      try:
+        with _jax.live_devices(self._all) as live:
+          members = _cliques.membership(live, _jax.incarnations())
+          healing = self._fresh or not frozenset(members) <= self._last
+          order = self._cliques.devices(
+            members, self._attempts[members], live, self._me
+          )
+          info = {"live": _processes(members), "healing": healing}
+          self._on_event("round_started", info)
+          row, error = self._row(healing, sync, params, state)
+          gathered = jax.block_until_ready(self._gather(order, row))
+          self._on_event("round_gathered", info)
+      except (_jax.process_failure_error(), jax.errors.JaxRuntimeError) as e:
+        self._attempts[members] += 1
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        failures.append(why)
+        self._on_event(
+          "round_failed",
+          {"why": why, "seconds": time.monotonic() - start},
+        )
+        if len(failures) >= self._max_attempts:
+          raise RoundFailedError(
+            f"shardopt.elastic: a round failed {len(failures)} times in a"
+            f" row; the last: {why}"
+          ) from e
+        continue
+      params, state, done = self._commit(
+        healing, sync, gathered, params, state, error
+      )
+      done = done._replace(
+        live=_processes(members),
+        attempts=len(failures),
+        seconds=time.monotonic() - start,
+        failures=tuple(failures),
+      )
+      self._fresh, self._last = False, frozenset(members)
+      self._on_event("round_committed", done._asdict())
+      return params, state, done
+
+  def _sync_index(self, state, early: bool) -> int:
+    if self._fresh:
+      return 0
+    sync = split.due(self._engine, int(state.count))
+    if sync or not early:
+      if not sync:
+        raise ValueError(
+          f"shardopt.elastic.Island.sync: no sync of {self._engine.name}"
+          f" (axis {self._engine.axis_name!r}) is due after step"
+          f" {int(state.count)}; call it when island.due(state), or with"
+          " early=True for a last round."
+        )
+      return sync
+    if len(self._engine.syncs) != 1:
+      raise ValueError(
+        "shardopt.elastic.Island.sync: early=True runs the transform's only"
+        f" sync, but {self._engine.name} has {len(self._engine.syncs)}"
+        " (num_fragments > 1); call sync when island.due(state)."
+      )
+    return 1
+
+  def _jit(self, key, fn, **kwargs):
+    if key not in self._compiled:
+      self._compiled[key] = jax.jit(fn, **kwargs)
+    return self._compiled[key]
+
+  def _row(self, healing: bool, sync: int, params, state):
+    """This island's row (on its devices) and error feedback's new error
+    pieces (plain rounds)."""
+    engine, me = self._engine, self._me
+    if healing:
+      up = not self._fresh
+      fn = self._jit(
+        ("healing_row", sync, up),
+        lambda s, p: (rows.healing_row(engine, me, sync, up, s, p), None),
+        out_shardings=self._replicated,
+      )
+    else:
+      fn = self._jit(
+        ("plain_row", sync),
+        lambda s, p: rows.plain_row(engine, me, sync, s, p),
+        out_shardings=self._replicated,
+      )
+    return fn(state, params)
+
+  def _gather(self, order: list, row: jax.Array) -> jax.Array:
+    """One all_gather of the islands' rows over ``order``: every island's
+    rows, on this island's device of ``order``."""
+    mine = next(d for d in order if d.process_index == self._me)
+    mesh = Mesh(np.array(order), ("islands",))
+    local = next(s.data for s in row.addressable_shards if s.device == mine)
+    rows_in = jax.make_array_from_single_device_arrays(
+      (len(order), row.shape[0]),
+      NamedSharding(mesh, P("islands")),
+      [local.reshape(1, -1)],
+    )
+    fn = self._jit(
+      ("gather", tuple(d.id for d in order)),
+      jax.shard_map(
+        lambda r: jax.lax.all_gather(r, "islands", tiled=True),
+        mesh=mesh,
+        in_specs=P("islands"),
+        out_specs=P(),
+        check_vma=False,
+      ),
+    )
+    return fn(rows_in).addressable_shards[0].data
+
+  def _commit(self, healing, sync, gathered, params, state, error):
+    """The round's results on this island (no collective)."""
+    head = _headers(np.asarray(gathered[:, : rows.HEADER_BYTES]))
+    up = head["up_to_date"] > 0
+    source = int(np.argmax(up)) if up.any() else 0
+    if healing:
+      sync = int(head["sync"][source]) if up.any() else 0
+    contributing = up & (head["finite"] > 0)
+    me = int(np.flatnonzero(head["island"] == self._me)[0])
+    left_out = bool(up[me] and not contributing[me])
+    skipped = int(np.sum(up & ~contributing))
+    gathered = jax.device_put(gathered, self._replicated)
+    if healing:
+      fresh = self._fresh
+      fn = self._jit(
+        ("heal", sync, fresh),
+        lambda g, p, s, lo, sk: _heal(self._engine, sync, fresh, g, p, s, lo, sk),
+      )
+    else:
+      fn = self._jit(
+        ("apply", sync),
+        lambda g, p, s, lo, sk, e: _apply_plain(
+          self._engine, sync, g, p, s, lo, sk, e
+        ),
+      )
+    args = (gathered, params, state, jnp.asarray(left_out), jnp.int32(skipped))
+    params, state = fn(*args) if healing else fn(*args, error)
+    done = Round(
+      number=int(state.sync_count),
+      step=int(state.count),
+      live=(),
+      contributors=tuple(int(i) for i in head["island"][contributing]),
+      joined=tuple(int(i) for i in head["island"][~up]) if up.any() else (),
+      attempts=0,
+      seconds=0.0,
+      failures=(),
+    )
+    return params, state, done
+
+
+def _processes(members) -> tuple:
+  return tuple(sorted(p for p, _ in members))
+
+
+def _headers(head_bytes: np.ndarray) -> dict:
+  """The gathered headers, sorted by island id: field name -> column."""
+  head = head_bytes.copy().view(np.int32).reshape(head_bytes.shape[0], -1)
+  head = head[np.argsort(head[:, rows.FIELD["island"]], kind="stable")]
+  return {name: head[:, i] for name, i in rows.FIELD.items()}
+
+
+def _apply_plain(engine, sync, gathered, params, state, left_out, skipped, error):
+  received = rows.read_plain(engine, sync, gathered, params)
+  total, count = rows.combine(engine, received)
+  parts = split.pieces(engine, params, sync)
+  combined = rows.pieces_of(total, params, parts, full=False)
+  return split.apply(
+    engine,
+    sync,
+    state,
+    params,
+    combined,
+    any_contribution=count > 0,
+    left_out=left_out,
+    skipped=skipped,
+    error=error,
+  )
+
+
+def _heal(engine, sync, fresh, gathered, params, state, left_out, skipped):
+  """A healing round: everyone adopts the source's center, outer state and
+  counters (bit for bit what the up-to-date islands hold); a fresh island
+  also its params (the center) and a restarted local optimizer."""
+  received = rows.read_healing(gathered, state, params)
+  head = received.header
+  up = head[:, rows.FIELD["up_to_date"]] > 0
+  source = jnp.where(jnp.any(up), jnp.argmax(up), 0)
+  field = lambda name: head[source, rows.FIELD[name]]  # noqa: E731
+  treedef = jax.tree.structure(params)
+  center = treedef.unflatten(received.center)
+  state = state._replace(
+    center=center,
+    global_state=jax.tree.unflatten(
+      jax.tree.structure(state.global_state), received.global_state
+    ),
+    count=field("count").astype(state.count.dtype),
+    sync_count=field("sync_count").astype(state.sync_count.dtype),
+    skipped=jnp.full_like(state.skipped, field("skipped")),
+  )
+  if fresh:
+    params = jax.tree.map(lambda c, p: c.astype(p.dtype), center, params)
+    fresh_state = engine.optimizer.init(params)
+    state = state._replace(
+      local_state=fresh_state,
+      accumulator=jax.tree.map(jnp.zeros_like, state.accumulator),
+      error=jax.tree.map(jnp.zeros_like, state.error),
+      restart=jnp.zeros_like(state.restart),
+    )
+  if sync == 0:
+    return params, state
+  total, count = rows.combine(engine, received)
+  parts = split.pieces(engine, params, sync)
+  combined = rows.pieces_of(total, params, parts, full=True)
+  error = None
+  if engine.error_feedback:
+    error = [jnp.zeros_like(c) for c in combined]
+  return split.apply(
+    engine,
+    sync,
+    state,
+    params,
+    combined,
+    any_contribution=count > 0,
+    left_out=left_out,
+    skipped=skipped,
+    error=error,
+  )
