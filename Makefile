@@ -21,7 +21,7 @@ demo: $(VENV)/.installed
 	$(PY) -m shardopt.demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --dist loadgroup tests
 
 # Write each notebooks/NN_*.ipynb from its jupytext source and execute it.
 notebooks: $(VENV)/.installed

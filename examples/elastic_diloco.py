@@ -19,7 +19,8 @@ Each committed round appends one JSON line to ``DIR/p{I}.jsonl``::
    "loss": held-out MSE of the center}
 
 (rounds 1, 2, ... at steps H, 2H, ..., S; the start-up handshake is not
-logged), and the process exits 0 after S steps. ``--step-seconds X`` sleeps
+logged), and the process exits 0 after S steps, leaving its final params
+in ``DIR/p{I}.npz``. ``--step-seconds X`` sleeps
 X seconds per inner step, standing in for compute.
 
 For tests: ``ELASTIC_EXAMPLE_KILL=R:started`` (or ``R:gathered``) makes the
@@ -207,6 +208,9 @@ def main(argv=None) -> None:
       params, state, early=not island.due(state)
     )
     log(done)
+  np.savez(
+    os.path.join(args.out, f"p{me}.npz"), **jax.tree.map(np.asarray, params)
+  )
   say("done")
   if me == 0:
     time.sleep(3)  # process 0 hosts the coordination service: leave last

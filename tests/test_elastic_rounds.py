@@ -1,0 +1,788 @@
+"""shardopt.elastic's rounds, simulated in one process.
+
+N islands each keep their own params and state and take their local steps
+with ``split.local_update``; a round builds every island's row
+(``rows.plain_row`` / ``rows.healing_row``), stacks them as the all_gather
+would (each island gets its own shuffled order: the result must not depend
+on it) and applies them on every island (``island._apply_plain`` /
+``island._heal``). No processes, no collectives over processes.
+
+References are independent of the code under test: the periodic transforms
+themselves under ``jax.shard_map`` over N CPU devices (the synchronous
+engine), and numpy arithmetic (float64) for the outer optimizer, the mean
+over the contributing islands and the int8 wire's decoding.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import shardopt
+from shardopt.elastic import island as island_mod
+from shardopt.elastic import rows
+from shardopt.periodic import split
+
+N = 4  # islands
+H = 3  # local steps per sync
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+HEADER_BYTES = 32  # 8 int32 fields, documented in rows.HEADER_FIELDS
+
+
+# --------------------------------------------------------------------------
+# The model: a quadratic pulled toward an island-specific target, plus a
+# deterministic per-(island, step) noise, so the gradient depends on the
+# params (a round's result changes what the islands do next).
+
+
+def _params(seed=0, shapes=None):
+  shapes = shapes or {"w": (4, 3), "b": (3,)}
+  rng = np.random.default_rng(seed)
+  return {
+    k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()
+  }
+
+
+def _target(island, like):
+  rng = np.random.default_rng([1000, island])
+  return jax.tree.map(
+    lambda p: rng.normal(size=np.shape(p)).astype(np.float32), like
+  )
+
+
+def _noise(island, step, like):
+  rng = np.random.default_rng([island, step])
+  return jax.tree.map(
+    lambda p: (0.3 * rng.normal(size=np.shape(p))).astype(np.float32), like
+  )
+
+
+def _grads(params, target, noise):
+  return jax.tree.map(lambda p, t, n: (p - t) + n, params, target, noise)
+
+
+# --------------------------------------------------------------------------
+# Islands in one process.
+
+_JITS: dict = {}
+
+
+def _jit(key, make):
+  if key not in _JITS:
+    _JITS[key] = jax.jit(make())
+  return _JITS[key]
+
+
+def _local_fn(engine):
+  def make():
+    def step(params, state, target, noise):
+      grads = _grads(params, target, noise)
+      updates, state = split.local_update(engine, grads, state, params, {})
+      return optax.apply_updates(params, updates), state
+
+    return step
+
+  return _jit(("local", id(engine)), make)
+
+
+def _plain_row_fn(engine, sync):
+  return _jit(
+    ("plain_row", id(engine), sync),
+    lambda: lambda i, s, p: rows.plain_row(engine, i, sync, s, p),
+  )
+
+
+def _healing_row_fn(engine, sync, up):
+  return _jit(
+    ("healing_row", id(engine), sync, up),
+    lambda: lambda i, s, p: rows.healing_row(engine, i, sync, up, s, p),
+  )
+
+
+def _apply_fn(engine, sync):
+  return _jit(
+    ("apply", id(engine), sync),
+    lambda: lambda g, p, s, lo, sk, e: island_mod._apply_plain(
+      engine, sync, g, p, s, lo, sk, e
+    ),
+  )
+
+
+def _heal_fn(engine, sync, fresh):
+  return _jit(
+    ("heal", id(engine), sync, fresh),
+    lambda: lambda g, p, s, lo, sk: island_mod._heal(
+      engine, sync, fresh, g, p, s, lo, sk
+    ),
+  )
+
+
+def _header(row) -> np.ndarray:
+  """A row's int32 header, decoded in numpy."""
+  return np.asarray(row)[:HEADER_BYTES].copy().view(np.int32)
+
+
+def _gathered(row_list, rng):
+  """The rows stacked in a random order (as some all_gather would)."""
+  order = rng.permutation(len(row_list))
+  return jnp.stack([row_list[j] for j in order])
+
+
+class Islands:
+  """N islands of one transform: params, states, local steps, rounds."""
+
+  def __init__(self, tx, params_list, *, seed=0):
+    self.tx = tx
+    self.engine = split.engine_of(tx, "test_elastic_rounds")
+    self.params = [jax.tree.map(jnp.asarray, p) for p in params_list]
+    self.states = [tx.init(p) for p in self.params]
+    self.n = len(params_list)
+    self.targets = [_target(i, params_list[0]) for i in range(self.n)]
+    self.rng = np.random.default_rng([77, seed])
+    self.last_rows = None
+    self.last_errors = None
+
+  def local_steps(self, k, *, poison=()):
+    """``k`` local steps on every island; ``poison``: ``(island, step)``
+    pairs, a NaN in that island's gradient at that (1-based) step."""
+    fn = _local_fn(self.engine)
+    for _ in range(k):
+      for i in range(self.n):
+        step = int(self.states[i].count) + 1
+        noise = _noise(i, step, self.params[i])
+        if (i, step) in poison:
+          noise = dict(noise)
+          w = np.array(noise["w"])
+          w.flat[0] = np.nan
+          noise["w"] = w
+        self.params[i], self.states[i] = fn(
+          self.params[i], self.states[i], self.targets[i], noise
+        )
+
+  def due(self):
+    syncs = {split.due(self.engine, int(s.count)) for s in self.states}
+    assert len(syncs) == 1, syncs
+    return syncs.pop()
+
+  def plain_round(self):
+    """A plain round over every island; returns the headers (island
+    order) and the sync index."""
+    sync = self.due()
+    assert sync > 0
+    fn = _plain_row_fn(self.engine, sync)
+    made = [fn(jnp.int32(i), self.states[i], self.params[i]) for i in range(self.n)]
+    row_list = [r for r, _ in made]
+    errors = [e for _, e in made]
+    heads = np.stack([_header(r) for r in row_list])
+    finite = heads[:, rows.FIELD["finite"]] > 0
+    skipped = int(np.sum(~finite))
+    apply = _apply_fn(self.engine, sync)
+    for i in range(self.n):
+      self.params[i], self.states[i] = apply(
+        _gathered(row_list, self.rng),
+        self.params[i],
+        self.states[i],
+        jnp.asarray(not finite[i]),
+        jnp.int32(skipped),
+        errors[i],
+      )
+    self.last_rows, self.last_errors = row_list, errors
+    return heads, sync
+
+
+def _np(tree):
+  return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+def _assert_islands_identical(isl, *, params=True):
+  for i in range(1, isl.n):
+    chex.assert_trees_all_equal(isl.states[i].center, isl.states[0].center)
+    chex.assert_trees_all_equal(
+      isl.states[i].global_state, isl.states[0].global_state
+    )
+    chex.assert_trees_all_equal(isl.states[i].count, isl.states[0].count)
+    chex.assert_trees_all_equal(
+      isl.states[i].sync_count, isl.states[0].sync_count
+    )
+    chex.assert_trees_all_equal(isl.states[i].skipped, isl.states[0].skipped)
+    if params:
+      chex.assert_trees_all_equal(isl.params[i], isl.params[0])
+
+
+def _nesterov(center, momentum, outer_grad):
+  """optax.sgd(0.7, momentum=0.9, nesterov=True), in numpy: optax's trace
+  is ``m = g + 0.9 m``, its Nesterov update ``g + 0.9 m``, scaled by -lr."""
+  m = outer_grad + OUTER_MOMENTUM * momentum
+  return center - OUTER_LR * (outer_grad + OUTER_MOMENTUM * m), m
+
+
+# --------------------------------------------------------------------------
+# The synchronous reference: the transform itself under shard_map.
+
+
+def _concat(trees):
+  return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *trees)
+
+
+def _shard_map_reference(tx, params0, targets, n):
+  """``step(t)`` runs local step t (1-based) of the synchronous transform
+  over n devices; returns (params, state) as global arrays."""
+  mesh = Mesh(np.array(jax.devices()[:n]), ("i",))
+  block = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params0)
+  specs = shardopt.state_specs(tx, block, "i", mesh=mesh)
+
+  def step(params, state, target, noise):
+    updates, state = tx.update(_grads(params, target, noise), state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(
+    jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(P("i"), specs, P("i"), P("i")),
+      out_specs=(P("i"), specs),
+    )
+  )
+  params = _concat([params0] * n)
+  # Every replica starts from tx.init(params0): per-replica leaves are n
+  # copies of its blocks, replicated ones one copy.
+  one = tx.init(params0)
+  state = jax.tree.map(
+    lambda x, spec: np.asarray(x)
+    if spec == P()
+    else np.concatenate([np.asarray(x)] * n, axis=0),
+    one,
+    specs,
+  )
+  target = _concat(targets)
+  return params, state, specs, lambda p, s, t: step(
+    p, s, target, _concat([_noise(i, t, params0) for i in range(n)])
+  )
+
+
+def _block(x, i, n, spec):
+  """Replica i's block of a global array laid out by spec."""
+  x = np.asarray(x)
+  if spec == P() or x.ndim == 0:
+    return x
+  d = x.shape[0] // n
+  return x[i * d : (i + 1) * d]
+
+
+# --------------------------------------------------------------------------
+# 1. A plain round is the synchronous transform's sync.
+
+
+TRANSFORMS = {
+  "diloco": lambda: shardopt.diloco(optax.adam(1e-2), "i", sync_period=H),
+  "local_sgd": lambda: shardopt.local_sgd(optax.adam(1e-2), "i", period=H),
+  "agn": lambda: shardopt.agn(
+    optax.adam(1e-2), "i", communication_period=H
+  ),
+  "diloco_fragments": lambda: shardopt.diloco(
+    optax.adam(1e-2), "i", sync_period=4, num_fragments=2
+  ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TRANSFORMS))
+def test_plain_round_matches_diloco_under_shard_map(kind):
+  tx = TRANSFORMS[kind]()
+  p0 = _params()
+  isl = Islands(tx, [p0] * N)
+  ref_params, ref_state, specs, ref_step = _shard_map_reference(
+    tx, p0, isl.targets, N
+  )
+  steps = 3 * H if kind != "diloco_fragments" else 8
+  rounds = 0
+  for t in range(1, steps + 1):
+    ref_params, ref_state = ref_step(ref_params, ref_state, t)
+    isl.local_steps(1)
+    if isl.due():
+      isl.plain_round()
+      rounds += 1
+      for i in range(N):
+        for got, want, spec in zip(
+          jax.tree.leaves(isl.params[i]),
+          jax.tree.leaves(ref_params),
+          jax.tree.leaves(jax.tree.map(lambda _: P("i"), p0)),
+        ):
+          np.testing.assert_allclose(
+            got, _block(want, i, N, spec), rtol=1e-6, atol=1e-6,
+            err_msg=f"{kind}: params of island {i} after step {t}",
+          )
+        for field in ("center", "global_state", "accumulator"):
+          got_tree = getattr(isl.states[i], field)
+          want_tree = getattr(ref_state, field)
+          spec_tree = getattr(specs, field)
+          for got, want, spec in zip(
+            jax.tree.leaves(got_tree),
+            jax.tree.leaves(want_tree),
+            jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, P)),
+          ):
+            np.testing.assert_allclose(
+              np.asarray(got, np.float64),
+              np.asarray(_block(want, i, N, spec), np.float64),
+              rtol=1e-6, atol=1e-6,
+              err_msg=f"{kind}: state.{field} of island {i} after step {t}",
+            )
+        assert int(isl.states[i].count) == int(ref_state.count) == t
+        assert int(isl.states[i].sync_count) == int(ref_state.sync_count)
+        assert int(isl.states[i].skipped) == int(ref_state.skipped) == 0
+  assert rounds == (3 if kind != "diloco_fragments" else 4)
+  assert int(isl.states[0].sync_count) == rounds
+  # The rounds moved something: the islands do not sit on the start.
+  assert not np.allclose(isl.params[0]["w"], p0["w"])
+
+
+# --------------------------------------------------------------------------
+# 2. Bit-identical on every island, whatever order the rows arrive in.
+
+
+@pytest.mark.parametrize("kind", ["diloco", "agn"])
+def test_centers_bit_identical_across_islands(kind):
+  tx = TRANSFORMS[kind]()
+  isl = Islands(tx, [_params()] * N, seed=1)
+  for r in range(3):
+    isl.local_steps(H)
+    # Before the round the islands differ (else the test shows nothing).
+    assert not np.array_equal(isl.params[0]["w"], isl.params[1]["w"])
+    isl.plain_round()
+    _assert_islands_identical(isl)
+    assert int(isl.states[0].sync_count) == r + 1
+    # The params are the center, bit for bit (not params + (center - params)).
+    chex.assert_trees_all_equal(isl.params[0], isl.states[0].center)
+
+
+# --------------------------------------------------------------------------
+# 3. The mean is over the contributing (finite) islands only.
+
+
+def test_mean_over_contributing_islands_only():
+  tx = shardopt.local_sgd(optax.adam(1e-2), "i", period=H)
+  isl = Islands(tx, [_params()] * N, seed=2)
+  bad = 2
+  isl.local_steps(H, poison={(bad, H)})
+  local = [_np(p) for p in isl.params]
+  assert not np.isfinite(local[bad]["w"]).all()
+  assert all(np.isfinite(local[i]["w"]).all() for i in range(N) if i != bad)
+  skipped_before = int(isl.states[0].skipped)
+
+  heads, _ = isl.plain_round()
+
+  assert list(heads[:, rows.FIELD["finite"]]) == [int(i != bad) for i in range(N)]
+  good = [i for i in range(N) if i != bad]
+  want = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *[local[i] for i in good])
+  for i in range(N):
+    for k in want:
+      np.testing.assert_allclose(
+        isl.states[i].center[k], want[k], rtol=1e-6, atol=1e-6,
+        err_msg=f"center[{k}] on island {i}",
+      )
+    assert int(isl.states[i].skipped) == skipped_before + 1
+    assert bool(isl.states[i].restart.reshape(())) == (i == bad)
+  _assert_islands_identical(isl)
+  # The left-out island is back on the (finite) center, and its local state
+  # restarts at its next step: its moments are finite again.
+  assert np.isfinite(isl.params[bad]["w"]).all()
+  assert not all(
+    np.isfinite(x).all() for x in jax.tree.leaves(isl.states[bad].local_state)
+  )
+  isl.local_steps(H)
+  assert all(
+    np.isfinite(np.asarray(x, np.float64)).all()
+    for x in jax.tree.leaves(isl.states[bad].local_state)
+  )
+  assert not bool(isl.states[bad].restart.reshape(()))
+  local = [_np(p) for p in isl.params]
+  isl.plain_round()  # everyone contributes again
+  want = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *local)
+  for k in want:
+    np.testing.assert_allclose(isl.states[bad].center[k], want[k], rtol=1e-6, atol=1e-6)
+  assert int(isl.states[0].skipped) == skipped_before + 1
+  _assert_islands_identical(isl)
+
+
+def test_no_contributing_island_leaves_the_center_where_it_was():
+  tx = shardopt.diloco(optax.sgd(1e-2), "i", sync_period=H)
+  isl = Islands(tx, [_params()] * 3, seed=3)
+  isl.local_steps(H)
+  isl.plain_round()
+  center = jax.tree.map(np.asarray, isl.states[0].center)
+  outer = jax.tree.map(np.asarray, isl.states[0].global_state)
+  isl.local_steps(H, poison={(i, 2 * H) for i in range(3)})
+  heads, _ = isl.plain_round()
+  assert not heads[:, rows.FIELD["finite"]].any()
+  chex.assert_trees_all_equal(
+    jax.tree.map(np.asarray, isl.states[0].center), center
+  )
+  chex.assert_trees_all_equal(
+    jax.tree.map(np.asarray, isl.states[0].global_state), outer
+  )
+  assert int(isl.states[0].skipped) == 3
+  assert int(isl.states[0].sync_count) == 2
+  assert all(bool(s.restart.reshape(())) for s in isl.states)
+  _assert_islands_identical(isl)
+
+
+# --------------------------------------------------------------------------
+# 4. Healing: a fresh island joins with weight 0 and adopts everything.
+
+
+def _heal_round(isl, fresh, rng):
+  """A healing round: ``fresh[i]`` islands build a weight-0 row with sync 0
+  and their init state; the others their due sync."""
+  up_islands = [i for i in range(isl.n) if not fresh[i]]
+  syncs = {split.due(isl.engine, int(isl.states[i].count)) for i in up_islands}
+  sync = syncs.pop() if syncs else 0
+  assert not syncs
+  row_list = []
+  for i in range(isl.n):
+    if fresh[i]:
+      fn = _healing_row_fn(isl.engine, 0, False)
+    else:
+      fn = _healing_row_fn(isl.engine, sync, True)
+    row_list.append(fn(jnp.int32(i), isl.states[i], isl.params[i]))
+  heads = np.stack([_header(r) for r in row_list])
+  up = heads[:, rows.FIELD["up_to_date"]] > 0
+  contributing = up & (heads[:, rows.FIELD["finite"]] > 0)
+  skipped = int(np.sum(up & ~contributing))
+  for i in range(isl.n):
+    isl.params[i], isl.states[i] = _heal_fn(isl.engine, sync, fresh[i])(
+      _gathered(row_list, rng),
+      isl.params[i],
+      isl.states[i],
+      jnp.asarray(bool(up[i] and not contributing[i])),
+      jnp.int32(skipped),
+    )
+  return heads, sync
+
+
+def test_healing_round_adopts_center_and_counters():
+  tx = shardopt.diloco(optax.adam(1e-2), "i", sync_period=H)
+  p0 = _params()
+  isl = Islands(tx, [p0] * N, seed=4)
+  # Two plain rounds among the first N-1 (the last one is not there yet):
+  # simulate them with an (N-1)-island group, then add the fresh one.
+  group = Islands(tx, [p0] * (N - 1), seed=4)
+  momentum = jax.tree.map(lambda p: np.zeros(np.shape(p)), _np(p0))
+  center = _np(p0)
+  for _ in range(2):
+    group.local_steps(H)
+    local = [_np(p) for p in group.params]
+    g = jax.tree.map(lambda c, *xs: c - np.mean(xs, axis=0), center, *local)
+    center, momentum = (
+      jax.tree.map(lambda c, m, gg: _nesterov(c, m, gg)[0], center, momentum, g),
+      jax.tree.map(lambda c, m, gg: _nesterov(c, m, gg)[1], center, momentum, g),
+    )
+    group.plain_round()
+  group.local_steps(H)
+  sync = split.due(group.engine, int(group.states[0].count))
+  assert sync == 1
+  # A plain round over the same N-1 up-to-date islands, for comparison.
+  twin = Islands(tx, [p0] * (N - 1), seed=5)
+  twin.params, twin.states = list(group.params), list(group.states)
+  twin.plain_round()
+
+  fresh_params = _params(seed=99)
+  isl.params = list(group.params) + [jax.tree.map(jnp.asarray, fresh_params)]
+  isl.states = list(group.states) + [tx.init(isl.params[-1])]
+  local = [_np(p) for p in group.params]
+  g = jax.tree.map(lambda c, *xs: c - np.mean(xs, axis=0), center, *local)
+  want_center = jax.tree.map(lambda c, m, gg: _nesterov(c, m, gg)[0], center, momentum, g)
+  want_momentum = jax.tree.map(lambda c, m, gg: _nesterov(c, m, gg)[1], center, momentum, g)
+
+  fresh = [False] * (N - 1) + [True]
+  heads, used = _heal_round(isl, fresh, np.random.default_rng(6))
+  assert used == sync
+  assert list(heads[:, rows.FIELD["up_to_date"]]) == [1] * (N - 1) + [0]
+
+  new = N - 1
+  for i in range(N - 1):
+    chex.assert_trees_all_equal(isl.params[new], isl.params[i])
+  _assert_islands_identical(isl)
+  assert int(isl.states[new].count) == 3 * H
+  assert int(isl.states[new].sync_count) == 3
+  assert int(isl.states[new].skipped) == 0
+  for k in want_center:
+    np.testing.assert_allclose(
+      isl.states[new].center[k], want_center[k], rtol=1e-6, atol=1e-6
+    )
+    np.testing.assert_allclose(
+      jax.tree.leaves(isl.states[new].global_state)[0 if k == "b" else 1],
+      want_momentum[k], rtol=1e-6, atol=1e-6,
+    )
+  chex.assert_trees_all_equal(isl.params[new], isl.states[new].center)
+  # The fresh island's inner optimizer restarted from init at the center.
+  chex.assert_trees_all_equal(
+    isl.states[new].local_state, tx.init(isl.params[new]).local_state
+  )
+  # The survivors' own inner state is kept.
+  chex.assert_trees_all_equal(isl.states[0].local_state, group.states[0].local_state)
+  # What a plain round among the up-to-date islands alone would have given.
+  for k in want_center:
+    np.testing.assert_allclose(
+      isl.states[0].center[k], twin.states[0].center[k], rtol=1e-6, atol=1e-6
+    )
+  # And the healed group trains on together.
+  isl.local_steps(H)
+  isl.plain_round()
+  _assert_islands_identical(isl)
+  assert int(isl.states[new].sync_count) == 4
+
+
+def test_job_start_handshake_adopts_the_lowest_island():
+  tx = shardopt.diloco(optax.adam(1e-2), "i", sync_period=H)
+  starts = [_params(seed=10 + i) for i in range(N)]
+  isl = Islands(tx, starts, seed=7)
+  heads, sync = _heal_round(isl, [True] * N, np.random.default_rng(8))
+  assert sync == 0
+  assert list(heads[:, rows.FIELD["up_to_date"]]) == [0] * N
+  for i in range(N):
+    chex.assert_trees_all_equal(
+      jax.tree.map(np.asarray, isl.params[i]), starts[0]
+    )
+    chex.assert_trees_all_equal(
+      jax.tree.map(np.asarray, isl.states[i].center), starts[0]
+    )
+    assert int(isl.states[i].sync_count) == 0
+    assert int(isl.states[i].count) == 0
+    chex.assert_trees_all_equal(
+      isl.states[i].global_state, tx.init(starts[0]).global_state
+    )
+  _assert_islands_identical(isl)
+  isl.local_steps(H)
+  isl.plain_round()
+  _assert_islands_identical(isl)
+  assert int(isl.states[0].sync_count) == 1
+
+
+# --------------------------------------------------------------------------
+# 5. int8 wire with error feedback.
+
+
+def _np_decode_int8(payload: np.ndarray, size: int, block_size: int = 256):
+  """The int8 wire's flat vector of ``size``, decoded in numpy: int8 values
+  of ``blocks`` blocks (zero padded), then one float32 scale per block."""
+  block = min(block_size, size)
+  blocks = -(-size // block)
+  q = payload[: blocks * block].view(np.int8).astype(np.float32)
+  scale = payload[blocks * block : blocks * block + 4 * blocks].copy().view(np.float32)
+  assert payload.size == blocks * block + 4 * blocks
+  return (q.reshape(blocks, block) * scale[:, None]).reshape(-1)[:size], scale, block
+
+
+def _flat(tree):
+  return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
+
+
+def test_quantized_wire_with_error_feedback():
+  shapes = {"w": (20, 16), "b": (16,)}  # 336 values: 2 blocks of 256
+  p0 = _params(shapes=shapes)
+  tx = shardopt.diloco(
+    optax.adam(1e-2), "i", sync_period=H, comm_dtype=jnp.int8,
+    error_feedback=True,
+  )
+  wide_tx = shardopt.diloco(optax.adam(1e-2), "i", sync_period=H)
+  isl = Islands(tx, [p0] * N, seed=9)
+  wide = Islands(wide_tx, [p0] * N, seed=9)
+  center = _flat(_np(p0))
+  momentum = np.zeros_like(center)
+  for r in range(3):
+    isl.local_steps(H)
+    wide.local_steps(H)
+    old_error = [_flat(s.error).astype(np.float32) for s in isl.states]
+    sent = [
+      (_flat(isl.states[i].center).astype(np.float32) - _flat(isl.params[i]))
+      + old_error[i]
+      for i in range(N)
+    ]
+    isl.plain_round()
+    kept = []
+    for i in range(N):
+      payload = np.asarray(isl.last_rows[i])[HEADER_BYTES:]
+      decoded, scale, block = _np_decode_int8(payload, center.size)
+      kept.append(decoded)
+      new_error = _flat(isl.states[i].error)
+      np.testing.assert_allclose(
+        new_error, sent[i] - decoded, rtol=0, atol=1e-7,
+        err_msg=f"round {r}: island {i}'s error != sent - decoded",
+      )
+      # Half a quantization step per block, at most.
+      padded = np.pad(sent[i], (0, scale.size * block - sent[i].size))
+      absmax = np.abs(padded.reshape(scale.size, block)).max(axis=1)
+      bound = np.repeat(absmax / 127 / 2 * (1 + 1e-4) + 1e-12, block)[: sent[i].size]
+      assert (np.abs(new_error) <= bound).all(), (r, i)
+      assert np.abs(new_error).max() > 0  # the wire does drop something
+    _assert_islands_identical(isl)
+    # The center: the outer step on the mean of what the wire carried.
+    outer_grad = np.mean(np.asarray(kept, np.float64), axis=0)
+    center, momentum = _nesterov(center, momentum, outer_grad)
+    np.testing.assert_allclose(
+      _flat(isl.states[0].center), center, rtol=1e-6, atol=1e-6
+    )
+    if r == 0:
+      # Against the float32 wire from the same local params: the outer
+      # gradients differ by at most the mean of half-steps (no old error
+      # yet), the Nesterov step scales that by lr * (1 + momentum).
+      wide.plain_round()
+      halfsteps = []
+      for i in range(N):
+        payload = np.asarray(isl.last_rows[i])[HEADER_BYTES:]
+        _, scale, block = _np_decode_int8(payload, center.size)
+        halfsteps.append(np.repeat(scale / 2, block)[: center.size])
+      bound = OUTER_LR * (1 + OUTER_MOMENTUM) * np.mean(halfsteps, axis=0) + 1e-6
+      diff = np.abs(_flat(isl.states[0].center) - _flat(wide.states[0].center))
+      assert (diff <= bound).all(), diff.max()
+      assert diff.max() > 0
+    else:
+      wide.plain_round()
+
+
+# --------------------------------------------------------------------------
+# 6. Streaming DiLoCo: one fragment per round.
+
+
+def test_fragments_sync_one_fragment_per_round():
+  period, fragments = 4, 2
+  tx = shardopt.diloco(
+    optax.adam(1e-2), "i", sync_period=period, num_fragments=fragments
+  )
+  engine = split.engine_of(tx, "test")
+  for t in range(1, 13):
+    want = 0
+    for f in range(fragments):
+      if t % period == (f * period) // fragments:
+        want = f + 1
+    assert split.due(engine, t) == want, t
+  p0 = _params()
+  names = list(jax.tree_util.tree_flatten_with_path(p0)[0])
+  keys = [path[0].key for path, _ in names]  # jax.tree.leaves order
+  assert keys == ["b", "w"]  # so fragment 0 is "b", fragment 1 is "w"
+  isl = Islands(tx, [p0] * 3, seed=11)
+  center = _np(p0)
+  momentum = [jax.tree.map(lambda p: np.zeros(np.shape(p)), _np(p0)) for _ in range(fragments)]
+  fired = []
+  for t in range(1, 9):
+    isl.local_steps(1)
+    sync = isl.due()
+    if not sync:
+      continue
+    frag = sync - 1
+    moved = keys[frag]
+    fired.append((t, frag))
+    before_params = [jax.tree.map(np.asarray, p) for p in isl.params]
+    before_center = jax.tree.map(np.asarray, isl.states[0].center)
+    before_outer = jax.tree.map(np.asarray, isl.states[0].global_state)
+    local = [_np(p)[moved] for p in isl.params]
+    g = center[moved] - np.mean(local, axis=0)
+    c, m = _nesterov(center[moved], momentum[frag][moved], g)
+    center[moved], momentum[frag][moved] = c, m
+    isl.plain_round()
+    for i in range(3):
+      for k in keys:
+        if k == moved:
+          np.testing.assert_allclose(isl.params[i][k], c, rtol=1e-6, atol=1e-6)
+          np.testing.assert_allclose(isl.states[i].center[k], c, rtol=1e-6, atol=1e-6)
+        else:
+          chex.assert_trees_all_equal(np.asarray(isl.params[i][k]), before_params[i][k])
+          chex.assert_trees_all_equal(np.asarray(isl.states[i].center[k]), before_center[k])
+      outer = isl.states[i].global_state
+      assert isinstance(outer, tuple) and len(outer) == fragments
+      chex.assert_trees_all_equal(outer[1 - frag], before_outer[1 - frag])
+      np.testing.assert_allclose(
+        jax.tree.leaves(outer[frag])[0], m, rtol=1e-6, atol=1e-6
+      )
+    _assert_islands_identical(isl, params=False)
+  assert fired == [(2, 1), (4, 0), (6, 1), (8, 0)]
+
+
+# --------------------------------------------------------------------------
+# 7. What the split cannot run is refused, with the fix.
+
+
+@pytest.mark.parametrize(
+  "make, error, names",
+  [
+    (
+      lambda: shardopt.hierarchical_local_sgd(
+        optax.sgd(0.1), "i", period_group_sizes={2: 2, 4: 4}
+      ),
+      ValueError,
+      ["shardopt.hierarchical_local_sgd", "hierarchical", "without"],
+    ),
+    (
+      lambda: shardopt.diloco(
+        optax.sgd(0.1), "i", sync_period=4, num_fragments=2,
+        overlap_steps=1, overlap_alpha=0.5,
+      ),
+      ValueError,
+      ["shardopt.diloco", "overlap_steps", "without"],
+    ),
+    (
+      lambda: shardopt.diloco(optax.sgd(0.1), "i", sync_period=4, warmup_steps=2),
+      ValueError,
+      ["shardopt.diloco", "warmup_steps", "without"],
+    ),
+    (
+      lambda: shardopt.local_sgd(
+        optax.sgd(0.1), "i", period=4, axis_index_groups=[[0, 1], [2, 3]]
+      ),
+      ValueError,
+      ["shardopt.local_sgd", "axis_index_groups", "without"],
+    ),
+    (
+      lambda: optax.adam(1e-3),
+      TypeError,
+      ["my_where", "shardopt.diloco", "directly"],
+    ),
+    (
+      lambda: optax.chain(shardopt.diloco(optax.sgd(0.1), "i", sync_period=4)),
+      TypeError,
+      ["my_where", "optax.chain", "directly"],
+    ),
+  ],
+  ids=["hierarchical", "overlap", "warmup", "groups", "adam", "chain"],
+)
+def test_engine_of_refuses_unsupported(make, error, names):
+  tx = make()
+  with pytest.raises(error) as info:
+    split.engine_of(tx, "my_where")
+  message = str(info.value)
+  for name in names:
+    assert name in message, (name, message)
+  if error is ValueError:
+    assert message.startswith("my_where: ")
+
+
+def test_engine_of_accepts_what_the_islands_run():
+  for tx in [
+    shardopt.diloco(optax.adam(1e-2), "i", sync_period=4),
+    shardopt.diloco(optax.adam(1e-2), "i", sync_period=4, num_fragments=2),
+    shardopt.diloco(
+      optax.adam(1e-2), "i", sync_period=4, comm_dtype=jnp.int8,
+      error_feedback=True,
+    ),
+    shardopt.local_sgd(optax.sgd(0.1), "i", period=4),
+    shardopt.agn(optax.sgd(0.1), "i", communication_period=4),
+  ]:
+    assert isinstance(split.engine_of(tx, "test"), split.Engine)
+
+
+def test_engine_of_names_overlap_alpha_when_it_is_what_was_set():
+  """overlap_alpha > 0 with overlap_steps=0 is a valid diloco (the merge
+  mixes params and center at the sync itself); the split cannot run it, and
+  its refusal must name what the user set, not overlap_steps."""
+  tx = shardopt.diloco(
+    optax.sgd(0.1), "i", sync_period=4, num_fragments=2, overlap_alpha=0.5
+  )
+  with pytest.raises(ValueError) as info:
+    split.engine_of(tx, "my_where")
+  assert "overlap_alpha" in str(info.value), str(info.value)
