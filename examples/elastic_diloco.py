@@ -4,9 +4,10 @@
         --process-id I --steps S --sync-period H --out DIR [--step-seconds X]
 
 Start one process per island, each with the same arguments but its own
-``--process-id`` (0 is the coordinator and must outlive the others). Each
+``--process-id`` (0 is the coordinator and must outlive the others); with
+``--processes-per-island K``, K consecutive processes form one island. Each
 island trains a small MLP on its own data shard with AdamW, data parallel
-over its local devices (2 forced CPU devices unless XLA_FLAGS says
+over its devices (2 forced CPU devices per process unless XLA_FLAGS says
 otherwise); every H steps the live islands run a DiLoCo round
 (``shardopt.diloco``'s outer Nesterov step on the mean of their outer
 gradients) through ``shardopt.elastic``. Kill an island (SIGKILL) and the
@@ -109,6 +110,12 @@ def parse(argv=None):
   ap.add_argument("--out", required=True)
   ap.add_argument("--step-seconds", type=float, default=0.0)
   ap.add_argument("--heartbeat-seconds", type=int, default=5)
+  ap.add_argument(
+    "--processes-per-island",
+    type=int,
+    default=1,
+    help="consecutive processes that form one island (fail together)",
+  )
   return ap.parse_args(argv)
 
 
@@ -135,25 +142,42 @@ def main(argv=None) -> None:
   def say(message: str) -> None:
     print(f"[p{me} {time.time():.3f}] {message}", flush=True)
 
+  k = args.processes_per_island
   shardopt.elastic.initialize(
     args.coordinator,
     num_processes=args.num_processes,
     process_id=me,
     heartbeat_timeout_seconds=args.heartbeat_seconds,
+    processes_per_island=k,
   )
-
-  # The island: its local devices, data parallel (params replicated, the
-  # batch split; XLA sums the gradients over the island's devices only).
-  mesh = Mesh(np.array(jax.local_devices()), ("data",))
-  replicated = NamedSharding(mesh, P())
-  split_batch = NamedSharding(mesh, P("data"))
 
   tx = shardopt.diloco(
     optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
     "island",
     sync_period=args.sync_period,
   )
-  island = shardopt.elastic.Island(tx, on_event=_events(say, args, me))
+  island = shardopt.elastic.Island(
+    tx, processes_per_island=k, on_event=_events(say, args, me)
+  )
+
+  # The island: its devices, data parallel (params replicated, the batch
+  # split; XLA sums the gradients over the island's devices only).
+  mesh = Mesh(np.array(island.devices), ("data",))
+  replicated = NamedSharding(mesh, P())
+  split_batch = NamedSharding(mesh, P("data"))
+  rows_here = slice(me % k * BATCH // k, (me % k + 1) * BATCH // k)
+
+  def island_batch(step):
+    """This process's rows of its island's batch, as the island's array."""
+    x, y = batch(me // k, step)
+    return (
+      jax.make_array_from_process_local_data(split_batch, a[rows_here])
+      for a in (x, y)
+    )
+
+  def host(tree):
+    """The values of replicated arrays (also over several processes)."""
+    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
   def loss_fn(params, x, y):
     return jax.numpy.mean((mlp(params, x, jax.numpy) - y) ** 2)
@@ -165,15 +189,15 @@ def main(argv=None) -> None:
     return optax.apply_updates(params, updates), state
 
   params = jax.device_put(init_mlp(0), replicated)
-  state = jax.device_put(island.tx.init(params), replicated)
+  state = jax.jit(island.tx.init, out_shardings=replicated)(params)
 
   def log(done) -> None:
-    center = jax.tree.map(np.asarray, state.center)
+    center = host(state.center)
     row = {
       "round": done.number,
       "step": done.step,
       "live": list(done.live),
-      "params_sha256": params_sha256(jax.tree.map(np.asarray, params)),
+      "params_sha256": params_sha256(host(params)),
       "loss": eval_loss(center),
     }
     with open(os.path.join(args.out, f"p{me}.jsonl"), "a") as f:
@@ -189,28 +213,29 @@ def main(argv=None) -> None:
   params, state, done = island.sync(params, state)
   if done.number:
     log(done)
-  while int(state.count) < args.steps:
-    count = int(state.count)
+  count = done.step
+  while count < args.steps:
     todo = min(args.sync_period - count % args.sync_period, args.steps - count)
     for _ in range(todo):
-      step = int(state.count) + 1
-      x, y = batch(me, step)
-      params, state = inner_step(
-        params,
-        state,
-        jax.device_put(x, split_batch),
-        jax.device_put(y, split_batch),
-      )
-      jax.block_until_ready(state.count)
+      count += 1
+      try:
+        params, state = inner_step(params, state, *island_batch(count))
+        jax.block_until_ready(state.count)
+      except jax.errors.JaxRuntimeError as e:
+        if k == 1:
+          raise
+        raise shardopt.elastic.IslandBrokenError(
+          f"island {me // k} lost a process during a local step; restart"
+          " all of its processes"
+        ) from e
       if args.step_seconds:
         time.sleep(args.step_seconds)
     params, state, done = island.sync(
-      params, state, early=not island.due(state)
+      params, state, early=count % args.sync_period != 0
     )
+    count = done.step
     log(done)
-  np.savez(
-    os.path.join(args.out, f"p{me}.npz"), **jax.tree.map(np.asarray, params)
-  )
+  np.savez(os.path.join(args.out, f"p{me}.npz"), **host(params))
   say("done")
   if me == 0:
     time.sleep(3)  # process 0 hosts the coordination service: leave last

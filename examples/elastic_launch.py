@@ -4,8 +4,9 @@ restarting islands on a schedule; prints each island's rounds.
     python examples/elastic_launch.py --num-processes 3 --steps 48 \
         --sync-period 4 --step-seconds 0.2 --kill 2@4 --restart 2@14 --out /tmp/elastic
 
-``--kill I@T`` SIGKILLs island I T seconds after the start, ``--restart I@T``
-starts it again (same ``--process-id``). The tests and the elastic benchmark
+``--kill I@T`` SIGKILLs process I T seconds after the start, ``--restart I@T``
+starts it again (same ``--process-id``); with ``--processes-per-island K``
+an island is K consecutive processes. The tests and the elastic benchmark
 drive the same :class:`Islands`.
 """
 
@@ -43,6 +44,7 @@ class Islands:
     steps: int,
     sync_period: int,
     step_seconds: float = 0.0,
+    processes_per_island: int = 1,
     env: dict | None = None,
   ):
     self.out = Path(out)
@@ -62,6 +64,8 @@ class Islands:
       str(self.out),
       "--step-seconds",
       str(step_seconds),
+      "--processes-per-island",
+      str(processes_per_island),
     ]
     self.env = dict(os.environ)
     self.env.pop("XLA_FLAGS", None)  # the example sets its own
@@ -154,6 +158,7 @@ def main() -> None:
   ap.add_argument("--steps", type=int, default=48)
   ap.add_argument("--sync-period", type=int, default=4)
   ap.add_argument("--step-seconds", type=float, default=0.2)
+  ap.add_argument("--processes-per-island", type=int, default=1)
   ap.add_argument("--kill", action="append", default=[], help="I@SECONDS")
   ap.add_argument("--restart", action="append", default=[], help="I@SECONDS")
   ap.add_argument("--out", default="/tmp/elastic")
@@ -172,6 +177,7 @@ def main() -> None:
     steps=args.steps,
     sync_period=args.sync_period,
     step_seconds=args.step_seconds,
+    processes_per_island=args.processes_per_island,
   ) as islands:
     islands.start_all()
     for at, what, i in plan:

@@ -49,7 +49,7 @@ launch = _load("elastic_launch")
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("elastic")]
 
-N = 3
+N = 3  # islands (of one process, or K in the last tests)
 H = 4
 STEP_S = 0.15
 RUN_TIMEOUT_S = 150  # one scenario, start to last exit
@@ -113,18 +113,28 @@ def _reference(schedule: list[tuple[int, list[int], list[int]]]) -> dict:
 
 
 class Scenario:
-  """One run of the three islands, and what it logged."""
+  """One run of the islands, and what it logged (per process)."""
 
-  def __init__(self, tmp_path: Path, steps: int, env: dict | None = None):
+  def __init__(
+    self,
+    tmp_path: Path,
+    steps: int,
+    env: dict | None = None,
+    k: int = 1,
+    islands: int = N,
+  ):
     self.steps = steps
+    self.k = k  # processes per island
     self.islands = launch.Islands(
       tmp_path,
-      num_processes=N,
+      num_processes=islands * k,
       steps=steps,
       sync_period=H,
       step_seconds=STEP_S,
+      processes_per_island=k,
       env=env,
     )
+    self.n = self.islands.n
     self.restarted_at: dict[int, list[int]] = {}  # island -> rows before
 
   def __enter__(self):
@@ -151,7 +161,7 @@ class Scenario:
     codes = self.islands.wait(RUN_TIMEOUT_S)
     report = "\n".join(
       f"--- island {i} (exit {codes.get(i)}):\n{self.islands.log(i)[-4000:]}"
-      for i in range(N)
+      for i in range(self.n)
     )
     for i in survivors:
       assert codes[i] == 0, report
@@ -183,7 +193,7 @@ class Scenario:
       for i in joined:
         since[i] = number
     by_round = {}
-    for i in range(N):
+    for i in range(self.n):
       numbers = [r["round"] for r in self.islands.rows(i)]
       assert len(numbers) == len(set(numbers)), (i, numbers, self.report)
       for r in self.islands.rows(i):
@@ -197,7 +207,13 @@ class Scenario:
         if number >= since[i]:
           assert i in logged, (number, i, self.report)
     expect_live(schedule)
-    centers = _reference(schedule)
+    k = self.k
+    centers = _reference(
+      [
+        (step, sorted({p // k for p in live}), sorted({p // k for p in joined}))
+        for step, live, joined in schedule
+      ]
+    )
     final = centers[len(schedule)]
     for i in survivors:
       got = dict(np.load(self.islands.out / f"p{i}.npz"))
@@ -320,11 +336,11 @@ def test_rejoining_under_a_used_device_order_still_fails_in_jax(tmp_path):
 
   try:
     for i in range(3):
-      start(i, 40, "a")
-    time.sleep(12)
+      start(i, 30, "a")
+    time.sleep(9)
     launch._kill_group(procs[(2, "a")])
-    time.sleep(10)
-    start(2, 16, "b")
+    time.sleep(7)
+    start(2, 10, "b")
     for p in procs.values():
       p.wait(timeout=90)
   finally:
@@ -344,3 +360,46 @@ def test_rejoining_under_a_used_device_order_still_fails_in_jax(tmp_path):
   assert "ALREADY_EXISTS: key cpu:gloo/0,2048,4096/2" in restarted, restarted[
     -3000:
   ]
+
+
+# ------------------------------------------------------------------ islands of 2
+
+
+def test_an_island_of_two_processes_dies_and_returns_together(tmp_path):
+  """2 islands x 2 processes (4 CPU devices each): island 1's processes are
+  SIGKILLed together and restarted together; their island-wide local clique
+  (across the two processes) rendezvous again."""
+  with Scenario(tmp_path, steps=48, k=2, islands=2) as run:
+    run.wait_round(0, 2 * H)
+    run.kill(2)
+    run.kill(3)
+    run.wait_round(0, 4 * H)
+    run.restart(2)
+    run.restart(3)
+    run.finish(survivors=[0, 1, 2, 3])
+
+    def expect(schedule):
+      lives = _lives(schedule)
+      assert lives[0] == [0, 1, 2, 3] and lives[-1] == [0, 1, 2, 3], lives
+      assert [0, 1] in lives, lives
+      assert sum(1 for *_, joined in schedule if joined == [2, 3]) == 1
+
+    run.check([0, 1, 2, 3], expect)
+
+
+def test_one_process_of_an_island_dies_its_island_stops_with_a_clear_error(
+  tmp_path,
+):
+  """Only process 3 of island 1 (processes 2, 3) dies: process 2 cannot go
+  on and exits with IslandBrokenError; island 0 finishes alone."""
+  with Scenario(tmp_path, steps=32, k=2, islands=2) as run:
+    run.wait_round(0, 2 * H)
+    run.kill(3)
+    codes = run.finish(survivors=[0, 1])
+    assert codes[2] not in (0, None), run.report
+    assert "IslandBrokenError" in run.islands.log(2), run.report
+
+    def expect(schedule):
+      assert _lives(schedule)[-1] == [0, 1], schedule
+
+    run.check([0, 1], expect)

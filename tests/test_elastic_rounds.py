@@ -13,7 +13,7 @@ engine), and numpy arithmetic (float64) for the outer optimizer, the mean
 over the contributing islands and the int8 wire's decoding.
 """
 
-import functools
+import inspect
 
 import chex
 import jax
@@ -45,9 +45,7 @@ HEADER_BYTES = 32  # 8 int32 fields, documented in rows.HEADER_FIELDS
 def _params(seed=0, shapes=None):
   shapes = shapes or {"w": (4, 3), "b": (3,)}
   rng = np.random.default_rng(seed)
-  return {
-    k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()
-  }
+  return {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
 
 
 def _target(island, like):
@@ -89,37 +87,55 @@ def _local_fn(engine):
 
     return step
 
-  return _jit(("local", id(engine)), make)
+  return _jit(("local", engine), make)
+
+
+def _island_args(fn, i):
+  """The row builders' leading island arguments: the island, and where they
+  take one, the sending process (here one process per island)."""
+  return (i, i) if "process" in inspect.signature(fn).parameters else (i,)
 
 
 def _plain_row_fn(engine, sync):
   return _jit(
-    ("plain_row", id(engine), sync),
-    lambda: lambda i, s, p: rows.plain_row(engine, i, sync, s, p),
+    ("plain_row", engine, sync),
+    lambda: (
+      lambda i, s, p: rows.plain_row(
+        engine, *_island_args(rows.plain_row, i), sync, s, p
+      )
+    ),
   )
 
 
 def _healing_row_fn(engine, sync, up):
   return _jit(
-    ("healing_row", id(engine), sync, up),
-    lambda: lambda i, s, p: rows.healing_row(engine, i, sync, up, s, p),
+    ("healing_row", engine, sync, up),
+    lambda: (
+      lambda i, s, p: rows.healing_row(
+        engine, *_island_args(rows.healing_row, i), sync, up, s, p
+      )
+    ),
   )
 
 
 def _apply_fn(engine, sync):
   return _jit(
-    ("apply", id(engine), sync),
-    lambda: lambda g, p, s, lo, sk, e: island_mod._apply_plain(
-      engine, sync, g, p, s, lo, sk, e
+    ("apply", engine, sync),
+    lambda: (
+      lambda g, p, s, lo, sk, e: island_mod._apply_plain(
+        engine, sync, g, p, s, lo, sk, e
+      )
     ),
   )
 
 
 def _heal_fn(engine, sync, fresh):
   return _jit(
-    ("heal", id(engine), sync, fresh),
-    lambda: lambda g, p, s, lo, sk: island_mod._heal(
-      engine, sync, fresh, g, p, s, lo, sk
+    ("heal", engine, sync, fresh),
+    lambda: (
+      lambda g, p, s, lo, sk: island_mod._heal(
+        engine, sync, fresh, g, p, s, lo, sk
+      )
     ),
   )
 
@@ -177,7 +193,9 @@ class Islands:
     sync = self.due()
     assert sync > 0
     fn = _plain_row_fn(self.engine, sync)
-    made = [fn(jnp.int32(i), self.states[i], self.params[i]) for i in range(self.n)]
+    made = [
+      fn(jnp.int32(i), self.states[i], self.params[i]) for i in range(self.n)
+    ]
     row_list = [r for r, _ in made]
     errors = [e for _, e in made]
     heads = np.stack([_header(r) for r in row_list])
@@ -235,7 +253,9 @@ def _shard_map_reference(tx, params0, targets, n):
   """``step(t)`` runs local step t (1-based) of the synchronous transform
   over n devices; returns (params, state) as global arrays."""
   mesh = Mesh(np.array(jax.devices()[:n]), ("i",))
-  block = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params0)
+  block = jax.tree.map(
+    lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params0
+  )
   specs = shardopt.state_specs(tx, block, "i", mesh=mesh)
 
   def step(params, state, target, noise):
@@ -255,15 +275,22 @@ def _shard_map_reference(tx, params0, targets, n):
   # copies of its blocks, replicated ones one copy.
   one = tx.init(params0)
   state = jax.tree.map(
-    lambda x, spec: np.asarray(x)
-    if spec == P()
-    else np.concatenate([np.asarray(x)] * n, axis=0),
+    lambda x, spec: (
+      np.asarray(x)
+      if spec == P()
+      else np.concatenate([np.asarray(x)] * n, axis=0)
+    ),
     one,
     specs,
   )
   target = _concat(targets)
-  return params, state, specs, lambda p, s, t: step(
-    p, s, target, _concat([_noise(i, t, params0) for i in range(n)])
+  return (
+    params,
+    state,
+    specs,
+    lambda p, s, t: step(
+      p, s, target, _concat([_noise(i, t, params0) for i in range(n)])
+    ),
   )
 
 
@@ -283,9 +310,7 @@ def _block(x, i, n, spec):
 TRANSFORMS = {
   "diloco": lambda: shardopt.diloco(optax.adam(1e-2), "i", sync_period=H),
   "local_sgd": lambda: shardopt.local_sgd(optax.adam(1e-2), "i", period=H),
-  "agn": lambda: shardopt.agn(
-    optax.adam(1e-2), "i", communication_period=H
-  ),
+  "agn": lambda: shardopt.agn(optax.adam(1e-2), "i", communication_period=H),
   "diloco_fragments": lambda: shardopt.diloco(
     optax.adam(1e-2), "i", sync_period=4, num_fragments=2
   ),
@@ -309,13 +334,14 @@ def test_plain_round_matches_diloco_under_shard_map(kind):
       isl.plain_round()
       rounds += 1
       for i in range(N):
-        for got, want, spec in zip(
-          jax.tree.leaves(isl.params[i]),
-          jax.tree.leaves(ref_params),
-          jax.tree.leaves(jax.tree.map(lambda _: P("i"), p0)),
+        for got, want in zip(
+          jax.tree.leaves(isl.params[i]), jax.tree.leaves(ref_params)
         ):
           np.testing.assert_allclose(
-            got, _block(want, i, N, spec), rtol=1e-6, atol=1e-6,
+            got,
+            _block(want, i, N, P("i")),
+            rtol=1e-6,
+            atol=1e-6,
             err_msg=f"{kind}: params of island {i} after step {t}",
           )
         for field in ("center", "global_state", "accumulator"):
@@ -330,7 +356,8 @@ def test_plain_round_matches_diloco_under_shard_map(kind):
             np.testing.assert_allclose(
               np.asarray(got, np.float64),
               np.asarray(_block(want, i, N, spec), np.float64),
-              rtol=1e-6, atol=1e-6,
+              rtol=1e-6,
+              atol=1e-6,
               err_msg=f"{kind}: state.{field} of island {i} after step {t}",
             )
         assert int(isl.states[i].count) == int(ref_state.count) == t
@@ -377,13 +404,20 @@ def test_mean_over_contributing_islands_only():
 
   heads, _ = isl.plain_round()
 
-  assert list(heads[:, rows.FIELD["finite"]]) == [int(i != bad) for i in range(N)]
+  assert list(heads[:, rows.FIELD["finite"]]) == [
+    int(i != bad) for i in range(N)
+  ]
   good = [i for i in range(N) if i != bad]
-  want = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *[local[i] for i in good])
+  want = jax.tree.map(
+    lambda *xs: np.mean(xs, axis=0), *[local[i] for i in good]
+  )
   for i in range(N):
     for k in want:
       np.testing.assert_allclose(
-        isl.states[i].center[k], want[k], rtol=1e-6, atol=1e-6,
+        isl.states[i].center[k],
+        want[k],
+        rtol=1e-6,
+        atol=1e-6,
         err_msg=f"center[{k}] on island {i}",
       )
     assert int(isl.states[i].skipped) == skipped_before + 1
@@ -405,7 +439,9 @@ def test_mean_over_contributing_islands_only():
   isl.plain_round()  # everyone contributes again
   want = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *local)
   for k in want:
-    np.testing.assert_allclose(isl.states[bad].center[k], want[k], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+      isl.states[bad].center[k], want[k], rtol=1e-6, atol=1e-6
+    )
   assert int(isl.states[0].skipped) == skipped_before + 1
   _assert_islands_identical(isl)
 
@@ -479,8 +515,12 @@ def test_healing_round_adopts_center_and_counters():
     local = [_np(p) for p in group.params]
     g = jax.tree.map(lambda c, *xs: c - np.mean(xs, axis=0), center, *local)
     center, momentum = (
-      jax.tree.map(lambda c, m, gg: _nesterov(c, m, gg)[0], center, momentum, g),
-      jax.tree.map(lambda c, m, gg: _nesterov(c, m, gg)[1], center, momentum, g),
+      jax.tree.map(
+        lambda c, m, gg: _nesterov(c, m, gg)[0], center, momentum, g
+      ),
+      jax.tree.map(
+        lambda c, m, gg: _nesterov(c, m, gg)[1], center, momentum, g
+      ),
     )
     group.plain_round()
   group.local_steps(H)
@@ -496,8 +536,12 @@ def test_healing_round_adopts_center_and_counters():
   isl.states = list(group.states) + [tx.init(isl.params[-1])]
   local = [_np(p) for p in group.params]
   g = jax.tree.map(lambda c, *xs: c - np.mean(xs, axis=0), center, *local)
-  want_center = jax.tree.map(lambda c, m, gg: _nesterov(c, m, gg)[0], center, momentum, g)
-  want_momentum = jax.tree.map(lambda c, m, gg: _nesterov(c, m, gg)[1], center, momentum, g)
+  want_center = jax.tree.map(
+    lambda c, m, gg: _nesterov(c, m, gg)[0], center, momentum, g
+  )
+  want_momentum = jax.tree.map(
+    lambda c, m, gg: _nesterov(c, m, gg)[1], center, momentum, g
+  )
 
   fresh = [False] * (N - 1) + [True]
   heads, used = _heal_round(isl, fresh, np.random.default_rng(6))
@@ -517,7 +561,9 @@ def test_healing_round_adopts_center_and_counters():
     )
     np.testing.assert_allclose(
       jax.tree.leaves(isl.states[new].global_state)[0 if k == "b" else 1],
-      want_momentum[k], rtol=1e-6, atol=1e-6,
+      want_momentum[k],
+      rtol=1e-6,
+      atol=1e-6,
     )
   chex.assert_trees_all_equal(isl.params[new], isl.states[new].center)
   # The fresh island's inner optimizer restarted from init at the center.
@@ -525,7 +571,9 @@ def test_healing_round_adopts_center_and_counters():
     isl.states[new].local_state, tx.init(isl.params[new]).local_state
   )
   # The survivors' own inner state is kept.
-  chex.assert_trees_all_equal(isl.states[0].local_state, group.states[0].local_state)
+  chex.assert_trees_all_equal(
+    isl.states[0].local_state, group.states[0].local_state
+  )
   # What a plain round among the up-to-date islands alone would have given.
   for k in want_center:
     np.testing.assert_allclose(
@@ -536,6 +584,29 @@ def test_healing_round_adopts_center_and_counters():
   isl.plain_round()
   _assert_islands_identical(isl)
   assert int(isl.states[new].sync_count) == 4
+
+
+def test_healing_restarts_the_fresh_islands_inner_state_at_its_new_params():
+  """A fresh island's inner optimizer restarts (``optimizer.init``) at the
+  params it then trains from, as a left-out replica's does in the engine
+  (``_local_step``: ``optimizer.init(params)`` at its next step). Schedule-
+  free AdamW keeps a copy of the params in its state (``z``): after the
+  healing round it must be the island's new params (the center after the
+  outer step), not the center before it."""
+  tx = shardopt.diloco(
+    optax.contrib.schedule_free_adamw(1e-2), "i", sync_period=H
+  )
+  p0 = _params()
+  group = Islands(tx, [p0] * (N - 1), seed=12)
+  group.local_steps(H)
+  isl = Islands(tx, [p0] * N, seed=12)
+  fresh_params = jax.tree.map(jnp.asarray, _params(seed=98))
+  isl.params = list(group.params) + [fresh_params]
+  isl.states = list(group.states) + [tx.init(fresh_params)]
+  _heal_round(isl, [False] * (N - 1) + [True], np.random.default_rng(13))
+  new = N - 1
+  chex.assert_trees_all_equal(isl.params[new], isl.params[0])
+  chex.assert_trees_all_equal(isl.states[new].local_state.z, isl.params[new])
 
 
 def test_job_start_handshake_adopts_the_lowest_island():
@@ -574,20 +645,33 @@ def _np_decode_int8(payload: np.ndarray, size: int, block_size: int = 256):
   block = min(block_size, size)
   blocks = -(-size // block)
   q = payload[: blocks * block].view(np.int8).astype(np.float32)
-  scale = payload[blocks * block : blocks * block + 4 * blocks].copy().view(np.float32)
+  scale = (
+    payload[blocks * block : blocks * block + 4 * blocks]
+    .copy()
+    .view(np.float32)
+  )
   assert payload.size == blocks * block + 4 * blocks
-  return (q.reshape(blocks, block) * scale[:, None]).reshape(-1)[:size], scale, block
+  return (
+    (q.reshape(blocks, block) * scale[:, None]).reshape(-1)[:size],
+    scale,
+    block,
+  )
 
 
 def _flat(tree):
-  return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
+  return np.concatenate(
+    [np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)]
+  )
 
 
 def test_quantized_wire_with_error_feedback():
   shapes = {"w": (20, 16), "b": (16,)}  # 336 values: 2 blocks of 256
   p0 = _params(shapes=shapes)
   tx = shardopt.diloco(
-    optax.adam(1e-2), "i", sync_period=H, comm_dtype=jnp.int8,
+    optax.adam(1e-2),
+    "i",
+    sync_period=H,
+    comm_dtype=jnp.int8,
     error_feedback=True,
   )
   wide_tx = shardopt.diloco(optax.adam(1e-2), "i", sync_period=H)
@@ -597,7 +681,8 @@ def test_quantized_wire_with_error_feedback():
   momentum = np.zeros_like(center)
   for r in range(3):
     isl.local_steps(H)
-    wide.local_steps(H)
+    if r == 0:
+      wide.local_steps(H)
     old_error = [_flat(s.error).astype(np.float32) for s in isl.states]
     sent = [
       (_flat(isl.states[i].center).astype(np.float32) - _flat(isl.params[i]))
@@ -612,13 +697,18 @@ def test_quantized_wire_with_error_feedback():
       kept.append(decoded)
       new_error = _flat(isl.states[i].error)
       np.testing.assert_allclose(
-        new_error, sent[i] - decoded, rtol=0, atol=1e-7,
+        new_error,
+        sent[i] - decoded,
+        rtol=0,
+        atol=1e-7,
         err_msg=f"round {r}: island {i}'s error != sent - decoded",
       )
       # Half a quantization step per block, at most.
       padded = np.pad(sent[i], (0, scale.size * block - sent[i].size))
       absmax = np.abs(padded.reshape(scale.size, block)).max(axis=1)
-      bound = np.repeat(absmax / 127 / 2 * (1 + 1e-4) + 1e-12, block)[: sent[i].size]
+      bound = np.repeat(absmax / 127 / 2 * (1 + 1e-4) + 1e-12, block)[
+        : sent[i].size
+      ]
       assert (np.abs(new_error) <= bound).all(), (r, i)
       assert np.abs(new_error).max() > 0  # the wire does drop something
     _assert_islands_identical(isl)
@@ -638,12 +728,12 @@ def test_quantized_wire_with_error_feedback():
         payload = np.asarray(isl.last_rows[i])[HEADER_BYTES:]
         _, scale, block = _np_decode_int8(payload, center.size)
         halfsteps.append(np.repeat(scale / 2, block)[: center.size])
-      bound = OUTER_LR * (1 + OUTER_MOMENTUM) * np.mean(halfsteps, axis=0) + 1e-6
+      bound = (
+        OUTER_LR * (1 + OUTER_MOMENTUM) * np.mean(halfsteps, axis=0) + 1e-6
+      )
       diff = np.abs(_flat(isl.states[0].center) - _flat(wide.states[0].center))
       assert (diff <= bound).all(), diff.max()
       assert diff.max() > 0
-    else:
-      wide.plain_round()
 
 
 # --------------------------------------------------------------------------
@@ -668,7 +758,10 @@ def test_fragments_sync_one_fragment_per_round():
   assert keys == ["b", "w"]  # so fragment 0 is "b", fragment 1 is "w"
   isl = Islands(tx, [p0] * 3, seed=11)
   center = _np(p0)
-  momentum = [jax.tree.map(lambda p: np.zeros(np.shape(p)), _np(p0)) for _ in range(fragments)]
+  momentum = [
+    jax.tree.map(lambda p: np.zeros(np.shape(p)), _np(p0))
+    for _ in range(fragments)
+  ]
   fired = []
   for t in range(1, 9):
     isl.local_steps(1)
@@ -690,10 +783,16 @@ def test_fragments_sync_one_fragment_per_round():
       for k in keys:
         if k == moved:
           np.testing.assert_allclose(isl.params[i][k], c, rtol=1e-6, atol=1e-6)
-          np.testing.assert_allclose(isl.states[i].center[k], c, rtol=1e-6, atol=1e-6)
+          np.testing.assert_allclose(
+            isl.states[i].center[k], c, rtol=1e-6, atol=1e-6
+          )
         else:
-          chex.assert_trees_all_equal(np.asarray(isl.params[i][k]), before_params[i][k])
-          chex.assert_trees_all_equal(np.asarray(isl.states[i].center[k]), before_center[k])
+          chex.assert_trees_all_equal(
+            np.asarray(isl.params[i][k]), before_params[i][k]
+          )
+          chex.assert_trees_all_equal(
+            np.asarray(isl.states[i].center[k]), before_center[k]
+          )
       outer = isl.states[i].global_state
       assert isinstance(outer, tuple) and len(outer) == fragments
       chex.assert_trees_all_equal(outer[1 - frag], before_outer[1 - frag])
@@ -720,14 +819,20 @@ def test_fragments_sync_one_fragment_per_round():
     ),
     (
       lambda: shardopt.diloco(
-        optax.sgd(0.1), "i", sync_period=4, num_fragments=2,
-        overlap_steps=1, overlap_alpha=0.5,
+        optax.sgd(0.1),
+        "i",
+        sync_period=4,
+        num_fragments=2,
+        overlap_steps=1,
+        overlap_alpha=0.5,
       ),
       ValueError,
       ["shardopt.diloco", "overlap_steps", "without"],
     ),
     (
-      lambda: shardopt.diloco(optax.sgd(0.1), "i", sync_period=4, warmup_steps=2),
+      lambda: shardopt.diloco(
+        optax.sgd(0.1), "i", sync_period=4, warmup_steps=2
+      ),
       ValueError,
       ["shardopt.diloco", "warmup_steps", "without"],
     ),
@@ -767,7 +872,10 @@ def test_engine_of_accepts_what_the_islands_run():
     shardopt.diloco(optax.adam(1e-2), "i", sync_period=4),
     shardopt.diloco(optax.adam(1e-2), "i", sync_period=4, num_fragments=2),
     shardopt.diloco(
-      optax.adam(1e-2), "i", sync_period=4, comm_dtype=jnp.int8,
+      optax.adam(1e-2),
+      "i",
+      sync_period=4,
+      comm_dtype=jnp.int8,
       error_feedback=True,
     ),
     shardopt.local_sgd(optax.sgd(0.1), "i", period=4),

@@ -50,10 +50,11 @@ import jax
 
 from shardopt import _jax
 from shardopt.elastic.island import Island
+from shardopt.elastic.island import IslandBrokenError
 from shardopt.elastic.island import Round
 from shardopt.elastic.island import RoundFailedError
 
-__all__ = ["Island", "Round", "RoundFailedError", "initialize"]
+__all__ = ["Island", "IslandBrokenError", "Round", "RoundFailedError", "initialize"]
 
 
 def initialize(
@@ -64,6 +65,7 @@ def initialize(
   heartbeat_timeout_seconds: int = 5,
   collective_timeout_seconds: int = 10,
   initialization_timeout: int = 300,
+  processes_per_island: int = 1,
 ) -> None:
   """``jax.distributed.initialize`` for elastic islands.
 
@@ -87,6 +89,10 @@ def initialize(
     collective_timeout_seconds: ``--xla_cpu_collective_timeout_seconds``,
       added to ``XLA_FLAGS`` unless it is there.
     initialization_timeout: seconds to wait for every process at the start.
+    processes_per_island: as :class:`Island`'s: the stale keys deleted are
+      those of the cliques within this island's devices. (No process of the
+      island runs a local collective before all of them have passed this
+      call: each one's first ``Island.sync`` waits for the others.)
   """
   if _jax.backends_initialized():
     raise RuntimeError(
@@ -104,6 +110,8 @@ def initialize(
     heartbeat_timeout_seconds=heartbeat_timeout_seconds,
     initialization_timeout=initialization_timeout,
   )
+  island = process_id // processes_per_island
   _jax.forget_cliques_within(
-    _jax.KeyValueStore(), [d.id for d in jax.local_devices()]
+    _jax.KeyValueStore(),
+    [d.id for d in jax.devices() if d.process_index // processes_per_island == island],
   )

@@ -70,12 +70,32 @@ class Round(NamedTuple):
 
 
 class RoundFailedError(RuntimeError):
-  """A round failed ``max_attempts`` times in a row."""
+  """A round failed ``max_attempts`` times in a row (or a joining island's
+  other processes did not come up within ``timeout_s``)."""
+
+
+class IslandBrokenError(RuntimeError):
+  """A process of this island died: an island of several processes cannot
+  train without it. Restart all of the island's processes."""
 
 
 class Island:
   """This process's island: local steps with ``tx``, rounds with
   :meth:`sync`.
+
+  An island is one process, or ``processes_per_island`` consecutive ones
+  (island ``i`` is processes ``i*k .. i*k+k-1``) that fail and restart
+  together: its local step is one program over :attr:`devices`. If one of
+  them dies, the island's others cannot go on (their next local collective
+  fails, or their next round raises :class:`IslandBrokenError`); the island
+  takes part again once all of its processes are back. Island 0 holds
+  process 0, which hosts the coordination service: its death ends the job.
+
+  A joining island's inner optimizer *restarts* (``optimizer.init``) rather
+  than copying a peer's: an island's moments describe its own data and its
+  own trajectory since the last sync, which the center it adopts is not, and
+  copying them would cost the healing round two more copies of the params.
+  The same rule restarts an island whose contribution was not finite.
 
   Args:
     tx: ``shardopt.diloco``, ``shardopt.local_sgd`` or ``shardopt.agn``
@@ -83,6 +103,8 @@ class Island:
       feedback included; not hierarchical, overlap, warm-up or
       ``axis_index_groups``). Its ``axis_name`` names the islands; the
       island-local step never binds it.
+    processes_per_island: processes per island (dividing the number of
+      processes).
     timeout_s: how long a process waits for process 0 to publish a round's
       device list (a joining island waits there for the survivors' next
       sync).
@@ -98,6 +120,7 @@ class Island:
     self,
     tx: optax.GradientTransformation,
     *,
+    processes_per_island: int = 1,
     timeout_s: float = 600.0,
     max_attempts: int = 100,
     on_event: Callable[[str, dict], None] | None = None,
@@ -105,12 +128,16 @@ class Island:
     self._engine = split.engine_of(tx, "shardopt.elastic.Island")
     self._init = tx.init
     self.tx = optax.GradientTransformationExtraArgs(self._init, self._update)
+    self._k = _check_processes_per_island(processes_per_island)
     self._me = jax.process_index()
-    self._local = jax.local_devices()
     self._all = jax.devices()
+    self.devices = [
+      d for d in self._all if d.process_index // self._k == self._me // self._k
+    ]
     self._replicated = NamedSharding(
-      Mesh(np.array(self._local), ("island_devices",)), P()
+      Mesh(np.array(self.devices), ("island_devices",)), P()
     )
+    self._timeout_s = timeout_s
     self._cliques = _cliques.Cliques(_jax.KeyValueStore(), timeout_s=timeout_s)
     self._max_attempts = max_attempts
     self._on_event = on_event or (lambda name, info: None)
@@ -129,7 +156,7 @@ class Island:
 
   def due(self, state) -> bool:
     """Whether a sync is due after the state's last local step."""
-    return split.due(self._engine, int(state.count)) > 0
+    return split.due(self._engine, _host_int(state.count)) > 0
 
   # ------------------------------------------------------------------ rounds
 
@@ -150,21 +177,16 @@ class Island:
       ``(params, state, round)``; ``round`` is a :class:`Round`.
     """
     sync = self._sync_index(state, early)
-    failures = []
+    failures, since = [], time.monotonic()
     while True:
       members, start = None, time.monotonic()
       try:
         with _jax.live_devices(self._all) as live:
-          members = _cliques.membership(live, _jax.incarnations())
-          healing = self._fresh or not frozenset(members) <= self._last
-          order = self._cliques.devices(
-            members, self._attempts[members], live, self._me
-          )
-          info = {"live": _processes(members), "healing": healing}
-          self._on_event("round_started", info)
-          row, error = self._row(healing, sync, params, state)
-          gathered = jax.block_until_ready(self._gather(order, row))
-          self._on_event("round_gathered", info)
+          members, live = self._taking_part(live)
+          if members is not None:  # else this island is not complete yet
+            healing, gathered, error = self._attempt(
+              members, live, sync, params, state
+            )
       except (_jax.process_failure_error(), jax.errors.JaxRuntimeError) as e:
         self._attempts[members] += 1
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -179,6 +201,13 @@ class Island:
             f" row; the last: {why}"
           ) from e
         continue
+      if members is None:
+        if time.monotonic() - since > self._timeout_s:
+          raise RoundFailedError(
+            f"shardopt.elastic: island {self._me // self._k}'s other"
+            f" processes did not come up within {self._timeout_s} s."
+          )
+        continue
       params, state, done = self._commit(
         healing, sync, gathered, params, state, error
       )
@@ -192,16 +221,50 @@ class Island:
       self._on_event("round_committed", done._asdict())
       return params, state, done
 
+  def _attempt(self, members, live, sync: int, params, state):
+    """Steps 2-5: the layout, the device list, the row, the all_gather."""
+    healing = self._fresh or not frozenset(members) <= self._last
+    order = self._cliques.devices(
+      members, self._attempts[members], live, self._me
+    )
+    info = {"live": _processes(members), "healing": healing}
+    self._on_event("round_started", info)
+    row, error = self._row(healing, sync, params, state)
+    gathered = jax.block_until_ready(self._gather(order, row))
+    self._on_event("round_gathered", info)
+    return healing, gathered, error
+
+  def _taking_part(self, live):
+    """The membership (process, incarnation) of the complete islands and
+    their devices; ``(None, None)`` if this process's island is not complete
+    and it is joining (IslandBrokenError if it was training)."""
+    members = _cliques.membership(live, _jax.incarnations())
+    count = collections.Counter(p // self._k for p, _ in members)
+    members = tuple(m for m in members if count[m[0] // self._k] == self._k)
+    if all(p != self._me for p, _ in members):
+      if not self._fresh:
+        raise IslandBrokenError(
+          f"shardopt.elastic: island {self._me // self._k} (processes"
+          f" {self._me // self._k * self._k}.."
+          f"{self._me // self._k * self._k + self._k - 1}) lost a process;"
+          " an island of several processes cannot train without it. Exit"
+          " this process and restart all of the island's processes (with"
+          " the same process ids): the island heals in the round it joins."
+        )
+      return None, None
+    processes = {p for p, _ in members}
+    return members, [d for d in live if d.process_index in processes]
+
   def _sync_index(self, state, early: bool) -> int:
     if self._fresh:
       return 0
-    sync = split.due(self._engine, int(state.count))
+    sync = split.due(self._engine, _host_int(state.count))
     if sync or not early:
       if not sync:
         raise ValueError(
           f"shardopt.elastic.Island.sync: no sync of {self._engine.name}"
           f" (axis {self._engine.axis_name!r}) is due after step"
-          f" {int(state.count)}; call it when island.due(state), or with"
+          f" {_host_int(state.count)}; call it when island.due(state), or with"
           " early=True for a last round."
         )
       return sync
@@ -221,18 +284,21 @@ class Island:
   def _row(self, healing: bool, sync: int, params, state):
     """This island's row (on its devices) and error feedback's new error
     pieces (plain rounds)."""
-    engine, me = self._engine, self._me
+    engine, me, island = self._engine, self._me, self._me // self._k
     if healing:
       up = not self._fresh
       fn = self._jit(
         ("healing_row", sync, up),
-        lambda s, p: (rows.healing_row(engine, me, sync, up, s, p), None),
+        lambda s, p: (
+          rows.healing_row(engine, island, me, sync, up, s, p),
+          None,
+        ),
         out_shardings=self._replicated,
       )
     else:
       fn = self._jit(
         ("plain_row", sync),
-        lambda s, p: rows.plain_row(engine, me, sync, s, p),
+        lambda s, p: rows.plain_row(engine, island, me, sync, s, p),
         out_shardings=self._replicated,
       )
     return fn(state, params)
@@ -268,10 +334,15 @@ class Island:
     if healing:
       sync = int(head["sync"][source]) if up.any() else 0
     contributing = up & (head["finite"] > 0)
-    me = int(np.flatnonzero(head["island"] == self._me)[0])
+    me = int(np.flatnonzero(head["process"] == self._me)[0])
     left_out = bool(up[me] and not contributing[me])
-    skipped = int(np.sum(up & ~contributing))
-    gathered = jax.device_put(gathered, self._replicated)
+    first = rows.first_of_island(head["island"])
+    skipped = int(np.sum(up & ~contributing & first))
+    gathered = jax.make_array_from_single_device_arrays(
+      gathered.shape,
+      self._replicated,
+      [jax.device_put(gathered, d) for d in self._replicated.addressable_devices],
+    )
     if healing:
       fresh = self._fresh
       fn = self._jit(
@@ -288,11 +359,11 @@ class Island:
     args = (gathered, params, state, jnp.asarray(left_out), jnp.int32(skipped))
     params, state = fn(*args) if healing else fn(*args, error)
     done = Round(
-      number=int(state.sync_count),
-      step=int(state.count),
+      number=_host_int(state.sync_count),
+      step=_host_int(state.count),
       live=(),
-      contributors=tuple(int(i) for i in head["island"][contributing]),
-      joined=tuple(int(i) for i in head["island"][~up]) if up.any() else (),
+      contributors=tuple(int(i) for i in head["process"][contributing]),
+      joined=tuple(int(i) for i in head["process"][~up]) if up.any() else (),
       attempts=0,
       seconds=0.0,
       failures=(),
@@ -304,10 +375,29 @@ def _processes(members) -> tuple:
   return tuple(sorted(p for p, _ in members))
 
 
+def _host_int(x) -> int:
+  """A replicated scalar's value (also of an array over several processes'
+  devices, where ``int(x)`` is refused)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    x = x.addressable_data(0)
+  return int(np.asarray(x))
+
+
+def _check_processes_per_island(k) -> int:
+  n = jax.process_count()
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1 or n % k:
+    raise ValueError(
+      f"shardopt.elastic.Island: processes_per_island={k!r} must be a"
+      f" positive integer dividing the number of processes ({n})."
+    )
+  return k
+
+
 def _headers(head_bytes: np.ndarray) -> dict:
-  """The gathered headers, sorted by island id: field name -> column."""
+  """The gathered headers, sorted by (island, process): field -> column."""
   head = head_bytes.copy().view(np.int32).reshape(head_bytes.shape[0], -1)
-  head = head[np.argsort(head[:, rows.FIELD["island"]], kind="stable")]
+  key = rows.sort_key(head[:, rows.FIELD["island"]], head[:, rows.FIELD["process"]])
+  head = head[np.argsort(key, kind="stable")]
   return {name: head[:, i] for name, i in rows.FIELD.items()}
 
 
@@ -351,15 +441,20 @@ def _heal(engine, sync, fresh, gathered, params, state, left_out, skipped):
   )
   if fresh:
     params = jax.tree.map(lambda c, p: c.astype(p.dtype), center, params)
-    fresh_state = engine.optimizer.init(params)
     state = state._replace(
-      local_state=fresh_state,
       accumulator=jax.tree.map(jnp.zeros_like, state.accumulator),
       error=jax.tree.map(jnp.zeros_like, state.error),
       restart=jnp.zeros_like(state.restart),
     )
-  if sync == 0:
-    return params, state
+  if sync:
+    params, state = _heal_sync(engine, sync, received, params, state, left_out, skipped)
+  if fresh:  # the inner optimizer restarts where the island trains from
+    state = state._replace(local_state=engine.optimizer.init(params))
+  return params, state
+
+
+def _heal_sync(engine, sync, received, params, state, left_out, skipped):
+  """The sync of a healing round, on the adopted state."""
   total, count = rows.combine(engine, received)
   parts = split.pieces(engine, params, sync)
   combined = rows.pieces_of(total, params, parts, full=True)

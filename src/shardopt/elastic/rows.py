@@ -1,7 +1,10 @@
 """What one island sends in a round, as one row of bytes, and what every
 island makes of the gathered rows.
 
-A round is one ``all_gather`` of one row per island (:mod:`.rounds`): one
+(Each process sends its island's row; the processes of an island of several
+send the same bytes, and the combine counts each island once.)
+
+A round is one ``all_gather`` of one row per island (:mod:`.island`): one
 collective, so a survivor that fell out of step can never read another
 collective's chunk, and every island combines the same bytes in the same
 (island id) order, so the center and the outer state come out bit-identical
@@ -43,7 +46,7 @@ HEADER_FIELDS = (
   "sync_count",  # rounds committed
   "skipped",  # contributions left out so far
   "sync",  # the sync (1-based) it contributes to, 0: none
-  "reserved",
+  "process",  # the sending process (an island may have several)
 )
 FIELD = {name: i for i, name in enumerate(HEADER_FIELDS)}
 HEADER_BYTES = 4 * len(HEADER_FIELDS)
@@ -145,9 +148,9 @@ class Received(NamedTuple):
 
 
 def header(
-  island: int, up_to_date, finite, state, sync: int
+  island: int, up_to_date, finite, state, sync: int, process: int
 ) -> jax.Array:
-  """This island's header row."""
+  """This process's header row."""
   fields = [
     island,
     up_to_date,
@@ -156,7 +159,7 @@ def header(
     state.sync_count,
     jnp.sum(state.skipped),
     sync,
-    0,
+    process,
   ]
   return jnp.stack([jnp.asarray(f, jnp.int32).reshape(()) for f in fields])
 
@@ -190,13 +193,13 @@ def contribution(
   return _flat(mine), finite, error, parts
 
 
-def plain_row(engine, island: int, sync: int, state, params):
+def plain_row(engine, island: int, process: int, sync: int, state, params):
   """A plain round's row; with error feedback, the new error pieces."""
   flat, finite, error, parts = contribution(
     engine, sync, state, params, True, full=False
   )
   payload, kept = Wire(engine.comm_dtype).encode(flat)
-  head = header(island, 1, finite, state, sync)
+  head = header(island, 1, finite, state, sync, process)
   row = jnp.concatenate([to_bytes(head), payload])
   if error is not None:
     likes = split.take(jax.tree.leaves(params), parts)
@@ -207,12 +210,14 @@ def plain_row(engine, island: int, sync: int, state, params):
   return row, error
 
 
-def healing_row(engine, island: int, sync: int, up_to_date, state, params):
+def healing_row(
+  engine, island: int, process: int, sync: int, up_to_date, state, params
+):
   """A healing round's row (see the module docstring)."""
   flat, finite, _, _ = contribution(
     engine, sync, state, params, up_to_date, full=True
   )
-  head = header(island, up_to_date, finite, state, sync)
+  head = header(island, up_to_date, finite, state, sync, process)
   parts = [to_bytes(head)]
   parts += [to_bytes(c) for c in jax.tree.leaves(state.center)]
   parts += [to_bytes(g) for g in jax.tree.leaves(state.global_state)]
@@ -220,13 +225,25 @@ def healing_row(engine, island: int, sync: int, up_to_date, state, params):
   return jnp.concatenate(parts)
 
 
+def sort_key(island, process):
+  """Rows sort by island, then process (a process index is below 2**16)."""
+  return island * 65536 + process
+
+
 def _sorted(rows: jax.Array):
-  """The rows in island id order, and their headers."""
+  """The rows in (island, process) order, and their headers."""
   head = jax.lax.bitcast_convert_type(
     rows[:, :HEADER_BYTES].reshape(rows.shape[0], -1, 4), jnp.int32
   )
-  order = jnp.argsort(head[:, FIELD["island"]])
+  order = jnp.argsort(sort_key(head[:, FIELD["island"]], head[:, FIELD["process"]]))
   return rows[order], head[order]
+
+
+def first_of_island(island) -> Any:
+  """Per sorted row, whether it is its island's first (the processes of an
+  island send the same row: it counts once)."""
+  xp = jnp if isinstance(island, jax.Array) else np
+  return xp.concatenate([xp.ones([1], bool), island[1:] != island[:-1]])
 
 
 def read_plain(engine, sync: int, rows: jax.Array, params) -> Received:
@@ -262,9 +279,11 @@ def read_healing(rows: jax.Array, state, params) -> Received:
 
 def combine(engine, received: Received) -> tuple[jax.Array, jax.Array]:
   """The combined contribution (flat) over the islands that contribute
-  (up to date and finite), summed in island id order; and their count."""
+  (up to date and finite), each once, summed in island id order; and their
+  count."""
   head = received.header
   weight = (head[:, FIELD["up_to_date"]] > 0) & (head[:, FIELD["finite"]] > 0)
+  weight = weight & first_of_island(head[:, FIELD["island"]])
   masked = jnp.where(weight[:, None], received.contributions, 0.0)
   total = jnp.sum(masked, axis=0)
   count = jnp.sum(weight.astype(jnp.float32))

@@ -54,8 +54,9 @@ def engine_of(tx: Any, where: str) -> Engine:
     "a schedule of groups (hierarchical_local_sgd)": any(
       s.group_size is not None for s in engine.syncs
     ),
-    "overlap_steps > 0": engine.merge is not None
-    or any(s.lag for s in engine.syncs),
+    "overlap_steps > 0 or overlap_alpha > 0 (a merge after the sync)": (
+      engine.merge is not None or any(s.lag for s in engine.syncs)
+    ),
     "warmup_steps > 0 (a warm-up all-reduces every step)": engine.warmup_steps
     > 0,
     "axis_index_groups": engine.axis_index_groups is not None,
@@ -97,7 +98,9 @@ def local_update(
 
 def due(engine: Engine, count: int) -> int:
   """Which sync fires after local step ``count`` (1-based, as in
-  :func:`.schedules.firing`; 0: none)."""
+  :func:`.schedules.firing`; 0: none, also before the first step)."""
+  if count < 1:
+    return 0
   return int(
     schedules.firing(jnp.asarray(count, jnp.int32), engine.syncs, 0)
   )

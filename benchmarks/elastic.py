@@ -1,0 +1,186 @@
+"""Elastic islands: how fast a death is noticed, and what a round costs.
+
+    python -m benchmarks.elastic [--rounds 30] [--kills 2]
+
+Two parts, 3 processes x 2 CPU devices on localhost (gloo, heartbeat 5 s,
+CPU collective timeout 10 s), printed as tables and saved to
+``benchmarks/results/elastic.json``:
+
+1. **Round cost, same run**: each process alternates (interleaved, median
+   over ``--rounds`` repeats) an elastic round (``shardopt.elastic``: a
+   ``live_devices`` block, one all_gather, the commit) with today's sync
+   (``shardopt.diloco`` inside one jit + shard_map over every island's
+   devices) at a step that syncs and one that does not
+   (``benchmarks/_elastic_worker.py``).
+2. **Detection latency**: ``examples/elastic_diloco.py`` runs (H=4, 0.15 s
+   per inner step); island 2 is SIGKILLed between syncs (``--kills`` runs)
+   and once inside a round (before its collective). Latency: from the kill
+   to the survivors' failed round, and to the round they commit without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "elastic.json"
+_spec = importlib.util.spec_from_file_location(
+  "elastic_launch", ROOT / "examples" / "elastic_launch.py"
+)
+launch = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(launch)
+
+N = 3
+H = 4
+STEP_S = 0.15
+_LINE = re.compile(r"^\[p(\d+) ([0-9.]+)\] (.*)$")
+
+
+def round_costs(rounds: int) -> dict:
+  """Part 1: per-process medians, then the median over processes."""
+  out = Path(tempfile.mkdtemp(prefix="elastic_bench_"))
+  port = launch.free_port()
+  worker = ROOT / "benchmarks" / "_elastic_worker.py"
+  procs = [
+    subprocess.Popen(
+      [sys.executable, str(worker), str(i), str(N), str(port), str(out), str(rounds)],
+      stdout=open(out / f"w{i}.log", "w"),
+      stderr=subprocess.STDOUT,
+      start_new_session=True,
+    )
+    for i in range(N)
+  ]
+  try:
+    for p in procs:
+      p.wait(timeout=600)
+  finally:
+    for p in procs:
+      launch._kill_group(p)
+  per = [json.loads((out / f"p{i}.json").read_text()) for i in range(N)]
+  med = {
+    k: statistics.median(statistics.median(p[k]) for p in per) for k in per[0]
+  }
+  sync_cost = med["plain_sync"] - med["plain_local"]
+  return {
+    "repeats": rounds,
+    "median_s": med,
+    "todays_sync_s": sync_cost,
+    "round_vs_todays_sync": med["elastic_round"] / sync_cost
+    if sync_cost > 0
+    else None,
+    "step_plus_round_vs_todays_sync_step": (
+      med["inner_step"] + med["elastic_round"]
+    )
+    / med["plain_sync"],
+  }
+
+
+def _events(text: str, island: int) -> list[tuple[float, str]]:
+  return [
+    (float(m.group(2)), m.group(3))
+    for m in map(_LINE.match, text.splitlines())
+    if m and int(m.group(1)) == island
+  ]
+
+
+def detection(where: str) -> dict:
+  """Part 2, one run: island 2 killed ``where`` ("between" syncs or
+  "inside" a round)."""
+  out = Path(tempfile.mkdtemp(prefix="elastic_detect_"))
+  env = {}
+  if where == "inside":
+    env = {"ELASTIC_EXAMPLE_KILL": "3:started", "ELASTIC_EXAMPLE_KILL_PROCESS": "2"}
+  with launch.Islands(
+    out, num_processes=N, steps=32, sync_period=H, step_seconds=STEP_S, env=env
+  ) as islands:
+    islands.start_all()
+    if where == "between":
+      assert islands.wait_for_step(0, 2 * H, 120), islands.log(0)
+      time.sleep(H * STEP_S / 2)
+      islands.kill(2)
+    codes = islands.wait(150)
+    killed_at = (
+      islands.kills[0][1]
+      if where == "between"
+      else next(t for t, e in _events(islands.log(2), 2) if "SIGKILL" in e)
+    )
+    result = {"exit_codes": codes}
+    for survivor in (0, 1):
+      events = _events(islands.log(survivor), survivor)
+      failed = next(t for t, e in events if e.startswith("round failed") and t > killed_at)
+      recovered = next(
+        t for t, e in events if "live [0, 1] " in e and t > killed_at
+      )
+      result[f"p{survivor}"] = {
+        "failed_after_s": failed - killed_at,
+        "committed_without_it_after_s": recovered - killed_at,
+        "why": next(e for t, e in events if t == failed),
+      }
+  return result
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--rounds", type=int, default=30)
+  ap.add_argument("--kills", type=int, default=2)
+  args = ap.parse_args()
+  started = datetime.datetime.now(datetime.timezone.utc)
+  costs = round_costs(args.rounds)
+  m = costs["median_s"]
+  print(f"Round cost, 3 islands x 2 CPU devices, median of {args.rounds} interleaved repeats:")
+  print("| what | seconds |")
+  print("|---|---:|")
+  print(f"| inner step (island-local) | {m['inner_step']:.4f} |")
+  print(f"| elastic round (`island.sync`) | {m['elastic_round']:.4f} |")
+  print(f"| today's diloco step without a sync | {m['plain_local']:.4f} |")
+  print(f"| today's diloco step with a sync | {m['plain_sync']:.4f} |")
+  print(f"| today's sync (difference) | {costs['todays_sync_s']:.4f} |")
+  ratio = costs["round_vs_todays_sync"]
+  print(f"elastic round / today's sync: {ratio:.1f}x" if ratio else "today's sync: below noise")
+  print(
+    "inner step + elastic round / today's step with a sync:"
+    f" {costs['step_plus_round_vs_todays_sync_step']:.2f}x"
+  )
+  runs = [("between", detection("between")) for _ in range(args.kills)]
+  runs.append(("inside", detection("inside")))
+  print("\nDetection latency (island 2 SIGKILLed; heartbeat 5 s, collective timeout 10 s):")
+  print("| killed | survivor | round failed after (s) | committed without it after (s) | error |")
+  print("|---|---|---:|---:|---|")
+  for where, run in runs:
+    for s in ("p0", "p1"):
+      r = run[s]
+      print(
+        f"| {where} syncs | {s} | {r['failed_after_s']:.2f} |"
+        f" {r['committed_without_it_after_s']:.2f} | {r['why'][:70]} |"
+        if where == "between"
+        else f"| inside a round | {s} | {r['failed_after_s']:.2f} |"
+        f" {r['committed_without_it_after_s']:.2f} | {r['why'][:70]} |"
+      )
+  RESULTS.write_text(
+    json.dumps(
+      {
+        "command": "python -m benchmarks.elastic "
+        + " ".join(sys.argv[1:]),
+        "started_utc": started.isoformat(timespec="seconds"),
+        "round_costs": costs,
+        "detection": runs,
+      },
+      indent=1,
+      default=str,
+    )
+  )
+  print(f"\nsaved {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+  main()
