@@ -93,15 +93,18 @@ def main() -> None:
     jax.shard_map(
       plain,
       mesh=glob,
-      in_specs=(per_island, state_specs, P(("island", "data")), P(("island", "data"))),
+      in_specs=(
+        per_island,
+        state_specs,
+        P(("island", "data")),
+        P(("island", "data")),
+      ),
       out_specs=(per_island, state_specs),
     )
   )
   gp = jax.device_put(stacked, NamedSharding(glob, P("island")))
   gs = jax.jit(
-    jax.shard_map(
-      tx.init, mesh=glob, in_specs=(P(),), out_specs=state_specs
-    )
+    jax.shard_map(tx.init, mesh=glob, in_specs=(P(),), out_specs=state_specs)
   )(jax.device_put(init, NamedSharding(glob, P())))
 
   def global_batch(t):
@@ -110,11 +113,18 @@ def main() -> None:
     make = lambda a: jax.make_array_from_process_local_data(xs, a)  # noqa: E731
     return make(x), make(y)
 
-  times = {"inner_step": [], "elastic_round": [], "plain_local": [], "plain_sync": []}
+  times = {
+    "inner_step": [],
+    "elastic_round": [],
+    "plain_local": [],
+    "plain_sync": [],
+  }
   for t in range(1, rounds + 3):
     x, y = example.batch(me, t)
     t0 = time.perf_counter()
-    params, state = inner_step(params, state, jax.device_put(x, data), jax.device_put(y, data))
+    params, state = inner_step(
+      params, state, jax.device_put(x, data), jax.device_put(y, data)
+    )
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     params, state, _ = island.sync(params, state)

@@ -53,7 +53,15 @@ def round_costs(rounds: int) -> dict:
   worker = ROOT / "benchmarks" / "_elastic_worker.py"
   procs = [
     subprocess.Popen(
-      [sys.executable, str(worker), str(i), str(N), str(port), str(out), str(rounds)],
+      [
+        sys.executable,
+        str(worker),
+        str(i),
+        str(N),
+        str(port),
+        str(out),
+        str(rounds),
+      ],
       stdout=open(out / f"w{i}.log", "w"),
       stderr=subprocess.STDOUT,
       start_new_session=True,
@@ -99,7 +107,10 @@ def detection(where: str) -> dict:
   out = Path(tempfile.mkdtemp(prefix="elastic_detect_"))
   env = {}
   if where == "inside":
-    env = {"ELASTIC_EXAMPLE_KILL": "3:started", "ELASTIC_EXAMPLE_KILL_PROCESS": "2"}
+    env = {
+      "ELASTIC_EXAMPLE_KILL": "3:started",
+      "ELASTIC_EXAMPLE_KILL_PROCESS": "2",
+    }
   with launch.Islands(
     out, num_processes=N, steps=32, sync_period=H, step_seconds=STEP_S, env=env
   ) as islands:
@@ -117,14 +128,16 @@ def detection(where: str) -> dict:
     result = {"exit_codes": codes}
     for survivor in (0, 1):
       events = _events(islands.log(survivor), survivor)
-      failed = next(t for t, e in events if e.startswith("round failed") and t > killed_at)
+      failed = next(
+        t for t, e in events if e.startswith("round failed") and t > killed_at
+      )
       recovered = next(
         t for t, e in events if "live [0, 1] " in e and t > killed_at
       )
       result[f"p{survivor}"] = {
         "failed_after_s": failed - killed_at,
         "committed_without_it_after_s": recovered - killed_at,
-        "why": next(e for t, e in events if t == failed),
+        "why": next(e for t, e in events if t == failed).split(": ", 1)[-1],
       }
   return result
 
@@ -137,7 +150,9 @@ def main() -> None:
   started = datetime.datetime.now(datetime.timezone.utc)
   costs = round_costs(args.rounds)
   m = costs["median_s"]
-  print(f"Round cost, 3 islands x 2 CPU devices, median of {args.rounds} interleaved repeats:")
+  print(
+    f"Round cost, 3 islands x 2 CPU devices, median of {args.rounds} interleaved repeats:"
+  )
   print("| what | seconds |")
   print("|---|---:|")
   print(f"| inner step (island-local) | {m['inner_step']:.4f} |")
@@ -146,15 +161,23 @@ def main() -> None:
   print(f"| today's diloco step with a sync | {m['plain_sync']:.4f} |")
   print(f"| today's sync (difference) | {costs['todays_sync_s']:.4f} |")
   ratio = costs["round_vs_todays_sync"]
-  print(f"elastic round / today's sync: {ratio:.1f}x" if ratio else "today's sync: below noise")
+  print(
+    f"elastic round / today's sync: {ratio:.1f}x"
+    if ratio
+    else "today's sync: below noise"
+  )
   print(
     "inner step + elastic round / today's step with a sync:"
     f" {costs['step_plus_round_vs_todays_sync_step']:.2f}x"
   )
   runs = [("between", detection("between")) for _ in range(args.kills)]
   runs.append(("inside", detection("inside")))
-  print("\nDetection latency (island 2 SIGKILLed; heartbeat 5 s, collective timeout 10 s):")
-  print("| killed | survivor | round failed after (s) | committed without it after (s) | error |")
+  print(
+    "\nDetection latency (island 2 SIGKILLed; heartbeat 5 s, collective timeout 10 s):"
+  )
+  print(
+    "| killed | survivor | round failed after (s) | committed without it after (s) | error |"
+  )
   print("|---|---|---:|---:|---|")
   for where, run in runs:
     for s in ("p0", "p1"):
@@ -169,8 +192,7 @@ def main() -> None:
   RESULTS.write_text(
     json.dumps(
       {
-        "command": "python -m benchmarks.elastic "
-        + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.elastic " + " ".join(sys.argv[1:]),
         "started_utc": started.isoformat(timespec="seconds"),
         "round_costs": costs,
         "detection": runs,

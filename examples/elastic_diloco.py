@@ -27,7 +27,7 @@ X seconds per inner step, standing in for compute.
 For tests: ``ELASTIC_EXAMPLE_KILL=R:started`` (or ``R:gathered``) makes the
 process ``ELASTIC_EXAMPLE_KILL_PROCESS`` (default: the last) SIGKILL itself
 inside round R's ``live_devices`` block, before (after) its collective, once
-per ``DIR``.
+per ``DIR``; ``ELASTIC_EXAMPLE_HANG=R`` makes it hang there instead, alive.
 """
 
 from __future__ import annotations
@@ -111,6 +111,12 @@ def parse(argv=None):
   ap.add_argument("--step-seconds", type=float, default=0.0)
   ap.add_argument("--heartbeat-seconds", type=int, default=5)
   ap.add_argument(
+    "--round-timeout-seconds",
+    type=float,
+    default=900,
+    help="exit (code 75) if a round does not commit within this",
+  )
+  ap.add_argument(
     "--processes-per-island",
     type=int,
     default=1,
@@ -135,7 +141,9 @@ def main(argv=None) -> None:
 
   import jax
   import optax
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import Mesh
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import shardopt
 
@@ -157,7 +165,10 @@ def main(argv=None) -> None:
     sync_period=args.sync_period,
   )
   island = shardopt.elastic.Island(
-    tx, processes_per_island=k, on_event=_events(say, args, me)
+    tx,
+    processes_per_island=k,
+    round_timeout_s=args.round_timeout_seconds,
+    on_event=_events(say, args, me),
   )
 
   # The island: its devices, data parallel (params replicated, the batch
@@ -245,6 +256,7 @@ def main(argv=None) -> None:
 def _events(say, args, me):
   """Logs the rounds' events; the fault-injection hook for tests."""
   kill = os.environ.get("ELASTIC_EXAMPLE_KILL", "")
+  hang = os.environ.get("ELASTIC_EXAMPLE_HANG", "")
   victim = int(
     os.environ.get("ELASTIC_EXAMPLE_KILL_PROCESS", args.num_processes - 1)
   )
@@ -256,6 +268,10 @@ def _events(say, args, me):
       rounds["next"] = info["number"] + 1
     if name == "round_failed":
       say(f"round failed after {info['seconds']:.2f}s: {info['why']}")
+    if hang and me == victim and name == "round_started":
+      if rounds["next"] == int(hang):
+        say(f"hanging in round {hang} (heartbeats go on)")
+        time.sleep(1e9)
     if not kill or me != victim or os.path.exists(marker):
       return
     when, point = kill.split(":")

@@ -46,6 +46,7 @@ class Islands:
     step_seconds: float = 0.0,
     processes_per_island: int = 1,
     env: dict | None = None,
+    extra: tuple = (),
   ):
     self.out = Path(out)
     self.out.mkdir(parents=True, exist_ok=True)
@@ -66,6 +67,7 @@ class Islands:
       str(step_seconds),
       "--processes-per-island",
       str(processes_per_island),
+      *extra,
     ]
     self.env = dict(os.environ)
     self.env.pop("XLA_FLAGS", None)  # the example sets its own

@@ -97,7 +97,9 @@ def _reference(schedule: list[tuple[int, list[int], list[int]]]) -> dict:
     for k in center:
       g = np.mean([center[k] - q[k] for q in locals_], axis=0, dtype=np.float32)
       momentum[k] = np.float32(0.9) * momentum[k] + g
-      center[k] = center[k] - np.float32(0.7) * (g + np.float32(0.9) * momentum[k])
+      center[k] = center[k] - np.float32(0.7) * (
+        g + np.float32(0.9) * momentum[k]
+      )
     for i in live:
       params[i] = jax.tree.map(jnp.asarray, center)
       if i in joined:
@@ -122,6 +124,7 @@ class Scenario:
     env: dict | None = None,
     k: int = 1,
     islands: int = N,
+    extra: tuple = (),
   ):
     self.steps = steps
     self.k = k  # processes per island
@@ -133,6 +136,7 @@ class Scenario:
       step_seconds=STEP_S,
       processes_per_island=k,
       env=env,
+      extra=extra,
     )
     self.n = self.islands.n
     self.restarted_at: dict[int, list[int]] = {}  # island -> rows before
@@ -218,7 +222,9 @@ class Scenario:
     for i in survivors:
       got = dict(np.load(self.islands.out / f"p{i}.npz"))
       for k in final:
-        np.testing.assert_allclose(got[k], final[k], rtol=0, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(
+          got[k], final[k], rtol=0, atol=1e-6, err_msg=k
+        )
     for number, logged in by_round.items():
       want = example.eval_loss(centers[number])
       for r in logged.values():
@@ -255,7 +261,10 @@ def test_island_killed_during_a_sync_round(tmp_path, point):
   """SIGKILLed inside round 3's live_devices block, before ("started") or
   after ("gathered") its collective: round 3 fails everywhere, nothing is
   adopted, and it commits over the survivors."""
-  env = {"ELASTIC_EXAMPLE_KILL": f"3:{point}", "ELASTIC_EXAMPLE_KILL_PROCESS": "2"}
+  env = {
+    "ELASTIC_EXAMPLE_KILL": f"3:{point}",
+    "ELASTIC_EXAMPLE_KILL_PROCESS": "2",
+  }
   with Scenario(tmp_path, steps=28, env=env) as run:
     run.finish(survivors=[0, 1])
     assert "SIGKILL in round 3" in run.islands.log(2), run.report
@@ -304,6 +313,38 @@ def test_two_failures_in_a_row_the_last_island_finishes_alone(tmp_path):
       assert set(map(tuple, lives)) <= {(0, 1, 2), (0, 1), (0,)}, lives
 
     run.check([0], expect)
+
+
+def test_a_peer_that_hangs_alive_ends_the_job_with_a_clear_error(tmp_path):
+  """Island 2 hangs inside round 3 while its heartbeats go on: it is alive to
+  the coordination service, so live_devices' barrier would wait for it
+  forever. The survivors' round watchdogs end the job instead (exit 75,
+  with the reason on stderr), within the bound."""
+  from shardopt.elastic import island as island_module
+
+  env = {"ELASTIC_EXAMPLE_HANG": "3", "ELASTIC_EXAMPLE_KILL_PROCESS": "2"}
+  bound = 20
+  with Scenario(
+    tmp_path, steps=40, env=env, extra=("--round-timeout-seconds", str(bound))
+  ) as run:
+    run.wait_round(0, 2 * H)
+    start = time.time()
+    codes = run.islands.wait(bound + 60)
+    took = time.time() - start
+    report = "\n".join(run.islands.log(i)[-2000:] for i in range(N))
+    watchdog = island_module.WATCHDOG_EXIT_CODE
+    # The hung process's own watchdog, or the coordination service's abort
+    # once process 0 (its host) has gone.
+    assert codes[0] == codes[1] == watchdog and codes[2] in (watchdog, -6), (
+      codes,
+      report,
+    )
+    assert took < bound + 30, (took, report)
+    for i in (0, 1):
+      assert "round 3 did not commit within round_timeout_s" in run.islands.log(
+        i
+      ), report
+      assert len(run.islands.rows(i)) == 2, run.islands.rows(i)
 
 
 # ------------------------------------------------------------------ JAX's side

@@ -106,6 +106,7 @@ class KeyValueStore:
   def __init__(self):
     try:
       from jax._src import distributed
+      from jax._src.lib import _jax as jaxlib
 
       client = distributed.global_state.client
       for method in (
@@ -114,7 +115,7 @@ class KeyValueStore:
         "key_value_dir_get_bytes",
         "key_value_delete",
       ):
-        getattr(type(client), method)
+        getattr(jaxlib.DistributedRuntimeClient, method)
     except (ImportError, AttributeError) as e:
       raise _missing("the coordination service's key-value client", e) from e
     if client is None:

@@ -25,11 +25,16 @@ seconds = float(sys.argv[4])
 jax.config.update("jax_enable_recoverability", True)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(
-  f"127.0.0.1:{port}", num_processes=n, process_id=pid,
-  heartbeat_timeout_seconds=5, initialization_timeout=60,
+  f"127.0.0.1:{port}",
+  num_processes=n,
+  process_id=pid,
+  heartbeat_timeout_seconds=5,
+  initialization_timeout=60,
 )
 from jax.experimental.multihost_utils import live_devices  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 local = jax.local_devices()[0]
 
@@ -37,12 +42,18 @@ local = jax.local_devices()[0]
 def psum_over(devices):
   mesh = Mesh(np.array(devices), ("i",))
   x = jax.make_array_from_single_device_arrays(
-    (len(devices),), NamedSharding(mesh, P("i")),
+    (len(devices),),
+    NamedSharding(mesh, P("i")),
     [jax.device_put(np.array([float(pid + 1)], np.float32), local)],
   )
-  f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "i"), mesh=mesh,
-                            in_specs=P("i"), out_specs=P()))
-  return float(np.asarray(jax.block_until_ready(f(x)).addressable_shards[0].data)[0])
+  f = jax.jit(
+    jax.shard_map(
+      lambda v: jax.lax.psum(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P()
+    )
+  )
+  return float(
+    np.asarray(jax.block_until_ready(f(x)).addressable_shards[0].data)[0]
+  )
 
 
 t0 = time.time()

@@ -54,7 +54,13 @@ from shardopt.elastic.island import IslandBrokenError
 from shardopt.elastic.island import Round
 from shardopt.elastic.island import RoundFailedError
 
-__all__ = ["Island", "IslandBrokenError", "Round", "RoundFailedError", "initialize"]
+__all__ = [
+  "Island",
+  "IslandBrokenError",
+  "Round",
+  "RoundFailedError",
+  "initialize",
+]
 
 
 def initialize(
@@ -100,7 +106,9 @@ def initialize(
       " the recoverability option and the XLA flags can no longer change."
       " Call initialize before any other JAX call."
     )
-  _jax.add_xla_flag("xla_cpu_collective_timeout_seconds", collective_timeout_seconds)
+  _jax.add_xla_flag(
+    "xla_cpu_collective_timeout_seconds", collective_timeout_seconds
+  )
   _jax.enable_recoverability()
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
@@ -113,5 +121,9 @@ def initialize(
   island = process_id // processes_per_island
   _jax.forget_cliques_within(
     _jax.KeyValueStore(),
-    [d.id for d in jax.devices() if d.process_index // processes_per_island == island],
+    [
+      d.id
+      for d in jax.devices()
+      if d.process_index // processes_per_island == island
+    ],
   )

@@ -34,9 +34,7 @@ Membership = tuple  # ((process index, incarnation id), ...), sorted
 
 def membership(devices: Sequence[Any], incarnations: dict) -> Membership:
   """The live processes and their incarnations, sorted."""
-  return tuple(
-    sorted({(d.process_index, incarnations[d]) for d in devices})
-  )
+  return tuple(sorted({(d.process_index, incarnations[d]) for d in devices}))
 
 
 def by_process(devices: Sequence[Any]) -> dict[int, list]:

@@ -26,9 +26,12 @@ island. :meth:`Island.sync` runs one round whenever a sync is due:
 from __future__ import annotations
 
 import collections
+import os
+import sys
+import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +70,10 @@ class Round(NamedTuple):
   attempts: int
   seconds: float
   failures: tuple
+
+
+# The exit code of a process whose round watchdog fired (``round_timeout_s``).
+WATCHDOG_EXIT_CODE = 75
 
 
 class RoundFailedError(RuntimeError):
@@ -110,6 +117,12 @@ class Island:
       sync).
     max_attempts: failed attempts of one round before
       :class:`RoundFailedError`.
+    round_timeout_s: the watchdog's bound on one :meth:`sync` (all its
+      attempts). A peer that hangs while its heartbeats go on is alive to
+      the coordination service, so ``live_devices``' barrier would wait for
+      it forever: past this bound the process prints why to stderr and
+      exits with code :data:`WATCHDOG_EXIT_CODE` (None: no watchdog). Keep
+      it above ``timeout_s`` plus a few collective timeouts.
     on_event: ``on_event(name, info)`` at ``"round_started"`` (inside the
       round's ``live_devices`` block, before its collective),
       ``"round_gathered"`` (after it), ``"round_failed"`` and
@@ -123,6 +136,7 @@ class Island:
     processes_per_island: int = 1,
     timeout_s: float = 600.0,
     max_attempts: int = 100,
+    round_timeout_s: float | None = 900.0,
     on_event: Callable[[str, dict], None] | None = None,
   ):
     self._engine = split.engine_of(tx, "shardopt.elastic.Island")
@@ -138,6 +152,7 @@ class Island:
       Mesh(np.array(self.devices), ("island_devices",)), P()
     )
     self._timeout_s = timeout_s
+    self._round_timeout_s = round_timeout_s
     self._cliques = _cliques.Cliques(_jax.KeyValueStore(), timeout_s=timeout_s)
     self._max_attempts = max_attempts
     self._on_event = on_event or (lambda name, info: None)
@@ -177,6 +192,38 @@ class Island:
       ``(params, state, round)``; ``round`` is a :class:`Round`.
     """
     sync = self._sync_index(state, early)
+    watchdog = self._watchdog(_host_int(state.sync_count) + 1)
+    try:
+      return self._rounds(sync, params, state)
+    finally:
+      if watchdog is not None:
+        watchdog.cancel()
+
+  def _watchdog(self, number: int):
+    """A timer that ends the process if this sync does not return in time
+    (see ``round_timeout_s``)."""
+    if self._round_timeout_s is None:
+      return None
+    bound = self._round_timeout_s
+
+    def expire():
+      print(
+        f"shardopt.elastic: process {self._me}: round {number} did not"
+        f" commit within round_timeout_s={bound} s: a peer that hangs while"
+        " its heartbeats go on (live_devices waits for it), or a lost"
+        f" coordinator. Exiting with code {WATCHDOG_EXIT_CODE}.",
+        file=sys.stderr,
+        flush=True,
+      )
+      os._exit(WATCHDOG_EXIT_CODE)
+
+    timer = threading.Timer(bound, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+  def _rounds(self, sync: int, params, state):
+    """Attempts of one round until one commits."""
     failures, since = [], time.monotonic()
     while True:
       members, start = None, time.monotonic()
@@ -341,13 +388,18 @@ class Island:
     gathered = jax.make_array_from_single_device_arrays(
       gathered.shape,
       self._replicated,
-      [jax.device_put(gathered, d) for d in self._replicated.addressable_devices],
+      [
+        jax.device_put(gathered, d)
+        for d in self._replicated.addressable_devices
+      ],
     )
     if healing:
       fresh = self._fresh
       fn = self._jit(
         ("heal", sync, fresh),
-        lambda g, p, s, lo, sk: _heal(self._engine, sync, fresh, g, p, s, lo, sk),
+        lambda g, p, s, lo, sk: _heal(
+          self._engine, sync, fresh, g, p, s, lo, sk
+        ),
       )
     else:
       fn = self._jit(
@@ -396,12 +448,16 @@ def _check_processes_per_island(k) -> int:
 def _headers(head_bytes: np.ndarray) -> dict:
   """The gathered headers, sorted by (island, process): field -> column."""
   head = head_bytes.copy().view(np.int32).reshape(head_bytes.shape[0], -1)
-  key = rows.sort_key(head[:, rows.FIELD["island"]], head[:, rows.FIELD["process"]])
+  key = rows.sort_key(
+    head[:, rows.FIELD["island"]], head[:, rows.FIELD["process"]]
+  )
   head = head[np.argsort(key, kind="stable")]
   return {name: head[:, i] for name, i in rows.FIELD.items()}
 
 
-def _apply_plain(engine, sync, gathered, params, state, left_out, skipped, error):
+def _apply_plain(
+  engine, sync, gathered, params, state, left_out, skipped, error
+):
   received = rows.read_plain(engine, sync, gathered, params)
   total, count = rows.combine(engine, received)
   parts = split.pieces(engine, params, sync)
@@ -447,7 +503,9 @@ def _heal(engine, sync, fresh, gathered, params, state, left_out, skipped):
       restart=jnp.zeros_like(state.restart),
     )
   if sync:
-    params, state = _heal_sync(engine, sync, received, params, state, left_out, skipped)
+    params, state = _heal_sync(
+      engine, sync, received, params, state, left_out, skipped
+    )
   if fresh:  # the inner optimizer restarts where the island trains from
     state = state._replace(local_state=engine.optimizer.init(params))
   return params, state

@@ -67,7 +67,9 @@ def from_bytes(b: jax.Array, like: Any) -> jax.Array:
     return b.reshape(shape).astype(bool)
   if dtype.itemsize == 1:
     return jax.lax.bitcast_convert_type(b, dtype).reshape(shape)
-  return jax.lax.bitcast_convert_type(b.reshape(shape + (dtype.itemsize,)), dtype)
+  return jax.lax.bitcast_convert_type(
+    b.reshape(shape + (dtype.itemsize,)), dtype
+  )
 
 
 def nbytes(tree: Any) -> int:
@@ -235,7 +237,9 @@ def _sorted(rows: jax.Array):
   head = jax.lax.bitcast_convert_type(
     rows[:, :HEADER_BYTES].reshape(rows.shape[0], -1, 4), jnp.int32
   )
-  order = jnp.argsort(sort_key(head[:, FIELD["island"]], head[:, FIELD["process"]]))
+  order = jnp.argsort(
+    sort_key(head[:, FIELD["island"]], head[:, FIELD["process"]])
+  )
   return rows[order], head[order]
 
 
@@ -250,7 +254,9 @@ def read_plain(engine, sync: int, rows: jax.Array, params) -> Received:
   """The gathered rows of a plain round."""
   rows, head = _sorted(rows)
   parts = split.pieces(engine, params, sync)
-  size = sum(math.prod(np.shape(p)) for p in split.take(jax.tree.leaves(params), parts))
+  size = sum(
+    math.prod(np.shape(p)) for p in split.take(jax.tree.leaves(params), parts)
+  )
   wire = Wire(engine.comm_dtype)
   payload = rows[:, HEADER_BYTES:]
   contributions = jax.vmap(lambda p: wire.decode(p, size))(payload)

@@ -101,9 +101,7 @@ def due(engine: Engine, count: int) -> int:
   :func:`.schedules.firing`; 0: none, also before the first step)."""
   if count < 1:
     return 0
-  return int(
-    schedules.firing(jnp.asarray(count, jnp.int32), engine.syncs, 0)
-  )
+  return int(schedules.firing(jnp.asarray(count, jnp.int32), engine.syncs, 0))
 
 
 def pieces(engine: Engine, params: Any, sync: int) -> tuple:
