@@ -1,6 +1,6 @@
 """Elastic islands: how fast a death is noticed, and what a round costs.
 
-    python -m benchmarks.elastic [--rounds 30] [--kills 2]
+    python -m benchmarks.elastic [--rounds 200] [--kills 2]
 
 Two parts, 3 processes x 2 CPU devices on localhost (gloo, heartbeat 5 s,
 CPU collective timeout 10 s), printed as tables and saved to
@@ -144,7 +144,7 @@ def detection(where: str) -> dict:
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--rounds", type=int, default=30)
+  ap.add_argument("--rounds", type=int, default=200)
   ap.add_argument("--kills", type=int, default=2)
   args = ap.parse_args()
   started = datetime.datetime.now(datetime.timezone.utc)

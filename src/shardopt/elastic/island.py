@@ -88,11 +88,11 @@ class IslandBrokenError(RuntimeError):
 
 class Island:
   """This process's island: local steps with ``tx``, rounds with
-  :meth:`sync`.
+  ``sync``.
 
   An island is one process, or ``processes_per_island`` consecutive ones
   (island ``i`` is processes ``i*k .. i*k+k-1``) that fail and restart
-  together: its local step is one program over :attr:`devices`. If one of
+  together: its local step is one program over its ``devices``. If one of
   them dies, the island's others cannot go on (their next local collective
   fails, or their next round raises :class:`IslandBrokenError`); the island
   takes part again once all of its processes are back. Island 0 holds
@@ -121,12 +121,17 @@ class Island:
       attempts). A peer that hangs while its heartbeats go on is alive to
       the coordination service, so ``live_devices``' barrier would wait for
       it forever: past this bound the process prints why to stderr and
-      exits with code :data:`WATCHDOG_EXIT_CODE` (None: no watchdog). Keep
+      exits with code 75 (``WATCHDOG_EXIT_CODE``; None: no watchdog). Keep
       it above ``timeout_s`` plus a few collective timeouts.
     on_event: ``on_event(name, info)`` at ``"round_started"`` (inside the
       round's ``live_devices`` block, before its collective),
       ``"round_gathered"`` (after it), ``"round_failed"`` and
       ``"round_committed"``; for logs and fault injection.
+
+  After construction, ``island.tx`` is the island-local transform (put its
+  ``update`` in the island's jitted step, ``init`` builds the state) and
+  ``island.devices`` the island's devices, sorted by id (build the island's
+  mesh from them).
   """
 
   def __init__(
