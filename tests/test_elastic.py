@@ -333,13 +333,17 @@ def test_a_peer_that_hangs_alive_ends_the_job_with_a_clear_error(tmp_path):
     took = time.time() - start
     report = "\n".join(run.islands.log(i)[-2000:] for i in range(N))
     watchdog = island_module.WATCHDOG_EXIT_CODE
-    # The hung process's own watchdog, or the coordination service's abort
-    # once process 0 (its host) has gone.
+    # Process 0's watchdog fires last (it hosts the coordination service);
+    # the hung process's own watchdog races process 1's, and the loser is
+    # aborted by the coordination service (-6).
     assert codes[0] == codes[1] == watchdog and codes[2] in (watchdog, -6), (
       codes,
       report,
     )
-    assert took < bound + 30, (took, report)
+    assert took < bound + island_module._COORDINATOR_GRACE_S + 30, (
+      took,
+      report,
+    )
     for i in (0, 1):
       assert "round 3 did not commit within round_timeout_s" in run.islands.log(
         i

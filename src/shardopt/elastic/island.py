@@ -74,6 +74,8 @@ class Round(NamedTuple):
 
 # The exit code of a process whose round watchdog fired (``round_timeout_s``).
 WATCHDOG_EXIT_CODE = 75
+# How much later process 0's watchdog fires than the others'.
+_COORDINATOR_GRACE_S = 5.0
 
 
 class RoundFailedError(RuntimeError):
@@ -121,8 +123,10 @@ class Island:
       attempts). A peer that hangs while its heartbeats go on is alive to
       the coordination service, so ``live_devices``' barrier would wait for
       it forever: past this bound the process prints why to stderr and
-      exits with code 75 (``WATCHDOG_EXIT_CODE``; None: no watchdog). Keep
-      it above ``timeout_s`` plus a few collective timeouts.
+      exits with code 75 (``WATCHDOG_EXIT_CODE``; None: no watchdog).
+      Process 0 waits 5 s more, so that the others exit with their own
+      message before its exit (it hosts the coordination service) aborts
+      them. Keep it above ``timeout_s`` plus a few collective timeouts.
     on_event: ``on_event(name, info)`` at ``"round_started"`` (inside the
       round's ``live_devices`` block, before its collective),
       ``"round_gathered"`` (after it), ``"round_failed"`` and
@@ -209,7 +213,11 @@ class Island:
     (see ``round_timeout_s``)."""
     if self._round_timeout_s is None:
       return None
-    bound = self._round_timeout_s
+    # Process 0 hosts the coordination service: once it exits, the others
+    # are aborted by it. It waits a little longer, so that they say why.
+    bound = self._round_timeout_s + (
+      _COORDINATOR_GRACE_S if self._me == 0 else 0
+    )
 
     def expire():
       print(
