@@ -111,6 +111,13 @@ def parse(argv=None):
   ap.add_argument("--step-seconds", type=float, default=0.0)
   ap.add_argument("--heartbeat-seconds", type=int, default=5)
   ap.add_argument(
+    "--num-fragments", type=int, default=1, help="Streaming DiLoCo"
+  )
+  ap.add_argument(
+    "--comm-dtype", default=None, help="the outer gradient's wire: int8, ..."
+  )
+  ap.add_argument("--error-feedback", action="store_true")
+  ap.add_argument(
     "--round-timeout-seconds",
     type=float,
     default=900,
@@ -163,6 +170,11 @@ def main(argv=None) -> None:
     optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
     "island",
     sync_period=args.sync_period,
+    num_fragments=args.num_fragments,
+    comm_dtype=None
+    if args.comm_dtype is None
+    else jax.numpy.dtype(args.comm_dtype),
+    error_feedback=args.error_feedback,
   )
   island = shardopt.elastic.Island(
     tx,
@@ -226,26 +238,25 @@ def main(argv=None) -> None:
     log(done)
   count = done.step
   while count < args.steps:
-    todo = min(args.sync_period - count % args.sync_period, args.steps - count)
-    for _ in range(todo):
-      count += 1
-      try:
-        params, state = inner_step(params, state, *island_batch(count))
-        jax.block_until_ready(state.count)
-      except jax.errors.JaxRuntimeError as e:
-        if k == 1:
-          raise
-        raise shardopt.elastic.IslandBrokenError(
-          f"island {me // k} lost a process during a local step; restart"
-          " all of its processes"
-        ) from e
-      if args.step_seconds:
-        time.sleep(args.step_seconds)
-    params, state, done = island.sync(
-      params, state, early=count % args.sync_period != 0
-    )
-    count = done.step
-    log(done)
+    count += 1
+    try:
+      params, state = inner_step(params, state, *island_batch(count))
+      jax.block_until_ready(state.count)
+    except jax.errors.JaxRuntimeError as e:
+      if k == 1:
+        raise
+      raise shardopt.elastic.IslandBrokenError(
+        f"island {me // k} lost a process during a local step; restart"
+        " all of its processes"
+      ) from e
+    if args.step_seconds:
+      time.sleep(args.step_seconds)
+    due = island.due(state)
+    # A last round at the end, due or not (one fragment only).
+    if due or (count == args.steps and args.num_fragments == 1):
+      params, state, done = island.sync(params, state, early=not due)
+      count = done.step
+      log(done)
   np.savez(os.path.join(args.out, f"p{me}.npz"), **host(params))
   say("done")
   if me == 0:

@@ -407,6 +407,33 @@ def test_rejoining_under_a_used_device_order_still_fails_in_jax(tmp_path):
   ]
 
 
+def test_streaming_fragments_on_an_int8_wire_with_error_feedback_heal(tmp_path):
+  """diloco(num_fragments=2, comm_dtype=int8, error_feedback=True): a round
+  every H/2 steps, one fragment each; island 2 dies and returns. Every round
+  gives the same center on every island that logs it (the same held-out
+  loss, to the bit: the params themselves differ by design in the fragment
+  that did not sync), and the run trains."""
+  extra = ("--num-fragments", "2", "--comm-dtype", "int8", "--error-feedback")
+  with Scenario(tmp_path, steps=40, extra=extra) as run:
+    run.wait_round(0, 2 * H)
+    run.kill(2)
+    run.wait_round(0, 4 * H)
+    run.restart(2)
+    run.finish(survivors=[0, 1, 2])
+    rows = run.islands.rows(0)
+    assert [r["step"] for r in rows] == list(range(H // 2, 41, H // 2)), rows
+    assert [r["round"] for r in rows] == list(range(1, len(rows) + 1)), rows
+    by_round = {}
+    for i in range(N):
+      for r in run.islands.rows(i):
+        by_round.setdefault(r["round"], set()).add(r["loss"])
+    assert all(len(losses) == 1 for losses in by_round.values()), run.report
+    assert len(by_round) == len(rows), (sorted(by_round), rows)
+    lives = [r["live"] for r in rows]
+    assert [0, 1] in lives and lives[-1] == [0, 1, 2], lives
+    assert rows[-1]["loss"] < rows[0]["loss"], rows
+
+
 # ------------------------------------------------------------------ islands of 2
 
 
