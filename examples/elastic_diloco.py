@@ -24,6 +24,12 @@ logged), and the process exits 0 after S steps, leaving its final params
 in ``DIR/p{I}.npz``. ``--step-seconds X`` sleeps
 X seconds per inner step, standing in for compute.
 
+Options beyond the issue's command line: ``--num-fragments F`` (Streaming
+DiLoCo: a round every H/F steps, one fragment each; no last round off the
+schedule), ``--comm-dtype int8`` and ``--error-feedback`` (the outer
+gradient's wire), ``--processes-per-island K`` and
+``--round-timeout-seconds`` (``shardopt.elastic.Island``'s watchdog).
+
 For tests: ``ELASTIC_EXAMPLE_KILL=R:started`` (or ``R:gathered``) makes the
 process ``ELASTIC_EXAMPLE_KILL_PROCESS`` (default: the last) SIGKILL itself
 inside round R's ``live_devices`` block, before (after) its collective, once
@@ -152,7 +158,11 @@ def main(argv=None) -> None:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  import shardopt
+  try:
+    import shardopt
+  except ImportError:  # run from a checkout without installing it
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+    import shardopt
 
   def say(message: str) -> None:
     print(f"[p{me} {time.time():.3f}] {message}", flush=True)
