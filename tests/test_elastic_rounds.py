@@ -894,3 +894,44 @@ def test_engine_of_names_overlap_alpha_when_it_is_what_was_set():
   with pytest.raises(ValueError) as info:
     split.engine_of(tx, "my_where")
   assert "overlap_alpha" in str(info.value), str(info.value)
+
+
+def test_island_local_step_runs_cross_shard_inside_the_islands_shard_map():
+  """diloco(cross_shard(adam, "data"), "island"): the island-local step
+  (what ``Island.tx.update`` runs) inside a checking shard_map over the
+  island's own "data" axis is cross_shard(adam) there, bit for bit: the mean
+  gradient over the island's devices, then Adam. The island axis is never
+  bound."""
+  mesh = jax.make_mesh((4,), ("data",))
+  inner = shardopt.cross_shard(optax.adam(1e-2), "data")
+  engine = split.engine_of(
+    shardopt.diloco(inner, "island", sync_period=4), "test"
+  )
+  params = {"w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)}
+  grads = {
+    "w": np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+  }  # 4 devices x a (2, 3) block each
+  grads = jax.device_put(grads, jax.sharding.NamedSharding(mesh, P("data")))
+
+  def run(update, state):
+    def step(p, s, g):
+      u, s = update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    specs = jax.tree.map(lambda _: P(), state)
+    return jax.jit(
+      jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(P(), specs, P("data")),
+        out_specs=(P(), specs),
+      )
+    )(params, state, grads)
+
+  local = lambda g, s, p: split.local_update(engine, g, s, p, {})  # noqa: E731
+  state = shardopt.diloco(inner, "island", sync_period=4).init(params)
+  got, new_state = run(local, state)
+  want, _ = run(inner.update, inner.init(params))
+  chex.assert_trees_all_equal(got, want)
+  assert int(new_state.count) == 1
+  chex.assert_trees_all_equal(new_state.center, params)  # no sync ran

@@ -472,9 +472,18 @@ def _apply_plain(
   engine, sync, gathered, params, state, left_out, skipped, error
 ):
   received = rows.read_plain(engine, sync, gathered, params)
+  return _combine_and_apply(
+    engine, sync, received, params, state, left_out, skipped, error, full=False
+  )
+
+
+def _combine_and_apply(
+  engine, sync, received, params, state, left_out, skipped, error, *, full
+):
+  """The mean over the contributing islands, then :func:`.split.apply`."""
   total, count = rows.combine(engine, received)
   parts = split.pieces(engine, params, sync)
-  combined = rows.pieces_of(total, params, parts, full=False)
+  combined = rows.pieces_of(total, params, parts, full=full)
   return split.apply(
     engine,
     sync,
@@ -525,21 +534,15 @@ def _heal(engine, sync, fresh, gathered, params, state, left_out, skipped):
 
 
 def _heal_sync(engine, sync, received, params, state, left_out, skipped):
-  """The sync of a healing round, on the adopted state."""
-  total, count = rows.combine(engine, received)
-  parts = split.pieces(engine, params, sync)
-  combined = rows.pieces_of(total, params, parts, full=True)
+  """The sync of a healing round, on the adopted state: its float32 wire
+  drops nothing, so error feedback's pieces restart at zero."""
   error = None
   if engine.error_feedback:
-    error = [jnp.zeros_like(c) for c in combined]
-  return split.apply(
-    engine,
-    sync,
-    state,
-    params,
-    combined,
-    any_contribution=count > 0,
-    left_out=left_out,
-    skipped=skipped,
-    error=error,
+    parts = split.pieces(engine, params, sync)
+    error = [
+      jnp.zeros(jnp.shape(x), jnp.float32)
+      for x in split.take(jax.tree.leaves(params), parts)
+    ]
+  return _combine_and_apply(
+    engine, sync, received, params, state, left_out, skipped, error, full=True
   )

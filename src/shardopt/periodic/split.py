@@ -81,7 +81,9 @@ def local_update(
       f"{engine.name}: params are required; call"
       " tx.update(grads, state, params)."
     )
-  checks.check_local_gradients(grads, params, engine.axis_name, engine.name)
+  checks.check_local_gradients(
+    grads, params, engine.axis_name, engine.name, bound=False
+  )
   updates, local_state = _engine._local_step(
     engine.optimizer, engine.local, grads, state, params, extra_args
   )
