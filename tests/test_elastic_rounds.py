@@ -935,3 +935,25 @@ def test_island_local_step_runs_cross_shard_inside_the_islands_shard_map():
   chex.assert_trees_all_equal(got, want)
   assert int(new_state.count) == 1
   chex.assert_trees_all_equal(new_state.center, params)  # no sync ran
+
+
+def test_healing_hands_over_an_outer_adam_state_bit_for_bit():
+  """diloco(outer_optimizer=optax.adam): the outer state (with its int32
+  count) travels in the healing row; the fresh island ends with the same
+  outer state, center and params as the survivors."""
+  tx = shardopt.diloco(
+    optax.adam(1e-2), "i", sync_period=H, outer_optimizer=optax.adam(0.05)
+  )
+  p0 = _params()
+  group = Islands(tx, [p0] * (N - 1), seed=4)
+  for _ in range(2):
+    group.local_steps(H)
+    group.plain_round()
+  group.local_steps(H)
+  isl = Islands(tx, [p0] * N, seed=4)
+  isl.params = list(group.params) + [jax.tree.map(jnp.asarray, _params(9))]
+  isl.states = list(group.states) + [tx.init(isl.params[-1])]
+  _heal_round(isl, [False] * (N - 1) + [True], np.random.default_rng(1))
+  _assert_islands_identical(isl)
+  assert int(isl.states[-1].global_state[0].count) == 3  # three outer steps
+  chex.assert_trees_all_equal(isl.params[-1], isl.params[0])

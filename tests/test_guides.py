@@ -119,6 +119,11 @@ def diloco_page():
 
 def test_diloco(diloco_page):
   ns = diloco_page
+  # An outer Adam's first step moves the center by -lr * sign(g), g = -3.5
+  # (to Adam's epsilon).
+  np.testing.assert_allclose(
+    np.asarray(ns["adam_state"].center), 0.1, rtol=1e-5
+  )
   # Islands apart between outer steps, together (to rounding) after 4 and 8.
   gaps = [g["w"] for g in ns["gaps"]]
   assert all(gaps[t] > 1e-3 for t in (0, 1, 2, 4, 5, 6)), gaps

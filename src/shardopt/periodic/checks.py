@@ -108,6 +108,41 @@ def check_outer_args(
     )
 
 
+# diloco's outer step as its three arguments spell it by default.
+DEFAULT_OUTER = {
+  "outer_learning_rate": 0.7,
+  "outer_momentum": 0.9,
+  "nesterov": True,
+}
+
+
+def check_outer_optimizer(
+  transform: str,
+  outer_optimizer: Any,
+  outer_learning_rate: Any,
+  outer_momentum: Any,
+  nesterov: Any,
+) -> None:
+  """An optax transform, given instead of (not with) the default's
+  spelling."""
+  _axes.check_transform(outer_optimizer, transform, "outer_optimizer")
+  given = {
+    "outer_learning_rate": outer_learning_rate,
+    "outer_momentum": outer_momentum,
+    "nesterov": nesterov,
+  }
+  changed = [k for k, v in given.items() if v != DEFAULT_OUTER[k]]
+  if changed:
+    raise ValueError(
+      f"{transform}: outer_optimizer replaces the default outer step that"
+      " outer_learning_rate, outer_momentum and nesterov"
+      f" spell, but {', '.join(f'{k}={given[k]!r}' for k in changed)} was"
+      " given too. Put those settings in the outer optimizer (e.g."
+      " optax.sgd(lr, momentum=m, nesterov=True)) and leave the three"
+      " arguments out."
+    )
+
+
 def check_warmup_steps(value: Any, transform: str) -> int:
   if not _axes.is_integer(value) or int(value) < 0:
     raise ValueError(

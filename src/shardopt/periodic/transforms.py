@@ -385,6 +385,7 @@ def diloco(
   outer_learning_rate: float = 0.7,
   outer_momentum: float = 0.9,
   nesterov: bool = True,
+  outer_optimizer: optax.GradientTransformation | None = None,
   axis_index_groups=None,
   comm_dtype=None,
   error_feedback: bool = False,
@@ -480,6 +481,13 @@ def diloco(
     outer_learning_rate: the outer SGD learning rate (or an optax schedule).
     outer_momentum: the outer momentum in ``[0, 1)``.
     nesterov: whether the outer momentum is Nesterov's.
+    outer_optimizer: any optax transform for the outer step instead (its
+      gradient is the outer gradient, its params the center; its state is
+      replicated, one per fragment with ``num_fragments``).
+      ``outer_learning_rate``, ``outer_momentum`` and ``nesterov`` spell the
+      default, ``optax.sgd(0.7, momentum=0.9, nesterov=True)``; leave them
+      as they are when you pass it. ``optax.sgd(1.0)`` is plain averaging
+      (:func:`local_sgd`'s outer step).
     axis_index_groups: optional equal-size groups; each group has its center.
     comm_dtype: optional wire dtype, floating or quantized (see
       :func:`agn`).
@@ -557,11 +565,16 @@ def diloco(
   checks.check_axis_name(axis_name, name)
   period = checks.check_period(sync_period, "sync_period", name)
   checks.check_outer_args(name, outer_learning_rate, outer_momentum, nesterov)
-  outer_optimizer = optax.sgd(
-    outer_learning_rate,
-    momentum=outer_momentum or None,
-    nesterov=bool(nesterov),
-  )
+  if outer_optimizer is None:
+    outer_optimizer = optax.sgd(
+      outer_learning_rate,
+      momentum=outer_momentum or None,
+      nesterov=bool(nesterov),
+    )
+  else:
+    checks.check_outer_optimizer(
+      name, outer_optimizer, outer_learning_rate, outer_momentum, nesterov
+    )
   fragments = checks.check_num_fragments(num_fragments, period, name)
   tau, alpha = checks.check_overlap(overlap_steps, overlap_alpha, period, name)
   overlaps = tau > 0 or alpha > 0
