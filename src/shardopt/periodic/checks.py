@@ -108,7 +108,8 @@ def check_outer_args(
     )
 
 
-# diloco's outer step as its three arguments spell it by default.
+# diloco's outer step as its three arguments spell it by default (its
+# signature's defaults).
 DEFAULT_OUTER = {
   "outer_learning_rate": 0.7,
   "outer_momentum": 0.9,
