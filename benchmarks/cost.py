@@ -44,11 +44,11 @@ step and its baseline each time:
    bandwidth ``2 (n - 1) / n x (P - B) / (t_powersgd - t_cross_shard)``.
 
 5. **Finite guards**: the free guard ``chain(cross_shard_mean,
-   apply_if_finite(adam, None, 5))`` (gradients already reduced: no flag
+   apply_if_finite(adam, 5, axis_name=None))`` (gradients already reduced: no flag
    collective) vs ``chain(cross_shard_mean, adam)`` and vs
    ``optax.apply_if_finite`` in the same place; the flagged guards
-   ``apply_if_finite(cross_shard(adam), axis, 5)`` and
-   ``apply_if_finite(tower(adam), axis, 5)`` vs their unguarded step (and
+   ``apply_if_finite(cross_shard(adam), 5, axis_name=axis)`` and
+   ``apply_if_finite(tower(adam), 5, axis_name=axis)`` vs their unguarded step (and
    the first vs ``optax.apply_if_finite(cross_shard(adam))``, which
    deadlocks on a one-replica NaN under pmap: timed on finite inputs).
    Goal <= 1.05. A hand-written floor times the finite check alone
@@ -380,10 +380,10 @@ def _guard_rows() -> list:
     ),
     (
       "guard",
-      "chain(cross_shard_mean, apply_if_finite(adam, None, 5)) (free guard)",
+      "chain(cross_shard_mean, apply_if_finite(adam, 5, axis_name=None)) (free guard)",
       optax.chain(
         shardopt.cross_shard_mean(axis),
-        shardopt.apply_if_finite(adam(), None, 5),
+        shardopt.apply_if_finite(adam(), 5, axis_name=None),
       ),
       mean,
     ),
@@ -398,8 +398,10 @@ def _guard_rows() -> list:
     (None, cross, shardopt.cross_shard(adam(), axis), None),
     (
       "guard",
-      "apply_if_finite(cross_shard(adam), axis, 5) (flag)",
-      shardopt.apply_if_finite(shardopt.cross_shard(adam(), axis), axis, 5),
+      "apply_if_finite(cross_shard(adam), 5, axis_name=axis) (flag)",
+      shardopt.apply_if_finite(
+        shardopt.cross_shard(adam(), axis), 5, axis_name=axis
+      ),
       cross,
     ),
     (
@@ -411,8 +413,8 @@ def _guard_rows() -> list:
     (None, tower, shardopt.tower(adam(), axis), None),
     (
       "guard",
-      "apply_if_finite(tower(adam), axis, 5) (flag)",
-      shardopt.apply_if_finite(shardopt.tower(adam(), axis), axis, 5),
+      "apply_if_finite(tower(adam), 5, axis_name=axis) (flag)",
+      shardopt.apply_if_finite(shardopt.tower(adam(), axis), 5, axis_name=axis),
       tower,
     ),
   ]

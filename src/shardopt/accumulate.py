@@ -168,9 +168,9 @@ def accumulate(
 
   To skip non-finite gradients (MultiSteps' ``should_skip_update_fn=
   optax.skip_not_finite``), guard ``inner``:
-  ``accumulate(shardopt.apply_if_finite(inner, axis, n), k)`` checks the
+  ``accumulate(shardopt.apply_if_finite(inner, n, axis_name=axis), k)`` checks the
   accumulated gradients at the emit step, or wrap the whole transform,
-  ``shardopt.apply_if_finite(accumulate(inner, k), axis, n)``, to drop single
+  ``shardopt.apply_if_finite(accumulate(inner, k), n, axis_name=axis)``, to drop single
   mini-steps as MultiSteps does (``docs/reliability.md`` compares the two).
 
   Args:

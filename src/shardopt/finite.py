@@ -16,6 +16,7 @@ imported.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -99,10 +100,46 @@ def all_finite(
   return bad_replicas == 0
 
 
+_NO_AXIS_NAME = object()  # apply_if_finite's axis_name was not given
+
+
+def _old_order(max_consecutive_errors, old_order: tuple, axis_name):
+  """``(axis_name, max_consecutive_errors)`` of a call in either order:
+  optax's ``(inner, max_consecutive_errors, *, axis_name=...)``, or the
+  order of shardopt <= 0.1, ``(inner, axis_name, max_consecutive_errors)``,
+  which warns."""
+  if not old_order:
+    if axis_name is _NO_AXIS_NAME:
+      raise TypeError(
+        f"{_APPLY_IF_FINITE}: axis_name is required (keyword-only): the"
+        " mesh or pmap axis over which every replica must agree to skip,"
+        " e.g. apply_if_finite(inner, 5, axis_name='data'). A port of"
+        " optax.apply_if_finite(inner, 5) that decides on each replica's"
+        " own gradients is axis_name=None."
+      )
+    return axis_name, max_consecutive_errors
+  if len(old_order) > 1 or axis_name is not _NO_AXIS_NAME:
+    raise TypeError(
+      f"{_APPLY_IF_FINITE}: takes (inner, max_consecutive_errors, *,"
+      f" axis_name=...), got {2 + len(old_order)} positional arguments"
+      + ("" if axis_name is _NO_AXIS_NAME else " and axis_name")
+      + "."
+    )
+  warnings.warn(
+    f"{_APPLY_IF_FINITE}(inner, axis_name, max_consecutive_errors) is"
+    " deprecated: use optax's order, apply_if_finite(inner,"
+    f" {old_order[0]!r}, axis_name={max_consecutive_errors!r}).",
+    DeprecationWarning,
+    stacklevel=3,
+  )
+  return max_consecutive_errors, old_order[0]
+
+
 def apply_if_finite(
   inner: optax.GradientTransformation,
-  axis_name: Any,
   max_consecutive_errors: int,
+  *old_order: Any,
+  axis_name: Any = _NO_AXIS_NAME,
 ) -> optax.GradientTransformationExtraArgs:
   """Skips the update on every replica when any replica's gradient is not finite.
 
@@ -140,13 +177,21 @@ def apply_if_finite(
   ``P()`` params stay ``P()``. The counters may arrive typed varying (the
   whole state under ``P(axis)``) or stacked (``jax.pmap(tx.init)``).
 
+  The arguments are in ``optax.apply_if_finite``'s order, shardopt's
+  ``axis_name`` keyword-only: a port of ``optax.apply_if_finite(inner, 5)``
+  fails with an error that asks for ``axis_name``. The order of shardopt
+  <= 0.1, ``apply_if_finite(inner, axis_name, max_consecutive_errors)``,
+  still works for this release, with a ``DeprecationWarning``.
+
   Args:
     inner: the transform to guard.
-    axis_name: the ``pmap``/mesh axis name (or tuple of names) over which the
-      replicas must agree; None decides on this replica's gradients alone
-      (``optax.apply_if_finite``).
     max_consecutive_errors: how many consecutive non-finite steps are
       skipped; the next one is applied (as in optax).
+    *old_order: the deprecated order's ``max_consecutive_errors`` (then the
+      second argument is the axis name).
+    axis_name: keyword-only, required: the ``pmap``/mesh axis name (or tuple
+      of names) over which the replicas must agree; None decides on this
+      replica's gradients alone (``optax.apply_if_finite``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -155,7 +200,7 @@ def apply_if_finite(
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, shardopt
     >>> tx = shardopt.apply_if_finite(
-    ...     shardopt.cross_shard(optax.sgd(1.0), "batch"), "batch", 3)
+    ...     shardopt.cross_shard(optax.sgd(1.0), "batch"), 3, axis_name="batch")
     >>> def step(w, g):
     ...   updates, state = tx.update(g, tx.init(w), w)
     ...   return updates, state.total_notfinite
@@ -171,6 +216,9 @@ def apply_if_finite(
     <https://arxiv.org/abs/1710.03740>`_, 2018 (skipping steps whose scaled
     gradients overflow).
   """
+  axis_name, max_consecutive_errors = _old_order(
+    max_consecutive_errors, old_order, axis_name
+  )
   if not _axes.is_integer(max_consecutive_errors) or max_consecutive_errors < 0:
     raise ValueError(
       f"{_APPLY_IF_FINITE}: max_consecutive_errors={max_consecutive_errors!r}"
