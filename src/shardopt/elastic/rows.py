@@ -135,10 +135,6 @@ class Wire(NamedTuple):
     like = jax.ShapeDtypeStruct((size,), dtype)
     return from_bytes(payload, like).astype(jnp.float32)
 
-  def nbytes(self, size: int) -> int:
-    like = jax.ShapeDtypeStruct((size,), jnp.float32)
-    return int(jax.eval_shape(lambda x: self.encode(x)[0], like).shape[0])
-
 
 class Received(NamedTuple):
   """What every island reads from the gathered rows (in island id order)."""
