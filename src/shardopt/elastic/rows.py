@@ -35,6 +35,7 @@ import numpy as np
 
 from shardopt import _axes
 from shardopt import quantize
+from shardopt.finite import all_finite
 from shardopt.periodic import split
 
 HEADER_FIELDS = (
@@ -180,7 +181,7 @@ def contribution(
     mine = [m + e.astype(m.dtype) for m, e in zip(mine, error)]
   finite = jnp.logical_and(
     jnp.asarray(up_to_date, bool),
-    jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in mine] or [True])),
+    all_finite(mine),
   )
   mine = [jnp.where(finite, m, jnp.zeros_like(m)) for m in mine]
   if full:
