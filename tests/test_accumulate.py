@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compiled import compiled_update
+from _compiled import varying_state_specs
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -296,7 +298,7 @@ def test_growing_schedule_under_cross_shard_matches_multisteps_in_sync(mapping):
 
 @pytest.mark.parametrize("spelling", ["pmap", "varying"])
 def test_a_schedule_decides_without_a_collective(spelling):
-  text = _compiled_update(
+  text = compiled_update(
     shardopt.accumulate(INNER_COMMUNICATING["cross_shard(adam)"](), _growing),
     spelling,
   )
@@ -386,61 +388,6 @@ def _put(mesh, tree, spec):
   return jax.device_put(tree, NamedSharding(mesh, spec))
 
 
-def _state_specs(tx, mesh, w, g_spec):
-  """P(AXIS) for every state leaf that an update leaves varying, else P()."""
-  specs = {}
-
-  def probe(w, g):
-    state = tx.init(w)
-    new_state = tx.update(g, state, w)[1]
-    specs["state"] = jax.tree.map(
-      lambda a, b: (
-        P(AXIS) if _axes.varying_axes(a) | _axes.varying_axes(b) else P()
-      ),
-      state,
-      new_state,
-    )
-    return jnp.zeros([])
-
-  g = jax.ShapeDtypeStruct(
-    (R * w.shape[0],) if g_spec != P() else w.shape,
-    w.dtype,
-    sharding=NamedSharding(mesh, g_spec),
-  )
-  jax.eval_shape(
-    jax.shard_map(probe, mesh=mesh, in_specs=(P(), g_spec), out_specs=P()), w, g
-  )
-  return specs["state"]
-
-
-def _compiled_update(tx, spelling, size=4096):
-  """HLO text of tx.update compiled with the gradients (and state) as inputs."""
-  w = jnp.zeros([size], jnp.float32)
-  if spelling == "pmap":
-    stacked = jnp.zeros([R, size], jnp.float32)
-    state = jax.pmap(tx.init, axis_name=AXIS)(stacked)
-    f = jax.pmap(lambda g, s, w: tx.update(g, s, w), axis_name=AXIS)
-    return f.lower(stacked, state, stacked).compile().as_text()
-  mesh = _mesh()
-  # "invariant": P() params, the gradient autodiff gives them (already summed,
-  # typed invariant). "varying": P() params cast to varying before jax.grad.
-  g_spec = P() if spelling == "invariant" else P(AXIS)
-  specs = _state_specs(tx, mesh, w, g_spec)
-  state = jax.jit(
-    jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
-  )(w)
-  f = jax.jit(
-    jax.shard_map(
-      lambda g, s, w: tx.update(g, s, w),
-      mesh=mesh,
-      in_specs=(g_spec, specs, P()),
-      out_specs=(P(), specs),
-    )
-  )
-  g = _put(mesh, jnp.zeros([R * size] if g_spec != P() else [size]), g_spec)
-  return f.lower(g, state, _put(mesh, w, P())).compile().as_text()
-
-
 def _contexts(text):
   return hlo.summarize(hlo.compiled_collectives(text, num_devices=R))["count"]
 
@@ -460,7 +407,7 @@ HLO_CASES = [
 def test_every_collective_of_the_update_sits_in_the_emit_branch(
   spelling, inner
 ):
-  text = _compiled_update(
+  text = compiled_update(
     shardopt.accumulate(INNER_COMMUNICATING[inner](), 4), spelling
   )
   counts = _contexts(text)
@@ -470,7 +417,7 @@ def test_every_collective_of_the_update_sits_in_the_emit_branch(
 
 
 def test_optax_multisteps_communicates_outside_any_branch():
-  text = _compiled_update(
+  text = compiled_update(
     optax.MultiSteps(
       INNER_COMMUNICATING["cross_shard(adam)"](), 4
     ).gradient_transformation(),
@@ -493,7 +440,7 @@ def _whole_step_collectives(cast_to_varying):
   tx = shardopt.accumulate(shardopt.cross_shard(optax.sgd(0.1), AXIS), 4)
   g_spec = P(AXIS) if cast_to_varying else P()
   w = jnp.zeros([size])
-  specs = _state_specs(tx, mesh, w, g_spec)
+  specs = varying_state_specs(tx, mesh, w, g_spec)
 
   def step(w, state, x):
     local = jax.lax.pcast(w, AXIS, to="varying") if cast_to_varying else w
@@ -581,7 +528,7 @@ def test_mini_step_copies_no_buffer_a_bare_gradient_add_does_not(mapping):
       return f.lower(w, jax.pmap(tx.init)(w), w).compile().as_text()
     mesh = _mesh()
     w = jnp.zeros([size])
-    specs = _state_specs(tx, mesh, w, P(AXIS))
+    specs = varying_state_specs(tx, mesh, w, P(AXIS))
     state = jax.jit(
       jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
     )(w)

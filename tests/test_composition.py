@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _powersgd_reference import COMPRESSED
+from _powersgd_reference import RANK
+from _powersgd_reference import RATE
+from _powersgd_reference import SHAPES
+from _powersgd_reference import np_powersgd
+from _powersgd_reference import random_grad_steps
+from _powersgd_reference import zero_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_powersgd import COMPRESSED
-from test_powersgd import RANK
-from test_powersgd import RATE
-from test_powersgd import SHAPES
-from test_powersgd import _grad_steps
-from test_powersgd import _np_powersgd
-from test_powersgd import _params
 
 import shardopt
 from benchmarks import hlo
@@ -66,11 +66,11 @@ def _psgd_state(state):
 def test_accumulate_feeds_powersgd_the_mean_of_k_gradients_once_per_period():
   k = 2
   tx = shardopt.accumulate(_powersgd_sgd(), k)
-  params = _params()
+  params = zero_params()
   state = jax.pmap(tx.init)(_stacked(params))
   q0 = _q_init(state)
   step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS)
-  grads = _grad_steps(seed=3, steps=2 * k)
+  grads = random_grad_steps(seed=3, steps=2 * k)
   emitted = []
   for t, g in enumerate(grads):
     updates, state = jax.block_until_ready(step(g, state))
@@ -91,7 +91,7 @@ def test_accumulate_feeds_powersgd_the_mean_of_k_gradients_once_per_period():
     }
     for p in range(len(grads) // k)
   ]
-  expected, _ = _np_powersgd(means, q0, compressed=COMPRESSED)
+  expected, _ = np_powersgd(means, q0, compressed=COMPRESSED)
   for got, want in zip(emitted, expected):
     for name in SHAPES:
       for replica in range(R):
@@ -110,7 +110,7 @@ def _whole_state_step(tx, mesh):
   spelling users write first; gradients arrive varying, one row per replica.
   Returns the jitted step and the stacked initial state.
   """
-  stacked = jax.vmap(tx.init)(_stacked(_params()))
+  stacked = jax.vmap(tx.init)(_stacked(zero_params()))
   specs = jax.tree.map(lambda _: P(AXIS), stacked)
 
   def step(g, s):
@@ -132,10 +132,10 @@ def _whole_state_step(tx, mesh):
 
 def _update_contexts(tx, mapping, mesh=None):
   """Collectives of the compiled ``tx.update`` (grads an input), by context."""
-  params = _params()
+  params = zero_params()
   if mapping == "pmap":
     state = jax.pmap(tx.init)(_stacked(params))
-    grads = _grad_steps(seed=0, steps=1)[0]
+    grads = random_grad_steps(seed=0, steps=1)[0]
     text = (
       jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS)
       .lower(grads, state)
@@ -145,7 +145,7 @@ def _update_contexts(tx, mapping, mesh=None):
   else:
     f, state = _whole_state_step(tx, mesh)
     grads = jax.device_put(
-      _grad_steps(seed=0, steps=1)[0], NamedSharding(mesh, P(AXIS))
+      random_grad_steps(seed=0, steps=1)[0], NamedSharding(mesh, P(AXIS))
     )
     text = f.lower(grads, state).compile().as_text()
   contexts = {}
@@ -169,7 +169,7 @@ def test_accumulate_around_powersgd_communicates_only_in_the_emit_branch(
 def test_apply_if_finite_around_powersgd_leaves_only_the_flag_outside(
   mapping, mesh
 ):
-  tx = shardopt.apply_if_finite(_powersgd_sgd(start_step=2), AXIS, 3)
+  tx = shardopt.apply_if_finite(_powersgd_sgd(start_step=2), 3, axis_name=AXIS)
   contexts = _update_contexts(tx, mapping, mesh)
   top = contexts.get("top", [])
   assert [op.buffer_bytes for op in top] == [4], top
@@ -178,11 +178,11 @@ def test_apply_if_finite_around_powersgd_leaves_only_the_flag_outside(
 
 
 def test_nan_on_one_replica_skips_powersgd_on_every_replica_and_keeps_its_state():
-  tx = shardopt.apply_if_finite(_powersgd_sgd(), AXIS, 5)
-  params = _params()
+  tx = shardopt.apply_if_finite(_powersgd_sgd(), 5, axis_name=AXIS)
+  params = zero_params()
   state = jax.pmap(tx.init)(_stacked(params))
   step = jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS)
-  grads = _grad_steps(seed=5, steps=4)
+  grads = random_grad_steps(seed=5, steps=4)
   bad_step, bad_replica = 1, 6
   grads[bad_step]["w1"][bad_replica, 0, 0] = np.nan
   finite_grads = [g for t, g in enumerate(grads) if t != bad_step]
@@ -210,7 +210,7 @@ def test_nan_on_one_replica_skips_powersgd_on_every_replica_and_keeps_its_state(
     else:
       applied.append(jax.tree.map(np.asarray, updates))
   assert (np.asarray(state.total_notfinite) == 1).all()
-  expected, _ = _np_powersgd(finite_grads, q0, compressed=COMPRESSED)
+  expected, _ = np_powersgd(finite_grads, q0, compressed=COMPRESSED)
   for got, want in zip(applied, expected):
     for name in SHAPES:
       np.testing.assert_allclose(
@@ -223,8 +223,8 @@ def test_powersgd_state_as_a_whole_under_p_axis_matches_replicated_counters(
 ):
   """The "whole state under P(axis)" spelling: a stacked, varying counter."""
   tx = _powersgd_sgd()
-  params = _params()
-  grads = _grad_steps(seed=9, steps=2)
+  params = zero_params()
+  grads = random_grad_steps(seed=9, steps=2)
   put = lambda t: jax.device_put(t, NamedSharding(mesh, P(AXIS)))  # noqa: E731
   f, state_a = _whole_state_step(tx, mesh)
   pmapped = jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS)

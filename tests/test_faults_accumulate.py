@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compiled import compiled_update
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -101,12 +102,12 @@ SPELLINGS = {
   ),
   "guard outside": lambda: shardopt.apply_if_finite(
     shardopt.accumulate(shardopt.cross_shard(_adam(), AXIS), K),
-    AXIS,
     MAX_CONSECUTIVE,
+    axis_name=AXIS,
   ),
   "guard inside": lambda: shardopt.accumulate(
     shardopt.apply_if_finite(
-      shardopt.cross_shard(_adam(), AXIS), AXIS, MAX_CONSECUTIVE
+      shardopt.cross_shard(_adam(), AXIS), MAX_CONSECUTIVE, axis_name=AXIS
     ),
     K,
   ),
@@ -327,12 +328,10 @@ def test_a_guarded_accumulate_skips_on_every_replica_and_matches_numpy(
 
 
 def test_only_the_inner_guard_keeps_the_mini_steps_free_of_communication():
-  from tests.test_accumulate import _compiled_update
-
   counts = {}
   for spelling in ("guard outside", "guard inside"):
     ops = hlo.compiled_collectives(
-      _compiled_update(SPELLINGS[spelling](), "pmap", 1024), num_devices=R
+      compiled_update(SPELLINGS[spelling](), "pmap", 1024), num_devices=R
     )
     counts[spelling] = (
       [(o.kind, o.buffer_bytes) for o in ops if o.context == "top"],

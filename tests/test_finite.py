@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compiled import compiled_update
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -125,7 +126,7 @@ def test_all_finite_without_an_axis_tests_this_replica_only():
 
 def test_same_numbers_and_state_as_optax_apply_if_finite_on_one_device():
   rng = np.random.default_rng(0)
-  tx = shardopt.apply_if_finite(optax.adam(0.1), None, 2)
+  tx = shardopt.apply_if_finite(optax.adam(0.1), 2, axis_name=None)
   ref = optax.apply_if_finite(optax.adam(0.1), 2)
   w = jnp.asarray(rng.normal(size=4), jnp.float32)
   state, ref_state = tx.init(w), ref.init(w)
@@ -149,8 +150,10 @@ def test_max_consecutive_errors_must_be_a_non_negative_integer(bad):
   with pytest.raises(
     ValueError, match="shardopt.apply_if_finite: max_consecutive"
   ):
-    shardopt.apply_if_finite(optax.sgd(0.1), AXIS, bad)
-  shardopt.apply_if_finite(optax.sgd(0.1), AXIS, 0)  # 0: apply the next one
+    shardopt.apply_if_finite(optax.sgd(0.1), bad, axis_name=AXIS)
+  shardopt.apply_if_finite(
+    optax.sgd(0.1), 0, axis_name=AXIS
+  )  # 0: apply the next one
 
 
 # --- HLO: the guard adds the 4-byte flag and nothing else. ------------------
@@ -164,16 +167,11 @@ INNERS = {
 }
 
 
-def _compiled_update(tx, spelling, size=1024):
-  from tests.test_accumulate import _compiled_update as compiled
-
-  return compiled(tx, spelling, size)
-
-
 def _bytes_by_branch(tx, spelling) -> dict:
   """Buffer bytes of the compiled update's collectives: ``"top"`` and each
   conditional branch (:func:`benchmarks.hlo.by_branch`)."""
-  ops = hlo.compiled_collectives(_compiled_update(tx, spelling), num_devices=R)
+  text = compiled_update(tx, spelling, size=1024)
+  ops = hlo.compiled_collectives(text, num_devices=R)
   summary = hlo.by_branch(ops, measure=lambda op: op.buffer_bytes)
   return {
     "top": summary["top"],
@@ -200,7 +198,7 @@ def test_the_guard_adds_only_the_4_byte_flag_to_the_inner_collectives(
   the 4-byte flag at the top (which XLA may combine with an all-reduce of
   the inner's): no branch of its own around them."""
   guarded = _bytes_by_branch(
-    shardopt.apply_if_finite(INNERS[inner](), AXIS, 3), spelling
+    shardopt.apply_if_finite(INNERS[inner](), 3, axis_name=AXIS), spelling
   )
   bare = _bytes_by_branch(INNERS[inner](), spelling)
   print(
@@ -227,7 +225,9 @@ STEPS, D, LR = 12, 6, 0.1
 def _free_guard(max_consecutive_errors=3):
   return optax.chain(
     shardopt.cross_shard_mean(AXIS),
-    shardopt.apply_if_finite(optax.adam(LR), None, max_consecutive_errors),
+    shardopt.apply_if_finite(
+      optax.adam(LR), max_consecutive_errors, axis_name=None
+    ),
   )
 
 
@@ -367,7 +367,7 @@ def test_mixed_precision_state_keeps_its_dtypes_as_multisteps_skip_does():
   should_skip_update_fn=optax.skip_not_finite) does."""
   rng = np.random.default_rng(22)
   w = jnp.asarray(rng.normal(size=5), jnp.float16)
-  tx = shardopt.apply_if_finite(optax.adam(0.1), None, 3)
+  tx = shardopt.apply_if_finite(optax.adam(0.1), 3, axis_name=None)
   ref = optax.MultiSteps(
     optax.adam(0.1), 1, should_skip_update_fn=optax.skip_not_finite
   )
@@ -530,17 +530,19 @@ def test_a_donated_guarded_step_copies_no_more_than_the_unguarded_one(name):
   unguarded, guarded = {
     "free guard after cross_shard_mean": (
       lambda: mean(adam()),
-      lambda: mean(shardopt.apply_if_finite(adam(), None, 3)),
+      lambda: mean(shardopt.apply_if_finite(adam(), 3, axis_name=None)),
     ),
     "flag around cross_shard": (
       lambda: shardopt.cross_shard(adam(), AXIS),
       lambda: shardopt.apply_if_finite(
-        shardopt.cross_shard(adam(), AXIS), AXIS, 3
+        shardopt.cross_shard(adam(), AXIS), 3, axis_name=AXIS
       ),
     ),
     "tower": (
       lambda: shardopt.tower(adam(), AXIS),
-      lambda: shardopt.apply_if_finite(shardopt.tower(adam(), AXIS), AXIS, 3),
+      lambda: shardopt.apply_if_finite(
+        shardopt.tower(adam(), AXIS), 3, axis_name=AXIS
+      ),
     ),
   }[name]
   sizes = (64, 128, 8)
@@ -617,7 +619,7 @@ def test_under_vmap_with_batched_counters_every_member_skips_together():
   """No cond of its own: under jax.vmap(axis_name=...) with the state
   vmapped, the guard runs (no error) and decides once for the whole axis."""
   tx = shardopt.apply_if_finite(
-    shardopt.cross_shard(optax.sgd(1.0), AXIS), AXIS, 3
+    shardopt.cross_shard(optax.sgd(1.0), AXIS), 3, axis_name=AXIS
   )
   params = jnp.zeros((4, 3))
   state = jax.vmap(tx.init)(params)

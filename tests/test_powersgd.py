@@ -1,10 +1,10 @@
 """shardopt.powersgd against a numpy float64 reference of the whole algorithm.
 
-The reference (:func:`_np_powersgd`) is written here from the paper's
-algorithm as design.md section 6.3 states it (Vogels, Karimireddy and Jaggi,
-NeurIPS 2019; PyTorch's ``powerSGD_hook``): it is seeded with the ``Q`` that
-``tx.init`` drew, so the random number generator does not matter. Byte counts
-come from the compiled (or lowered) HLO, read by ``benchmarks.hlo``.
+The reference (``np_powersgd``, tests/_powersgd_reference.py) is written from
+the paper's algorithm as design.md section 6.3 states it (Vogels, Karimireddy
+and Jaggi, NeurIPS 2019; PyTorch's ``powerSGD_hook``): it is seeded with the
+``Q`` that ``tx.init`` drew, so the random number generator does not matter.
+Byte counts come from the compiled (or lowered) HLO, read by ``benchmarks.hlo``.
 """
 
 import importlib
@@ -15,87 +15,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _powersgd_reference import COMPRESSED
+from _powersgd_reference import RANK
+from _powersgd_reference import RATE
+from _powersgd_reference import SHAPES
+from _powersgd_reference import STEPS
+from _powersgd_reference import R
+from _powersgd_reference import np_powersgd
+from _powersgd_reference import random_grad_steps
+from _powersgd_reference import zero_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
 from benchmarks import hlo
 
-R = 8  # replicas
 AXIS = "batch"
-# Leaf shapes: with rank 2 and min_compression_rate 1.0, "w1" (6 x 5) and
-# "w3" (4 x 3 x 4, viewed 4 x 12) are compressed; "u" (3 x 3: 2 * 6 >= 9) and
-# the bias "b" are mean-reduced exactly.
-SHAPES = {"w1": (6, 5), "w3": (4, 3, 4), "u": (3, 3), "b": (5,)}
-RANK = 2
-RATE = 1.0
-COMPRESSED = {"w1": True, "w3": True, "u": False, "b": False}
-STEPS = 4
-
 _module = importlib.import_module("shardopt.powersgd")
-
-
-# --------------------------------------------------------------------------
-# The reference: numpy float64, every replica's matrix written out.
-
-
-def _np_powersgd(
-  grad_steps,
-  q_init,
-  *,
-  compressed,
-  start_step=0,
-  error_feedback=True,
-  q_steps=None,
-):
-  """Runs PowerSGD on ``grad_steps`` and returns (updates per step, errors).
-
-  Args:
-    grad_steps: list over steps of ``{leaf: (R, *shape) array}``.
-    q_init: ``{leaf: (m, r)}`` from ``tx.init``, for compressed leaves.
-    compressed: ``{leaf: bool}``.
-    start_step: steps of plain mean before compressing.
-    error_feedback: keep ``M - approx`` per replica and add it next step.
-    q_steps: if given (no warm start), ``q_steps[t][leaf]`` is the ``Q`` that
-      step ``t`` starts from; otherwise the previous step's ``Q`` (warm start).
-  """
-  q = {k: np.asarray(v, np.float64) for k, v in q_init.items()}
-  errors = {k: np.zeros(g.shape) for k, g in grad_steps[0].items()}
-  out = []
-  for t, grads in enumerate(grad_steps):
-    updates = {}
-    for k, g in grads.items():
-      g = np.asarray(g, np.float64)
-      if t < start_step or not compressed[k]:
-        updates[k] = g.mean(0)
-        continue
-      if q_steps is not None:
-        q[k] = np.asarray(q_steps[t][k], np.float64)
-      m = g.reshape(R, g.shape[1], -1)  # M_i = g_i (n x m)
-      if error_feedback:
-        m = m + errors[k].reshape(m.shape)  # M_i = g_i + e_i
-      p = np.mean(m @ q[k], axis=0)  # P = mean_i M_i Q
-      p, _ = np.linalg.qr(p)  # orthonormal columns
-      q_new = np.mean(np.swapaxes(m, 1, 2) @ p, 0)  # Q = mean_i M_i^T P
-      approx = p @ q_new.T
-      if error_feedback:
-        errors[k] = (m - approx).reshape(g.shape)  # local minus aggregated
-      q[k] = q_new
-      updates[k] = approx.reshape(g.shape[1:])
-    out.append(updates)
-  return out, errors
-
-
-def _grad_steps(seed, steps=STEPS, shapes=SHAPES, dtype=np.float32):
-  rng = np.random.default_rng(seed)
-  return [
-    {k: rng.normal(size=(R,) + s).astype(dtype) for k, s in shapes.items()}
-    for _ in range(steps)
-  ]
-
-
-def _params(shapes=SHAPES):
-  return {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
 
 
 # --------------------------------------------------------------------------
@@ -177,17 +113,17 @@ def _assert_same_on_every_replica(tree):
 @pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
 def test_matches_numpy_reference_on_every_replica(mesh, mapping):
   tx = shardopt.powersgd(AXIS, rank=RANK, min_compression_rate=RATE, seed=3)
-  grads = _grad_steps(0)
+  grads = random_grad_steps(0)
   run = (
     _run_pmap if mapping == "pmap" else (lambda *a: _run_shard_map(*a, mesh))
   )
-  history = run(tx, grads, _params())
+  history = run(tx, grads, zero_params())
   q_init = {
     k: np.asarray(v)[0] if mapping == "pmap" else np.asarray(v)
     for k, v in history[0][1].q.items()
     if COMPRESSED[k]
   }
-  expected, errors = _np_powersgd(grads, q_init, compressed=COMPRESSED)
+  expected, errors = np_powersgd(grads, q_init, compressed=COMPRESSED)
   for t, (updates, state) in enumerate(history[1:]):
     _assert_same_on_every_replica(updates)
     assert int(np.asarray(state.count).reshape(-1)[0]) == t + 1
@@ -219,12 +155,12 @@ def test_matches_numpy_reference_on_every_replica(mesh, mapping):
 def test_tuple_axis_names_reduce_over_both_axes():
   mesh = jax.make_mesh((2, 4), ("x", "y"))
   tx = shardopt.powersgd(("x", "y"), rank=RANK, min_compression_rate=RATE)
-  grads = _grad_steps(1, steps=2)
-  history = _run_shard_map(tx, grads, _params(), mesh, axis=("x", "y"))
+  grads = random_grad_steps(1, steps=2)
+  history = _run_shard_map(tx, grads, zero_params(), mesh, axis=("x", "y"))
   q_init = {
     k: np.asarray(v) for k, v in history[0][1].q.items() if COMPRESSED[k]
   }
-  expected, _ = _np_powersgd(grads, q_init, compressed=COMPRESSED)
+  expected, _ = np_powersgd(grads, q_init, compressed=COMPRESSED)
   for t, (updates, _) in enumerate(history[1:]):
     _assert_same_on_every_replica(updates)
     for k in SHAPES:
@@ -237,14 +173,14 @@ def test_rank_at_least_min_dimension_gives_the_exact_mean():
   shapes = {"tall": (7, 3), "wide": (2, 9), "cube": (3, 2, 2)}
   # rank >= min(n, m) for every leaf; a tiny rate so each one is compressed.
   tx = shardopt.powersgd(AXIS, rank=4, min_compression_rate=0.01)
-  state = tx.init(_params(shapes))
+  state = tx.init(zero_params(shapes))
   assert {k: v.shape for k, v in state.q.items()} == {
     "tall": (3, 3),
     "wide": (9, 2),
     "cube": (4, 3),
   }
-  grads = _grad_steps(2, steps=3, shapes=shapes)
-  history = _run_pmap(tx, grads, _params(shapes))
+  grads = random_grad_steps(2, steps=3, shapes=shapes)
+  history = _run_pmap(tx, grads, zero_params(shapes))
   for t, (updates, _) in enumerate(history[1:]):
     for k in shapes:  # the errors average to zero, so every step is exact
       np.testing.assert_allclose(
@@ -257,8 +193,8 @@ def test_rank_at_least_min_dimension_gives_the_exact_mean():
 
 def test_result_depends_on_p_only_through_p_p_transpose(monkeypatch):
   tx = shardopt.powersgd(AXIS, rank=RANK, min_compression_rate=RATE)
-  grads = _grad_steps(3, steps=3)
-  plain = _run_pmap(tx, grads, _params())
+  grads = random_grad_steps(3, steps=3)
+  plain = _run_pmap(tx, grads, zero_params())
   # Another orthonormal basis of the same column space: QR's basis times a
   # fixed orthogonal r x r matrix (a rotation and a reflection).
   rotation, _ = np.linalg.qr(np.random.default_rng(4).normal(size=(RANK, RANK)))
@@ -269,7 +205,7 @@ def test_result_depends_on_p_only_through_p_p_transpose(monkeypatch):
     "_orthonormalize",
     lambda p: jnp.matmul(qr(p), rotation, precision="highest"),
   )
-  rotated = _run_pmap(tx, grads, _params())
+  rotated = _run_pmap(tx, grads, zero_params())
   assert not np.allclose(
     np.asarray(plain[1][1].q["w1"]), np.asarray(rotated[1][1].q["w1"])
   )  # Q does change
@@ -285,15 +221,15 @@ def test_start_step_mean_reduces_every_leaf_until_count_reaches_it(
   tx = shardopt.powersgd(
     AXIS, rank=RANK, min_compression_rate=RATE, start_step=2
   )
-  grads = _grad_steps(5, steps=3 if mapping == "shard_map" else STEPS)
+  grads = random_grad_steps(5, steps=3 if mapping == "shard_map" else STEPS)
   if mapping == "pmap":
-    history = _run_pmap(tx, grads, _params())
+    history = _run_pmap(tx, grads, zero_params())
     first = lambda x: x[0]
   else:  # the warm-up/compressed cond's branches must agree on their types
-    history = _run_shard_map(tx, grads, _params(), mesh)
+    history = _run_shard_map(tx, grads, zero_params(), mesh)
     first = lambda x: x
   q_init = {k: first(v) for k, v in history[0][1].q.items() if COMPRESSED[k]}
-  expected, _ = _np_powersgd(grads, q_init, compressed=COMPRESSED, start_step=2)
+  expected, _ = np_powersgd(grads, q_init, compressed=COMPRESSED, start_step=2)
   for t, (updates, state) in enumerate(history[1:]):
     _assert_same_on_every_replica(updates)
     assert int(np.reshape(state.count, -1)[0]) == t + 1  # warm-up counts too
@@ -310,12 +246,12 @@ def test_without_error_feedback_matches_reference_and_keeps_no_error():
   tx = shardopt.powersgd(
     AXIS, rank=RANK, min_compression_rate=RATE, error_feedback=False
   )
-  grads = _grad_steps(6)
-  history = _run_pmap(tx, grads, _params())
+  grads = random_grad_steps(6)
+  history = _run_pmap(tx, grads, zero_params())
   q_init = {
     k: np.asarray(v)[0] for k, v in history[0][1].q.items() if COMPRESSED[k]
   }
-  expected, _ = _np_powersgd(
+  expected, _ = np_powersgd(
     grads, q_init, compressed=COMPRESSED, error_feedback=False
   )
   for t, (updates, state) in enumerate(history[1:]):
@@ -330,17 +266,17 @@ def test_without_warm_start_each_step_starts_from_a_fresh_q():
   tx = shardopt.powersgd(
     AXIS, rank=RANK, min_compression_rate=RATE, warm_start=False
   )
-  grads = _grad_steps(7)
-  history = _run_pmap(tx, grads, _params())
+  grads = random_grad_steps(7)
+  history = _run_pmap(tx, grads, zero_params())
   # The Q each step starts from is the one in the state before it.
   q_steps = [
     {k: np.asarray(s.q[k])[0] for k in SHAPES if COMPRESSED[k]}
     for _, s in history[:-1]
   ]
-  expected, _ = _np_powersgd(
+  expected, _ = np_powersgd(
     grads, q_steps[0], compressed=COMPRESSED, q_steps=q_steps
   )
-  warm, _ = _np_powersgd(grads, q_steps[0], compressed=COMPRESSED)
+  warm, _ = np_powersgd(grads, q_steps[0], compressed=COMPRESSED)
   for t, (updates, state) in enumerate(history[1:]):
     _assert_same_on_every_replica(state.q)
     for k in SHAPES:
@@ -355,10 +291,10 @@ def test_without_warm_start_each_step_starts_from_a_fresh_q():
 
 def test_all_zero_gradient_gives_finite_updates_and_state():
   tx = shardopt.powersgd(AXIS, rank=RANK, min_compression_rate=RATE)
-  grads = _grad_steps(8, steps=3)
+  grads = random_grad_steps(8, steps=3)
   grads[0] = jax.tree.map(np.zeros_like, grads[0])
   grads[1] = jax.tree.map(np.zeros_like, grads[1])
-  history = _run_pmap(tx, grads, _params())
+  history = _run_pmap(tx, grads, zero_params())
   for updates, state in history[1:]:
     for leaf in jax.tree.leaves((updates, state)):
       assert np.all(np.isfinite(np.asarray(leaf)))
@@ -370,16 +306,16 @@ def test_all_zero_gradient_gives_finite_updates_and_state():
 def test_bfloat16_gradients_are_compressed_in_float32():
   tx = shardopt.powersgd(AXIS, rank=RANK, min_compression_rate=RATE)
   grads = jax.tree.map(
-    lambda g: g.astype(jnp.bfloat16), _grad_steps(9, steps=2)
+    lambda g: g.astype(jnp.bfloat16), random_grad_steps(9, steps=2)
   )
-  history = _run_pmap(tx, grads, _params())
+  history = _run_pmap(tx, grads, zero_params())
   q_init = {
     k: np.asarray(v)[0] for k, v in history[0][1].q.items() if COMPRESSED[k]
   }
   as_f64 = [
     jax.tree.map(lambda g: np.asarray(g, np.float64), step) for step in grads
   ]
-  expected, errors = _np_powersgd(as_f64, q_init, compressed=COMPRESSED)
+  expected, errors = np_powersgd(as_f64, q_init, compressed=COMPRESSED)
   for t, (updates, state) in enumerate(history[1:]):
     for k in SHAPES:
       assert updates[k].dtype == jnp.bfloat16
@@ -408,7 +344,7 @@ def test_compression_rule_is_strict_and_uses_the_effective_rank():
     "cube": (2, 3, 4),  # viewed 2 x 12, r = 1: 28 > 24: not compressed
     "big_rank": (8, 64),  # rank 10 -> r = 8: 8 * 72 * 2 > 512: not compressed
   }
-  params = _params(shapes)
+  params = zero_params(shapes)
   state = shardopt.powersgd(AXIS, rank=1).init(params)
   assert {k: v.shape for k, v in state.q.items()} == {
     "equal": (0,),
@@ -451,7 +387,7 @@ def _formula_bytes(shapes, rank, rate, itemsize=4):
 
 
 def _pmap_texts(tx, shapes):
-  params = _params(shapes)
+  params = zero_params(shapes)
   stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (R,) + p.shape), params)
   state = jax.pmap(tx.init)(stacked)
   lowered = jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS).lower(
@@ -477,7 +413,7 @@ def test_hlo_bytes_per_step_equal_the_formula_under_pmap(rank):
 
 def test_hlo_bytes_per_step_equal_the_formula_under_shard_map(mesh):
   tx = shardopt.powersgd(AXIS, rank=2)
-  params = _params(HLO_SHAPES)
+  params = zero_params(HLO_SHAPES)
   specs = _state_specs(tx, params)
 
   def update(g, state):

@@ -1,0 +1,78 @@
+"""A transform's compiled ``update``, for the tests that read its HLO.
+
+Shared by tests/test_accumulate.py, tests/test_finite.py and
+tests/test_faults_accumulate.py: the update compiled with the gradients (and
+the state) as inputs, under ``pmap`` or a ``shard_map`` over 8 devices, and
+the ``shard_map`` state specs an update needs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardopt import _axes
+
+AXIS = "batch"
+R = 8
+
+
+def _put(mesh, tree, spec):
+  return jax.device_put(tree, NamedSharding(mesh, spec))
+
+
+def varying_state_specs(tx, mesh, w, g_spec):
+  """P(AXIS) for every state leaf that an update leaves varying, else P()."""
+  specs = {}
+
+  def probe(w, g):
+    state = tx.init(w)
+    new_state = tx.update(g, state, w)[1]
+    specs["state"] = jax.tree.map(
+      lambda a, b: (
+        P(AXIS) if _axes.varying_axes(a) | _axes.varying_axes(b) else P()
+      ),
+      state,
+      new_state,
+    )
+    return jnp.zeros([])
+
+  g = jax.ShapeDtypeStruct(
+    (R * w.shape[0],) if g_spec != P() else w.shape,
+    w.dtype,
+    sharding=NamedSharding(mesh, g_spec),
+  )
+  jax.eval_shape(
+    jax.shard_map(probe, mesh=mesh, in_specs=(P(), g_spec), out_specs=P()), w, g
+  )
+  return specs["state"]
+
+
+def compiled_update(tx, spelling, size=4096):
+  """HLO text of tx.update compiled with the gradients (and state) as inputs."""
+  w = jnp.zeros([size], jnp.float32)
+  if spelling == "pmap":
+    stacked = jnp.zeros([R, size], jnp.float32)
+    state = jax.pmap(tx.init, axis_name=AXIS)(stacked)
+    f = jax.pmap(lambda g, s, w: tx.update(g, s, w), axis_name=AXIS)
+    return f.lower(stacked, state, stacked).compile().as_text()
+  mesh = jax.make_mesh((R,), (AXIS,))
+  # "invariant": P() params, the gradient autodiff gives them (already summed,
+  # typed invariant). "varying": P() params cast to varying before jax.grad.
+  g_spec = P() if spelling == "invariant" else P(AXIS)
+  specs = varying_state_specs(tx, mesh, w, g_spec)
+  state = jax.jit(
+    jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+  )(w)
+  f = jax.jit(
+    jax.shard_map(
+      lambda g, s, w: tx.update(g, s, w),
+      mesh=mesh,
+      in_specs=(g_spec, specs, P()),
+      out_specs=(P(), specs),
+    )
+  )
+  g = _put(mesh, jnp.zeros([R * size] if g_spec != P() else [size]), g_spec)
+  return f.lower(g, state, _put(mesh, w, P())).compile().as_text()
