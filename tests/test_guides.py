@@ -44,7 +44,9 @@ def _toctree(caption: str) -> list:
   raise AssertionError(f"docs/index.md has no toctree captioned {caption!r}")
 
 
-@pytest.mark.parametrize("page", ("getting_started", *GUIDES, "model_parallel"))
+@pytest.mark.parametrize(
+  "page", ("getting_started", *GUIDES, "model_parallel", "vmap")
+)
 def test_every_guide_is_in_the_guides_toctree_and_has_code(page):
   entries = _toctree("Guides")
   assert any(e == page or e.endswith(f"<{page}>") for e in entries), (
@@ -204,3 +206,127 @@ def test_diloco_streaming_sections(diloco_page):
     "b": np.float32,
     "w": np.float32,
   }
+
+
+def _hlo_computations(hlo: str) -> tuple[dict, str]:
+  """{computation name: its instruction lines} and the ENTRY's name."""
+  comps, entry, current = {}, None, None
+  for line in hlo.splitlines():
+    head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if head:
+      current = head.group(2)
+      comps[current] = []
+      entry = current if head.group(1) else entry
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      comps[current].append(line)
+  return comps, entry
+
+
+def _reachable(comps: dict, roots, into_branches: bool) -> set:
+  """The computations ``roots`` call, transitively (a conditional's branches
+  only with ``into_branches``)."""
+  calls = re.compile(
+    r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
+    r"=%?([\w.\-]+)"
+  )
+  seen, todo = set(), list(roots)
+  while todo:
+    name = todo.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    for line in comps[name]:
+      branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+      if branches and not into_branches:
+        continue
+      callees = calls.findall(line)
+      if branches:
+        callees += [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+      todo += [c for c in callees if c in comps]
+  return seen
+
+
+def test_vmap_route_matches_shard_map_bit_for_bit_and_syncs_only_in_branch():
+  """docs/vmap.md: DiLoCo under jax.vmap(axis_name=, spmd_axis_name=) with
+  shardopt.vmap_axes gives the params of the same run under jax.shard_map
+  (docs/model_parallel.md's layout) bit for bit, and its compiled step runs
+  every collective over "data" inside the sync branch of a conditional."""
+  from _model_parallel import collectives
+  from jax.sharding import NamedSharding
+
+  import shardopt
+
+  ns = run_page("vmap")
+  mesh, tx, step, params = ns["mesh"], ns["tx"], ns["step"], ns["params"]
+  model_specs = ns["model_specs"]
+  w1 = np.asarray(ns["p"]["w1"])
+  assert w1.shape == (4, 16, 32)
+  assert not np.allclose(w1[0], params["w1"])  # it trained
+
+  # (a) The same run under jax.shard_map: concatenated P("data") blocks.
+  blocks = {"w1": P("data", "model"), "w2": P(("data", "model"), None)}
+  with jax.set_mesh(mesh):
+    replica = {
+      k: jax.device_put(v, NamedSharding(mesh, model_specs[k]))
+      for k, v in params.items()
+    }
+    specs = shardopt.state_specs(tx, replica, "data")
+    init = jax.shard_map(
+      tx.init, mesh=mesh, in_specs=P(), out_specs=specs, axis_names={"data"}
+    )
+    state = jax.jit(init)(replica)
+    shard_step = jax.jit(
+      jax.shard_map(
+        lambda p, s, x, y: step(p, s, x[0], y[0]),
+        mesh=mesh,
+        in_specs=(P("data"), specs, P("data"), P("data")),
+        out_specs=(P("data"), specs),
+        axis_names={"data"},
+      )
+    )
+    p = {
+      k: jax.device_put(np.concatenate([v] * 4), NamedSharding(mesh, blocks[k]))
+      for k, v in params.items()
+    }
+    for x, y in ns["batches"]:
+      p, state = shard_step(p, state, x, y)
+  for k, v in ns["p"].items():
+    np.testing.assert_array_equal(
+      np.asarray(v), np.asarray(p[k]).reshape(v.shape)
+    )
+
+  # (b) The vmapped step's collectives over "data": only in a sync branch.
+  with jax.set_mesh(mesh):
+    x, y = (
+      jax.device_put(a, NamedSharding(mesh, P("data")))
+      for a in ns["batches"][0]
+    )
+    hlo = ns["vstep"].lower(ns["p"], ns["state"], x, y).compile().as_text()
+  comps, entry = _hlo_computations(hlo)
+  outside = _reachable(comps, [entry], into_branches=False)
+  sync, local = set(), set()
+  for name in outside:
+    for line in comps[name]:
+      found = re.search(r"branch_computations=\{([^}]*)\}", line)
+      if found:  # lax.cond: [false branch, true branch]
+        false, true = (b.strip().lstrip("%") for b in found.group(1).split(","))
+        sync |= _reachable(comps, [true], into_branches=True)
+        local |= _reachable(comps, [false], into_branches=True)
+
+  def over(names, axis):
+    return [
+      op
+      for name in names
+      for op in collectives("\n".join(comps[name]), mesh)
+      if axis in op["axes"]
+    ]
+
+  assert not over(outside, "data"), [op["line"] for op in over(outside, "data")]
+  assert not over(local, "data"), [op["line"] for op in over(local, "data")]
+  in_sync = over(sync, "data")
+  assert any(op["kind"] == "all-reduce" for op in in_sync), in_sync
+  # What the entry does hold: the row-parallel w2's all-reduce over "model".
+  entry_ops = collectives("\n".join(comps[entry]), mesh)
+  assert entry_ops and all(op["axes"] == {"model"} for op in entry_ops)

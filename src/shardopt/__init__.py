@@ -30,6 +30,7 @@ from shardopt.powersgd import PowerSGDState
 from shardopt.powersgd import powersgd
 from shardopt.quantize import quantized
 from shardopt.specs import state_specs
+from shardopt.specs import vmap_axes
 from shardopt.tower import clip_by_global_norm
 from shardopt.tower import tower
 
@@ -55,6 +56,7 @@ __all__ = [
   "quantized",
   "clip_by_global_norm",
   "state_specs",
+  "vmap_axes",
   "tower",
   "AccumulateState",
   "accumulate",

@@ -1,4 +1,4 @@
-"""``state_specs``: which leaves of a transform's state are per replica.
+"""``state_specs``, ``vmap_axes``: which leaves of a state are per replica.
 
 Under ``jax.shard_map`` every leaf of an optimizer state needs a
 ``PartitionSpec`` over the manual axes: ``P()`` for a leaf that is the same on
@@ -10,6 +10,10 @@ instead of a hand-written recipe per transform: it traces ``init`` and
 ``update`` abstractly inside a checking ``shard_map`` (nothing is computed, no
 device memory is touched) and marks every state leaf that comes out typed
 *varying* over the axis.
+
+:func:`vmap_axes` is the same fact for ``jax.vmap`` (the route of MaxText
+and drjax: replicas stacked on a leading axis, no ``shard_map``): ``0`` for a
+per-replica leaf, ``None`` for a replicated one, as ``in_axes``/``out_axes``.
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ from jax.sharding import PartitionSpec as P
 from shardopt import _axes
 
 _STATE_SPECS = "shardopt.state_specs"
+_VMAP_AXES = "shardopt.vmap_axes"
 
 
-def _mesh_for(mesh: Any, params: Any, names: tuple) -> Any:
-  """The mesh to trace on: ``mesh``, else the params', else the current one."""
+def _mesh_for(
+  fn: str, mesh: Any, params: Any, names: tuple, fallback: Any = None
+) -> Any:
+  """The mesh to trace on: ``mesh``, else the params', else the current one,
+  else ``fallback``."""
   if mesh is None:
     for leaf in jax.tree.leaves(params):
       sharding = getattr(leaf, "sharding", None)
@@ -38,8 +46,10 @@ def _mesh_for(mesh: Any, params: Any, names: tuple) -> Any:
     if not current.empty:
       mesh = current
   if mesh is None:
+    mesh = fallback
+  if mesh is None:
     raise ValueError(
-      f"{_STATE_SPECS}: no mesh to trace on for axis {_axes.as_axis(names)!r}."
+      f"{fn}: no mesh to trace on for axis {_axes.as_axis(names)!r}."
       " Pass mesh=jax.make_mesh(...), call it under `with jax.set_mesh(mesh):`,"
       " or pass params placed on the mesh (jax.device_put with a"
       " NamedSharding)."
@@ -47,9 +57,10 @@ def _mesh_for(mesh: Any, params: Any, names: tuple) -> Any:
   missing = [n for n in names if n not in mesh.axis_names]
   if missing:
     raise ValueError(
-      f"{_STATE_SPECS}: axis {_axes.as_axis(names)!r} is not an axis of the"
-      f" mesh {dict(mesh.shape)!r} (missing {missing!r}); pass the shard_map's"
-      " manual axis name(s)."
+      f"{fn}: axis {_axes.as_axis(names)!r} is not an axis of the"
+      f" mesh {dict(mesh.shape)!r} (missing {missing!r}); pass the name(s) of"
+      " the axes the transform communicates over (the shard_map's manual axes,"
+      " the vmap's axis_name)."
     )
   return mesh
 
@@ -131,13 +142,153 @@ def state_specs(
     ...                      params, "data", mesh=mesh)[0].mu
     {'w': P()}
   """
+  names = _axes.axis_names(axis_name)
+  state, axes = _varying_axes(
+    _STATE_SPECS, tx, params, axis_name, mesh, params_axes
+  )
+
+  def spec(path, x, a):
+    if not a:
+      return P()
+    if not jnp.ndim(x):
+      raise ValueError(
+        f"{_STATE_SPECS}: the state leaf at {jax.tree_util.keystr(path)} is a"
+        f" scalar that differs per replica of axis {_axes.as_axis(names)!r};"
+        " it cannot be laid out as concatenated P(axis) blocks. If the params"
+        " are replicated over some of these axes, say so with params_axes;"
+        " otherwise give the leaf shape (1,)."
+      )
+    ordered = tuple(n for n in names if n in a)
+    return P(_axes.as_axis(ordered))
+
+  return jax.tree_util.tree_map_with_path(spec, state, axes)
+
+
+def vmap_axes(
+  tx: Any,
+  params: Any,
+  axis_name: Any,
+  *,
+  axis_size: int | None = None,
+  mesh: Any = None,
+) -> Any:
+  """The ``in_axes``/``out_axes`` of ``tx``'s state for ``jax.vmap``.
+
+  The route of MaxText and drjax: the replicas are stacked on a leading axis
+  and the step runs under ``jax.vmap(step, axis_name=axis_name,
+  spmd_axis_name=...)`` inside ``jax.jit``, without ``jax.shard_map``. The
+  state then needs one entry per leaf in the vmap's ``in_axes`` and
+  ``out_axes``:
+
+  - ``0``: the leaf is **per replica** (a local optimizer's moments, PowerSGD's
+    error feedback, the slice ``tower`` owns). It is stacked: one row per
+    replica on a leading axis of size ``axis_size``, mapped along axis 0.
+  - ``None``: the leaf is **the same on every replica** (step counters,
+    DiLoCo's center, the moments of an optimizer that sees reduced
+    gradients). It is passed once, unbatched, and every replica reads it.
+
+  The step counters must be ``None``. A counter decides the ``lax.cond`` that
+  runs a sync (or not); under ``jax.vmap`` a ``lax.cond`` whose predicate is
+  batched becomes a select that evaluates both branches, so the sync's
+  collective would run on every step. shardopt raises a ``ValueError``
+  instead when it sees a batched counter (the whole state vmapped with
+  ``in_axes=0``); with these axes the predicate is unbatched, the cond stays a
+  cond, and the collective runs only inside its branch, as under
+  ``jax.shard_map``.
+
+  It is :func:`state_specs` read for ``jax.vmap``: a leaf is ``0`` exactly
+  where ``state_specs`` gives ``P(axis_name)`` and ``None`` where it gives
+  ``P()``, from the same trace of JAX's varying-axis types (nothing is
+  special-cased; any ``optax.chain`` works). A per-replica scalar is fine
+  here (it is stacked to shape ``(axis_size,)``).
+
+  Args:
+    tx: an optax transform whose ``init``/``update`` run over ``axis_name``.
+    params: the params as one replica sees them (arrays or
+      ``jax.ShapeDtypeStruct``; one row of the stacked params, with their
+      model shardings when each replica is sharded).
+    axis_name: the vmap's ``axis_name``, a single name (``jax.vmap`` maps one
+      axis).
+    axis_size: the number of replicas; only needed when no mesh has
+      ``axis_name`` (a plain ``jax.vmap`` without ``spmd_axis_name``). It
+      traces on an abstract one-axis mesh of that size.
+    mesh: the mesh whose ``axis_name`` axis the vmap's ``spmd_axis_name``
+      maps to; by default the mesh of ``params``, else the current
+      ``jax.set_mesh`` mesh.
+
+  Returns:
+    A pytree with the structure of ``tx.init(params)`` whose leaves are ``0``
+    or ``None`` (a tree prefix ``jax.vmap`` accepts as ``in_axes`` and
+    ``out_axes``).
+
+  Raises:
+    ValueError: ``axis_name`` is None or a tuple, or there is no mesh with
+      ``axis_name`` and no ``axis_size``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, shardopt
+    >>> tx = shardopt.local_sgd(optax.sgd(1.0, momentum=0.5), "data",
+    ...                         sync_period=2)
+    >>> params = {"w": jnp.zeros(1)}
+    >>> axes = shardopt.vmap_axes(tx, params, "data", axis_size=4)
+    >>> axes.count, axes.center, axes.local_state[0].trace
+    (None, {'w': None}, {'w': 0})
+    >>> state = jax.vmap(tx.init, in_axes=None, out_axes=axes,
+    ...                  axis_name="data", axis_size=4)(params)
+    >>> def step(p, s, g):
+    ...   updates, s = tx.update(g, s, p)
+    ...   return optax.apply_updates(p, updates), s
+    >>> step = jax.jit(jax.vmap(step, in_axes=(0, axes, 0),
+    ...                         out_axes=(0, axes), axis_name="data"))
+    >>> p = {"w": jnp.zeros((4, 1))}
+    >>> g = {"w": jnp.array([[0.0], [2.0], [4.0], [6.0]])}
+    >>> for _ in range(2):  # two local steps, then the sync averages
+    ...   p, state = step(p, state, g)
+    >>> p["w"].ravel()  # -(1 + 1.5) * mean(g) on every replica
+    Array([-7.5, -7.5, -7.5, -7.5], dtype=float32)
+
+    With the whole state batched (``in_axes=0``) the counter is batched and
+    the step raises the ``ValueError`` above.
+  """
+  if axis_name is None or isinstance(axis_name, (tuple, list)):
+    raise ValueError(
+      f"{_VMAP_AXES}: axis_name={axis_name!r}; jax.vmap maps one named axis:"
+      " pass the single name given to jax.vmap(..., axis_name=...)."
+    )
+  fallback = None
+  if axis_size is not None:
+    fallback = jax.sharding.AbstractMesh((int(axis_size),), (axis_name,))
+  _, axes = _varying_axes(
+    _VMAP_AXES, tx, params, axis_name, mesh, None, fallback
+  )
+  return jax.tree.map(lambda a: 0 if a else None, axes)
+
+
+def _varying_axes(
+  fn: str,
+  tx: Any,
+  params: Any,
+  axis_name: Any,
+  mesh: Any,
+  params_axes: Any,
+  fallback: Any = None,
+) -> tuple[Any, Any]:
+  """The state's abstract structure, and the manual axes each leaf varies over.
+
+  Returns ``(state, axes)``: ``state`` the ``ShapeDtypeStruct`` of every leaf
+  of ``tx.init(params)``, ``axes`` a ``frozenset`` of names of ``axis_name``
+  per leaf (empty for a leaf the same on every replica). ``fn`` is the public
+  function to name in errors; ``fallback`` the mesh to trace on when none is
+  given or found. :func:`state_specs` and :func:`vmap_axes` are two views of
+  this one derivation.
+  """
   if axis_name is None:
     raise ValueError(
-      f"{_STATE_SPECS}: axis_name=None: without a manual axis every state leaf"
+      f"{fn}: axis_name=None: without a manual axis every state leaf"
       " is replicated; no specs are needed (use P() or the params' shardings)."
     )
   names = _axes.axis_names(axis_name)
-  mesh = _mesh_for(mesh, params, names)
+  mesh = _mesh_for(fn, mesh, params, names, fallback)
   params = jax.tree.map(_local_struct, params)
   manual = set(names)
 
@@ -169,7 +320,7 @@ def state_specs(
   over = names if params_axes is None else _axes.axis_names(params_axes)
   if not set(over) <= manual:
     raise ValueError(
-      f"{_STATE_SPECS}: params_axes={params_axes!r} must be a subset of"
+      f"{fn}: params_axes={params_axes!r} must be a subset of"
       f" axis_name={axis_name!r}."
     )
 
@@ -211,21 +362,7 @@ def state_specs(
       break
     axes = merged
 
-  def spec(path, x, a):
-    if not a:
-      return P()
-    if not jnp.ndim(x):
-      raise ValueError(
-        f"{_STATE_SPECS}: the state leaf at {jax.tree_util.keystr(path)} is a"
-        f" scalar that differs per replica of axis {_axes.as_axis(names)!r};"
-        " it cannot be laid out as concatenated P(axis) blocks. If the params"
-        " are replicated over some of these axes, say so with params_axes;"
-        " otherwise give the leaf shape (1,)."
-      )
-    ordered = tuple(n for n in names if n in a)
-    return P(_axes.as_axis(ordered))
-
-  return jax.tree_util.tree_map_with_path(spec, state, axes)
+  return state, axes
 
 
 class _Leaf(NamedTuple):
