@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardopt import _jax
+
 AxisName = Hashable | tuple
 Groups = Sequence[Sequence[int]] | None
 
@@ -386,13 +388,11 @@ def batched_by_vmap(x: Any) -> bool:
 
   JAX turns a ``lax.cond`` whose predicate is batched into a select of both
   branches: a collective in the taken-on-sync branch would then run on
-  every step. Read from the tracer's type (JAX 0.10:
-  ``jax._src.interpreters.batching.BatchTracer``); ``tests/test_axes.py``
-  fails loudly if that moves.
+  every step. Read from the tracer's type, through
+  :func:`shardopt._jax.batched_by_vmap` (a private JAX name, with a
+  fallback; ``tests/test_jax_internals.py`` fails loudly if it moves).
   """
-  from jax._src.interpreters import batching  # noqa: PLC0415
-
-  return isinstance(x, batching.BatchTracer)
+  return _jax.batched_by_vmap(x)
 
 
 def check_replicated_predicate(pred: Any, transform: str) -> None:

@@ -1,11 +1,28 @@
-"""Every experimental or private JAX call of :mod:`shardopt.elastic`, behind
-names of ours.
+"""Every experimental or private JAX call of shardopt, behind names of ours.
 
-JAX's fault tolerance is experimental (jax >= 0.10.1), and a few things the
-elastic rounds need have no public API yet. Each is touched here and nowhere
-else, so a JAX release that moves one breaks one function, named in one test
-(``tests/test_jax_internals.py``), with a :class:`JaxInternalsError` that
-says which and why:
+Each is touched here and nowhere else, so a JAX release that moves one breaks
+one function, named in one test (``tests/test_jax_internals.py``).
+
+**The transforms' fast paths** have a slow-but-correct fallback each: a JAX
+without the private name degrades (one ``RuntimeWarning`` per touch point,
+naming the JAX version and what degraded), it never fails every transform
+with an ``ImportError``. :data:`fast_path_runs` counts each fast path taken,
+so the tests assert that this JAX still takes every one:
+
+- ``jax._src.interpreters.batching.BatchTracer`` (private): whether a value
+  is batched by an enclosing ``jax.vmap`` (:func:`batched_by_vmap`, read on
+  every update of ``accumulate`` and the periodic family). Fallback: the
+  tracer's class name, through the public ``jax.core.Tracer``.
+- ``Primitive.get_bind_params`` and ``JaxprEqn.ctx`` (undocumented): evaluate
+  a jaxpr one equation at a time (:func:`equation_binder`, used by
+  ``shardopt._skip.update_or_skip``). Fallback: ``update_or_skip`` runs the
+  update whole and selects its outputs (same numbers, one more copy of the
+  state per step).
+
+**shardopt.elastic** has no fallback (JAX's fault tolerance is experimental,
+jax >= 0.10.1, and a few things the elastic rounds need have no public API
+yet); a missing one raises a :class:`JaxInternalsError` that says which and
+why:
 
 - ``jax_enable_recoverability`` (config, experimental): survivors outlive a
   dead process; a restarted one may reconnect.
@@ -23,10 +40,122 @@ says which and why:
 
 from __future__ import annotations
 
+import collections
+import importlib
 import os
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
+from jax.extend import core as jax_core
+
+# --- The transforms' fast paths: a private name, or a slower fallback. ---
+
+# Where this JAX keeps each private name a fast path reads (module, name);
+# tests/test_jax_internals.py points one elsewhere to take the fallback.
+BATCH_TRACER = ("jax._src.interpreters.batching", "BatchTracer")
+# The undocumented attributes update_or_skip evaluates a jaxpr through.
+BIND_PARAMS = "get_bind_params"  # of a Primitive
+EQUATION_CONTEXT = "ctx"  # of a JaxprEqn; its .manager is entered to bind
+
+#: How many times each fast path ran (at trace time): ``"batched_by_vmap"``
+#: and ``"bind_equation"``.
+fast_path_runs: collections.Counter = collections.Counter()
+
+# Each touch point, resolved once: the private object, or None (degraded).
+_resolved: dict[str, Any] = {}
+
+
+def _resolve(touch_point: str, load: Callable[[], Any], fallback: str) -> Any:
+  """``load()``, once per process; ``None`` and one ``RuntimeWarning``
+  naming the JAX version and what degrades if this JAX lacks the name."""
+  if touch_point not in _resolved:
+    try:
+      _resolved[touch_point] = load()
+    except (ImportError, AttributeError) as e:
+      _resolved[touch_point] = None
+      warnings.warn(
+        f"shardopt: this JAX ({jax.__version__}) lacks {touch_point}"
+        f" ({type(e).__name__}: {e}); {fallback}. shardopt is tested with"
+        " jax 0.10.x; pin that version or update shardopt.",
+        RuntimeWarning,
+        stacklevel=4,
+      )
+  return _resolved[touch_point]
+
+
+def _load_batch_tracer() -> type:
+  module, name = BATCH_TRACER
+  tracer = getattr(importlib.import_module(module), name)
+  if not (isinstance(tracer, type) and issubclass(tracer, jax.core.Tracer)):
+    raise AttributeError(f"{module}.{name} is {tracer!r}, not a Tracer class")
+  return tracer
+
+
+def batched_by_vmap(x: Any) -> bool:
+  """True when ``x`` is batched by an enclosing ``jax.vmap``.
+
+  Fast path: ``isinstance(x, BatchTracer)`` (JAX 0.10:
+  ``jax._src.interpreters.batching.BatchTracer``). Without it: a
+  ``jax.core.Tracer`` whose class (or a base) is named ``BatchTracer``; a
+  JAX that renames it too makes this False (no check, one warning).
+  """
+  tracer = _resolve(
+    f"{'.'.join(BATCH_TRACER)} (the tracer of jax.vmap)",
+    _load_batch_tracer,
+    "shardopt tells a value batched by jax.vmap by its tracer's class name"
+    " instead, which a later JAX may change: a per-replica step counter"
+    " under jax.vmap could then go unnoticed and run the sync's collective"
+    " on every step",
+  )
+  if tracer is not None:
+    fast_path_runs["batched_by_vmap"] += 1
+    return isinstance(x, tracer)
+  return isinstance(x, jax.core.Tracer) and any(
+    cls.__name__ == BATCH_TRACER[1] for cls in type(x).__mro__
+  )
+
+
+def _bind_equation(eqn, invals: list) -> list:
+  """Runs one jaxpr equation on ``invals``, as ``jax.core.eval_jaxpr`` does."""
+  fast_path_runs["bind_equation"] += 1
+  params = eqn.primitive.get_bind_params(eqn.params)
+  subfuns = ()
+  if isinstance(params, tuple):  # older JAX: (subfuns, params)
+    subfuns, params = params
+  with eqn.ctx.manager:
+    out = eqn.primitive.bind(*subfuns, *invals, **params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+def _load_equation_binder() -> Callable[[Any, list], list]:
+  # Checked on a real equation, once: the method, the context and its
+  # manager that _bind_equation reads.
+  (eqn,) = jax.make_jaxpr(lambda x: x + 1)(np.float32(0)).jaxpr.eqns
+  if not isinstance(eqn, jax_core.JaxprEqn):
+    raise AttributeError(f"a jaxpr equation is a {type(eqn).__name__}")
+  getattr(eqn.primitive, BIND_PARAMS)(eqn.params)
+  getattr(getattr(eqn, EQUATION_CONTEXT), "manager")  # noqa: B009
+  return _bind_equation
+
+
+def equation_binder() -> Callable[[Any, list], list] | None:
+  """``bind(eqn, invals) -> outvals``, which evaluates one equation of a
+  jaxpr (through ``Primitive.get_bind_params`` and ``JaxprEqn.ctx``); None,
+  after one warning, in a JAX that lacks them."""
+  return _resolve(
+    f"Primitive.{BIND_PARAMS} and JaxprEqn.{EQUATION_CONTEXT} (evaluating a"
+    " jaxpr one equation at a time)",
+    _load_equation_binder,
+    "apply_if_finite's guard runs the inner update whole and selects its"
+    " outputs instead (the same numbers; XLA copies the optimizer state once"
+    " more per step)",
+  )
+
+
+# --- shardopt.elastic: experimental calls, no fallback. ---
 
 
 class JaxInternalsError(RuntimeError):

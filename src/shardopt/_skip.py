@@ -25,6 +25,11 @@ check (one read of the gradients), and copies nothing more.
 The whole of ``inner.update`` runs on every step, its collectives included
 (every replica runs the same program, so none can hang); a skipped step's
 work is thrown away.
+
+Evaluating a jaxpr equation by equation reads two undocumented JAX names
+(:func:`shardopt._jax.equation_binder`). A JAX without them takes the
+generic path, :func:`_update_then_select`: the same numbers, selected after
+``inner.update`` returns (XLA then copies the state once more per step).
 """
 
 from __future__ import annotations
@@ -39,23 +44,40 @@ import optax
 from jax.extend import core as jax_core
 
 from shardopt import _axes
-
-
-def _bind(eqn, invals: list) -> list:
-  """Runs one jaxpr equation on ``invals``, as ``jax.core.eval_jaxpr`` does."""
-  params = eqn.primitive.get_bind_params(eqn.params)
-  subfuns = ()
-  if isinstance(params, tuple):  # older JAX: (subfuns, params)
-    subfuns, params = params
-  with eqn.ctx.manager:
-    out = eqn.primitive.bind(*subfuns, *invals, **params)
-  return out if eqn.primitive.multiple_results else [out]
+from shardopt import _jax
 
 
 def _select(ok: jax.Array, new: Any, old: Any) -> jax.Array:
   """``where(ok, new, old)`` with both sides cast to their union type."""
   new_, old_ = _axes.cast_tree_like(new, old), _axes.cast_tree_like(old, new)
   return jnp.where(ok, new_, old_)
+
+
+def _update_then_select(
+  ok: jax.Array,
+  update_fn: Callable[..., tuple[Any, Any]],
+  updates: Any,
+  state: Any,
+  params: Any,
+  **extra_args: Any,
+) -> tuple[Any, Any]:
+  """:func:`update_or_skip`'s numbers without evaluating the jaxpr: the
+  update runs whole, then each output is selected."""
+  new_updates, new_state = update_fn(updates, state, params, **extra_args)
+  new_state = optax.tree.cast_like(new_state, state)
+  updates_leaves, updates_tree = jax.tree.flatten(new_updates)
+  state_leaves, state_tree = jax.tree.flatten(new_state)
+  return (
+    updates_tree.unflatten(
+      [jnp.where(ok, u, jnp.zeros_like(u)) for u in updates_leaves]
+    ),
+    state_tree.unflatten(
+      [
+        _select(ok, new, old)
+        for new, old in zip(state_leaves, jax.tree.leaves(state))
+      ]
+    ),
+  )
 
 
 def update_or_skip(
@@ -92,6 +114,11 @@ def update_or_skip(
     >>> updates, new[0].count  # applied: adam's update
     (Array([-0.09999934,  0.09999934], dtype=float32), Array(1, dtype=int32))
   """
+  bind = _jax.equation_binder()
+  if bind is None:  # this JAX lacks what the fast path reads
+    return _update_then_select(
+      ok, update_fn, updates, state, params, **extra_args
+    )
   args, args_tree = jax.tree.flatten((updates, state, params))
 
   def flat_update(*flat):
@@ -126,7 +153,7 @@ def update_or_skip(
   env.update(zip(jaxpr.invars, args))
   for eqn in jaxpr.eqns:
     for var, value in zip(
-      eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])
+      eqn.outvars, bind(eqn, [read(v) for v in eqn.invars])
     ):
       if var in old_of:
         chosen = _select(ok, value, old_of[var])
