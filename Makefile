@@ -4,11 +4,19 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test fuzz bench install clean notebooks docs lint wheel
 
-$(VENV)/.installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(PY):
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(VENV)/.installed
+
+# The demo needs only the demo extra (scikit-learn, matplotlib, tqdm), not the
+# dev tools.
+$(VENV)/.demo-installed: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e ".[demo]"
+	touch $(VENV)/.demo-installed
 
 # The docs extra (Sphinx, myst-nb, the theme) on top of the dev install.
 $(VENV)/.docs-installed: $(VENV)/.installed
@@ -17,8 +25,8 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 
 install: $(VENV)/.installed
 
-demo: $(VENV)/.installed
-	$(PY) -m shardopt.demo
+demo: $(VENV)/.demo-installed
+	$(PY) -m shardopt
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 --dist loadgroup tests

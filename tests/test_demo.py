@@ -160,3 +160,48 @@ def test_command_line_forces_cpu_devices_in_a_fresh_process(tmp_path):
   assert "4 x cpu devices" in proc.stdout
   assert "| sync " in proc.stdout
   assert (tmp_path / "frontier.png").exists()
+
+
+# --- Without the demo extra: a message naming it, no traceback. --------------
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_the_demo_needs_exactly_the_demo_extra_of_pyproject():
+  """The modules the demo checks for are the `demo` extra users install."""
+  tomllib = pytest.importorskip("tomllib")
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  declared = project["optional-dependencies"]["demo"]
+  assert sorted(demo.DEMO_EXTRA.values()) == sorted(declared)
+
+
+@pytest.mark.parametrize("module", ["sklearn", "matplotlib", "tqdm"])
+def test_without_the_demo_extra_main_names_it_and_exits(monkeypatch, module):
+  monkeypatch.setitem(sys.modules, module, None)  # `import module` fails
+  with pytest.raises(SystemExit) as info:
+    demo.main(["--steps", "1", "--method", "sync"])
+  message = info.value.code
+  assert isinstance(message, str), message  # a str exits with status 1
+  assert 'pip install "shardopt[demo]"' in message, message
+  assert demo.DEMO_EXTRA[module] in message, message
+
+
+def test_python_m_shardopt_without_the_demo_extra_prints_it_in_a_fresh_process():
+  """`python -m shardopt` with scikit-learn missing: status 1, the extra on
+  stderr, no traceback."""
+  hide = (
+    "import runpy, sys; sys.modules['sklearn'] = None;"
+    " runpy.run_module('shardopt', run_name='__main__', alter_sys=True)"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", hide, "--method", "sync"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=ROOT,
+    check=False,
+  )
+  assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+  assert 'pip install "shardopt[demo]"' in proc.stderr, proc.stderr
+  assert "scikit-learn" in proc.stderr, proc.stderr
+  assert "Traceback" not in proc.stderr, proc.stderr

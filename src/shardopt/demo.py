@@ -37,11 +37,16 @@ Usage::
                             [--method sync|powersgd|diloco|streaming|all]
                             [--outer-dtype int4|int8|float8_e4m3fn|bfloat16|float32]
                             [--out DIR]
+
+It needs scikit-learn, matplotlib and tqdm, which shardopt itself does not
+install: ``pip install "shardopt[demo]"`` (the ``demo`` extra). Without them
+it says so and exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import sys
@@ -55,6 +60,31 @@ METHODS = ("sync", "powersgd", "diloco", "streaming")
 AXIS = "batch"
 DEFAULT_OUTER_DTYPE = "int4"
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
+# What the demo imports beyond shardopt's own dependencies, module ->
+# distribution: the ``demo`` extra in pyproject.toml.
+DEMO_EXTRA = {
+  "sklearn": "scikit-learn",
+  "matplotlib": "matplotlib",
+  "tqdm": "tqdm",
+}
+
+
+def require_demo_extra() -> None:
+  """Exits (status 1, no traceback) naming ``pip install "shardopt[demo]"``
+  when a module the demo imports is not installed."""
+  missing = []
+  for module, distribution in DEMO_EXTRA.items():
+    try:
+      importlib.import_module(module)
+    except ImportError:
+      missing.append(distribution)
+  if missing:
+    raise SystemExit(
+      f"python -m shardopt (the demo) needs {', '.join(missing)}, which"
+      " shardopt does not install. Install the demo extra:\n"
+      '    pip install "shardopt[demo]"\n'
+      'or, from a checkout, pip install -e ".[demo]" (or make demo).'
+    )
 
 
 def force_host_devices(count: int) -> bool:
@@ -494,6 +524,7 @@ def _dtype(name: str):
 def main(argv: Sequence[str] | None = None) -> list:
   """Runs the demo; returns the list of :class:`RunResult`."""
   args = parse_args(argv)
+  require_demo_extra()
   force_host_devices(args.devices)  # before JAX asks for its first device
   devices = select_devices(args.devices)
   methods = METHODS if args.method == "all" else (args.method,)
