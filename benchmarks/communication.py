@@ -207,8 +207,8 @@ def _new_cases() -> list[dict]:
         ("apply_if_finite",),
         lambda opt: shardopt.apply_if_finite(
           shardopt.cross_shard(opt(), _common.AXIS),
-          _common.AXIS,
-          max_consecutive_errors=5,
+          5,
+          axis_name=_common.AXIS,
         ),
         schedules.every(taken="max"),
         quick=True,

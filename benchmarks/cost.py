@@ -355,8 +355,8 @@ def _apply_if_finite() -> methods.Method:
     ("apply_if_finite",),
     lambda opt: shardopt.apply_if_finite(
       shardopt.cross_shard(opt(), _common.AXIS),
-      _common.AXIS,
-      max_consecutive_errors=5,
+      5,
+      axis_name=_common.AXIS,
     ),
     schedules.every(),
   )

@@ -23,8 +23,8 @@
 #
 # | transform | what is combined every T steps | center update |
 # |---|---|---|
-# | `shardopt.agn(opt, "batch", communication_period=T)` | accumulated gradients / T | `global_optimizer` (default: a second `opt`) |
-# | `shardopt.local_sgd(opt, "batch", period=T)` | params | their mean |
+# | `shardopt.agn(opt, "batch", sync_period=T)` | accumulated gradients / T | `global_optimizer` (default: a second `opt`) |
+# | `shardopt.local_sgd(opt, "batch", sync_period=T)` | params | their mean |
 # | `shardopt.diloco(opt, "batch", sync_period=T)` | `center - params` | Nesterov SGD (lr 0.7, momentum 0.9) |
 #
 # Between syncs the replicas do not communicate at all. This notebook trains a
@@ -141,11 +141,11 @@ for period in (5, 20):
   runs[f"agn T={period}"] = shardopt.agn(
     optax.adam(LR),
     "batch",
-    communication_period=period,
+    sync_period=period,
     global_optimizer=optax.adam(LR * period),
   )
   runs[f"local_sgd T={period}"] = shardopt.local_sgd(
-    optax.adam(LR), "batch", period=period
+    optax.adam(LR), "batch", sync_period=period
   )
 runs["diloco T=20"] = shardopt.diloco(optax.adam(LR), "batch", sync_period=20)
 
@@ -214,7 +214,7 @@ def collectives_in(jaxpr):
   return found
 
 
-tx = shardopt.agn(optax.adam(LR), "batch", communication_period=10)
+tx = shardopt.agn(optax.adam(LR), "batch", sync_period=10)
 
 
 def agn_step(params, state, x, y):

@@ -108,3 +108,28 @@ def test_getting_started_examples_run_and_replicas_agree():
       assert rows.shape[0] == jax.local_device_count()
     np.testing.assert_array_equal(rows, np.broadcast_to(rows[0], rows.shape))
     np.testing.assert_allclose(rows[0], np.full(4, 1e-2), rtol=1e-3)
+
+
+def test_getting_started_guard_inside_accumulate_skips_the_nan_period():
+  """The recipe's run: period 1 is one Adam step on the mean gradient (as
+  optax computes it on the whole batch), period 2 met a NaN on one replica and
+  is skipped on every replica (`wg` unchanged, one non-finite step counted)."""
+  import optax
+
+  namespace = {}
+  for index, block in enumerate(_getting_started_blocks()):
+    exec(
+      compile(block, f"getting_started.md[python block {index}]", "exec"),
+      namespace,
+    )
+  assert "accumulate(" in _getting_started_blocks()[-1]
+  loss, adam = namespace["loss"], optax.adam(1e-2)
+  w = np.zeros(4, np.float32)
+  grads = jax.grad(loss)(w, np.ones((256, 4), np.float32), np.ones(256))
+  updates, _ = adam.update(grads, adam.init(w), w)
+  want = optax.apply_updates(w, updates)
+  wg = namespace["wg"]
+  assert wg.sharding.is_fully_replicated
+  np.testing.assert_allclose(np.asarray(wg), want, rtol=1e-6)
+  total = optax.tree_utils.tree_get(namespace["state"], "total_notfinite")
+  assert int(total) == 1

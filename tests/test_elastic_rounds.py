@@ -309,8 +309,8 @@ def _block(x, i, n, spec):
 
 TRANSFORMS = {
   "diloco": lambda: shardopt.diloco(optax.adam(1e-2), "i", sync_period=H),
-  "local_sgd": lambda: shardopt.local_sgd(optax.adam(1e-2), "i", period=H),
-  "agn": lambda: shardopt.agn(optax.adam(1e-2), "i", communication_period=H),
+  "local_sgd": lambda: shardopt.local_sgd(optax.adam(1e-2), "i", sync_period=H),
+  "agn": lambda: shardopt.agn(optax.adam(1e-2), "i", sync_period=H),
   "diloco_fragments": lambda: shardopt.diloco(
     optax.adam(1e-2), "i", sync_period=4, num_fragments=2
   ),
@@ -393,7 +393,7 @@ def test_centers_bit_identical_across_islands(kind):
 
 
 def test_mean_over_contributing_islands_only():
-  tx = shardopt.local_sgd(optax.adam(1e-2), "i", period=H)
+  tx = shardopt.local_sgd(optax.adam(1e-2), "i", sync_period=H)
   isl = Islands(tx, [_params()] * N, seed=2)
   bad = 2
   isl.local_steps(H, poison={(bad, H)})
@@ -838,7 +838,7 @@ def test_fragments_sync_one_fragment_per_round():
     ),
     (
       lambda: shardopt.local_sgd(
-        optax.sgd(0.1), "i", period=4, axis_index_groups=[[0, 1], [2, 3]]
+        optax.sgd(0.1), "i", sync_period=4, axis_index_groups=[[0, 1], [2, 3]]
       ),
       ValueError,
       ["shardopt.local_sgd", "axis_index_groups", "without"],
@@ -878,8 +878,8 @@ def test_engine_of_accepts_what_the_islands_run():
       comm_dtype=jnp.int8,
       error_feedback=True,
     ),
-    shardopt.local_sgd(optax.sgd(0.1), "i", period=4),
-    shardopt.agn(optax.sgd(0.1), "i", communication_period=4),
+    shardopt.local_sgd(optax.sgd(0.1), "i", sync_period=4),
+    shardopt.agn(optax.sgd(0.1), "i", sync_period=4),
   ]:
     assert isinstance(split.engine_of(tx, "test"), split.Engine)
 

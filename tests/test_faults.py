@@ -364,7 +364,7 @@ def test_agn_leaves_the_bad_replica_out_of_the_sync(mesh, check_vma):
   tx = shardopt.agn(
     optax.sgd(SGD_LR),
     AXIS,
-    communication_period=PERIOD,
+    sync_period=PERIOD,
     global_optimizer=optax.sgd(SGD_LR, momentum=GLOBAL_MOMENTUM),
   )
   params, state, divergence = _run(

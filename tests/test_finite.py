@@ -23,8 +23,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from benchmarks import hlo
 from shardopt import _axes
+from benchmarks import hlo
 from tests._workers import finite_faults as ff
 
 AXIS = "batch"

@@ -80,6 +80,10 @@ def test_coming_from_ddp():
   assert spread(ns["bf16"]) == 0.0
   diff = np.abs(ns["bf16"]["w"][0] - ns["ddp"]["w"][0]).max()
   assert 0.0 < diff < 4 * 1e-2  # within a few Adam steps of lr 1e-2
+  # int8 + error feedback: in sync, close to float32, not equal.
+  assert spread(ns["int8_ef"]) == 0.0
+  diff = np.abs(ns["int8_ef"]["w"][0] - ns["ddp"]["w"][0]).max()
+  assert 0.0 < diff < 4 * 1e-2
   assert spread(ns["low_rank"]) == 0.0
   assert np.isfinite(ns["low_rank"]["w"]).all()
   # local SGD: apart between averagings, together (to rounding) after.

@@ -120,11 +120,9 @@ def test_train_state_cross_shard_under_pmap_equals_numpy_sgd_on_mean_gradient():
   assert int(state.step[0]) == steps
 
 
-def _agn_sgd_oracle_state(communication_period=4):
+def _agn_sgd_oracle_state(sync_period=4):
   """TrainState for TF's AGN SGD oracle: v0 = (0, 0.5), gradient -1, lr 0.1."""
-  tx = shardopt.agn(
-    optax.sgd(0.1), AXIS, communication_period=communication_period
-  )
+  tx = shardopt.agn(optax.sgd(0.1), AXIS, sync_period=sync_period)
 
   def create(_):
     return train_state.TrainState.create(
@@ -288,7 +286,7 @@ def test_agn_checkpoint_mid_period_restores_and_continues_bit_identically(
   model = nn.Dense(3)
   xs = _data(4, N * ROWS_PER_REPLICA, 4).reshape(N, ROWS_PER_REPLICA, 4)
   ys = _data(5, N * ROWS_PER_REPLICA, 3).reshape(N, ROWS_PER_REPLICA, 3)
-  tx = shardopt.agn(optax.adam(0.05), AXIS, communication_period=period)
+  tx = shardopt.agn(optax.adam(0.05), AXIS, sync_period=period)
   params0 = model.init(jax.random.key(1), jnp.zeros((1, 4)))
   state, step = _pmapped_train_state(model, params0, tx)
   for _ in range(6):  # one sync (step 4), then 2 steps into the next period

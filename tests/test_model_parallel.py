@@ -74,16 +74,16 @@ TRANSFORMS = {
   ),
   "apply_if_finite": (
     lambda: shardopt.apply_if_finite(
-      shardopt.cross_shard(_adam(), "data"), "data", 3
+      shardopt.cross_shard(_adam(), "data"), 3, axis_name="data"
     ),
     ALL,
   ),
   "local_sgd": (
-    lambda: shardopt.local_sgd(_adam(), "data", period=2),
+    lambda: shardopt.local_sgd(_adam(), "data", sync_period=2),
     (2, 4, 6),
   ),
   "agn": (
-    lambda: shardopt.agn(_adam(), "data", communication_period=2),
+    lambda: shardopt.agn(_adam(), "data", sync_period=2),
     (2, 4, 6),
   ),
   "diloco": (
@@ -169,7 +169,7 @@ ISLANDS = {
   ),
   "local_sgd(cross_shard) over islands": (
     lambda: shardopt.local_sgd(
-      shardopt.cross_shard(_adam(), "data"), "island", period=2
+      shardopt.cross_shard(_adam(), "data"), "island", sync_period=2
     ),
     (2, 4, 6),
   ),
@@ -322,9 +322,9 @@ def test_state_specs_errors_name_the_fix():
 @pytest.mark.parametrize(
   "make_tx",
   [
-    lambda: shardopt.local_sgd(optax.sgd(0.1), "data", period=2),
+    lambda: shardopt.local_sgd(optax.sgd(0.1), "data", sync_period=2),
     lambda: shardopt.diloco(optax.sgd(0.1), "data", sync_period=2),
-    lambda: shardopt.agn(optax.sgd(0.1), "data", communication_period=2),
+    lambda: shardopt.agn(optax.sgd(0.1), "data", sync_period=2),
   ],
   ids=["local_sgd", "diloco", "agn"],
 )
@@ -346,7 +346,7 @@ def test_vmap_with_batched_counters_raises_and_points_to_shard_map(make_tx):
 def test_vmap_with_unbatched_counters_runs_the_sync_only_when_due():
   """The same step with the counters unbatched (in_axes=None) keeps the
   cond: local_sgd under vmap averages at step 2 like numpy."""
-  tx = shardopt.local_sgd(optax.sgd(0.5), "data", period=2)
+  tx = shardopt.local_sgd(optax.sgd(0.5), "data", sync_period=2)
   p0 = np.zeros((4, 3), np.float32)
   grads = np.arange(12, dtype=np.float32).reshape(4, 3)
   stacked = jax.vmap(tx.init, axis_name="data")({"w": jnp.asarray(p0)})

@@ -254,7 +254,7 @@ def _one_replica_run(tx, steps):
 
 def test_tf_oracle_adam_b0_one_replica_period_4():
   tx = shardopt.agn(
-    optax.adam(0.1, b1=0.0, b2=0.0, eps=1e-8), "batch", communication_period=4
+    optax.adam(0.1, b1=0.0, b2=0.0, eps=1e-8), "batch", sync_period=4
   )
   out = _one_replica_run(tx, 8)
   for t in (1, 3, 4, 8):
@@ -268,7 +268,7 @@ def test_tf_oracle_adam_b0_one_replica_period_4():
 
 
 def test_tf_oracle_sgd_detects_normalization_by_period():
-  tx = shardopt.agn(optax.sgd(0.1), "batch", communication_period=4)
+  tx = shardopt.agn(optax.sgd(0.1), "batch", sync_period=4)
   out = _one_replica_run(tx, 8)
   print(
     f"AGN SGD oracle: step 4 center={out[4][1]}, step 8 center={out[8][1]}"
@@ -328,7 +328,7 @@ def test_eight_replicas_match_numpy_reference_under_pmap(
   tx = shardopt.agn(
     optax.sgd(LR, momentum=MOMENTUM),
     "batch",
-    communication_period=period,
+    sync_period=period,
     reduction=reduction,
     axis_index_groups=groups,
   )
@@ -352,7 +352,7 @@ def test_eight_replicas_match_numpy_reference_under_shard_map(
   tx = shardopt.agn(
     optax.sgd(LR, momentum=MOMENTUM),
     "batch",
-    communication_period=period,
+    sync_period=period,
     reduction=reduction,
     axis_index_groups=groups,
   )
@@ -373,7 +373,7 @@ def test_replicated_params_cast_to_varying_keep_an_invariant_center(mesh):
   can leave the shard_map as P(): bit-identical by construction."""
   period, steps = 3, 6
   tx = shardopt.agn(
-    optax.sgd(LR, momentum=MOMENTUM), "batch", communication_period=period
+    optax.sgd(LR, momentum=MOMENTUM), "batch", sync_period=period
   )
   x, y = _data(11, steps)
 
@@ -418,7 +418,7 @@ def test_period_1_with_global_sgd_equals_synchronous_sgd_on_mean_gradient():
   tx = shardopt.agn(
     optax.sgd(0.3),
     "batch",
-    communication_period=1,
+    sync_period=1,
     global_optimizer=optax.sgd(LR),
   )
   x, y = _data(21, 5)
@@ -458,12 +458,12 @@ def test_agn_with_global_sgd_lr_times_period_equals_local_sgd(groups):
   agn = shardopt.agn(
     optax.sgd(lr),
     "batch",
-    communication_period=period,
+    sync_period=period,
     global_optimizer=optax.sgd(lr * period),
     axis_index_groups=groups,
   )
   averaging = shardopt.local_sgd(
-    optax.sgd(lr), "batch", period=period, axis_index_groups=groups
+    optax.sgd(lr), "batch", sync_period=period, axis_index_groups=groups
   )
   x, y = _data(31, 8)
   reference = _np_local_sgd(x, y, period=period, lr=lr, groups=groups)
@@ -593,7 +593,7 @@ def test_nan_in_one_replica_is_left_out_and_the_replica_rejoins_the_center():
   poisoned = grads.copy()
   poisoned[1, bad, 2] = np.nan  # one replica, one step
   tx = shardopt.agn(
-    optax.sgd(LR, momentum=MOMENTUM), "batch", communication_period=period
+    optax.sgd(LR, momentum=MOMENTUM), "batch", sync_period=period
   )
   clean = _grads_run(tx, grads, snap=True)
   run = _grads_run(tx, poisoned, snap=True)
@@ -652,7 +652,7 @@ def test_no_finite_replica_leaves_center_and_global_state_unchanged():
   grads = np.ones((2, R, D + 1), np.float32)
   grads[0, :, 0] = np.inf
   tx = shardopt.agn(
-    optax.sgd(LR, momentum=MOMENTUM), "batch", communication_period=period
+    optax.sgd(LR, momentum=MOMENTUM), "batch", sync_period=period
   )
   _, state, _ = _grads_run(tx, grads, snap=True)[-1]
   w, b = _w0()
@@ -667,7 +667,7 @@ def test_params_pulled_onto_center_are_snapped_bit_identical():
   """params + (center - params) is not always bitwise center; the snap is."""
   rng = np.random.default_rng(8)
   grads = rng.normal(scale=3.0, size=(12, R, D + 1)).astype(np.float32)
-  tx = shardopt.agn(optax.sgd(0.5), "batch", communication_period=3)
+  tx = shardopt.agn(optax.sgd(0.5), "batch", sync_period=3)
   pulled = _grads_run(tx, grads, snap=False)
   snapped = _grads_run(tx, grads, snap=True)
   after_sync = [pulled[t][2] for t in (2, 5, 8, 11)]
@@ -690,7 +690,7 @@ def test_state_restored_mid_period_continues_bit_identically():
   tx = shardopt.agn(
     optax.adam(0.05),
     "batch",
-    communication_period=4,
+    sync_period=4,
     global_optimizer=optax.sgd(0.2, momentum=0.9),
   )
   x, y = _data(51, 10)
@@ -726,7 +726,7 @@ def test_state_restored_mid_period_continues_bit_identically():
 
 
 def test_low_precision_gradients_accumulate_in_float32():
-  tx = shardopt.agn(optax.sgd(0.0), "batch", communication_period=1000)
+  tx = shardopt.agn(optax.sgd(0.0), "batch", sync_period=1000)
   params = jnp.zeros((R, 2), jnp.bfloat16)
   state = jax.pmap(tx.init)(params)
   assert state.accumulator.dtype == jnp.float32
@@ -813,7 +813,7 @@ def _collective_counts(hlo):
 
 
 def test_collectives_only_inside_the_sync_branch_under_pmap():
-  tx = shardopt.agn(optax.adam(0.1), "batch", communication_period=4)
+  tx = shardopt.agn(optax.adam(0.1), "batch", sync_period=4)
   params = _stack(_w0())
   state = jax.pmap(tx.init)(params)
   x, y = _data(61, 1)
@@ -827,7 +827,7 @@ def test_collectives_only_inside_the_sync_branch_under_pmap():
 @pytest.mark.parametrize("groups", [None, GROUPS], ids=["all", "groups"])
 def test_collectives_only_inside_the_sync_branch_under_shard_map(mesh, groups):
   tx = shardopt.agn(
-    optax.adam(0.1), "batch", communication_period=4, axis_index_groups=groups
+    optax.adam(0.1), "batch", sync_period=4, axis_index_groups=groups
   )
   init, step = _shard_map_fns(tx, mesh)
   params = _rows(mesh, *_stack(_w0()))
@@ -845,7 +845,7 @@ def test_collectives_only_inside_the_sync_branch_under_shard_map(mesh, groups):
 
 def test_comm_dtype_sets_the_wire_dtype_of_the_sync_all_reduce():
   tx = shardopt.agn(
-    optax.sgd(0.1), "batch", communication_period=2, comm_dtype=jnp.bfloat16
+    optax.sgd(0.1), "batch", sync_period=2, comm_dtype=jnp.bfloat16
   )
   params = _stack(_w0())
   state = jax.pmap(tx.init)(params)
@@ -894,7 +894,7 @@ def test_agn_period_8_converges_close_to_synchronous_with_an_eighth_of_the_syncs
     shardopt.agn(
       optax.sgd(lr),
       "batch",
-      communication_period=period,
+      sync_period=period,
       global_optimizer=optax.sgd(lr * period),
     )
   )
@@ -917,14 +917,14 @@ def test_agn_period_8_converges_close_to_synchronous_with_an_eighth_of_the_syncs
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "10", None])
-def test_communication_period_must_be_a_positive_integer(bad):
-  with pytest.raises(ValueError, match="shardopt.agn: communication_period="):
-    shardopt.agn(optax.sgd(0.1), "batch", communication_period=bad)
+def test_sync_period_must_be_a_positive_integer(bad):
+  with pytest.raises(ValueError, match="shardopt.agn: sync_period="):
+    shardopt.agn(optax.sgd(0.1), "batch", sync_period=bad)
 
 
 def test_period_arguments_name_their_transform():
-  with pytest.raises(ValueError, match="shardopt.local_sgd: period=0"):
-    shardopt.local_sgd(optax.sgd(0.1), "batch", period=0)
+  with pytest.raises(ValueError, match="shardopt.local_sgd: sync_period=0"):
+    shardopt.local_sgd(optax.sgd(0.1), "batch", sync_period=0)
   with pytest.raises(ValueError, match="shardopt.diloco: sync_period=0"):
     shardopt.diloco(optax.sgd(0.1), "batch", sync_period=0)
 
@@ -953,7 +953,7 @@ def test_unsupported_reduction_raises_at_construction():
   "make",
   [
     lambda: shardopt.agn(optax.sgd(0.1), None),
-    lambda: shardopt.local_sgd(optax.sgd(0.1), None, period=2),
+    lambda: shardopt.local_sgd(optax.sgd(0.1), None, sync_period=2),
     lambda: shardopt.diloco(optax.sgd(0.1), None),
   ],
 )
@@ -1133,7 +1133,7 @@ def test_local_sgd_and_agn_warm_start_within_groups_match_numpy(kind):
     tx = shardopt.agn(
       optax.sgd(lr),
       "batch",
-      communication_period=period,
+      sync_period=period,
       global_optimizer=optax.sgd(lr * period),
       axis_index_groups=GROUPS,
       warmup_steps=warmup,
@@ -1142,7 +1142,7 @@ def test_local_sgd_and_agn_warm_start_within_groups_match_numpy(kind):
     tx = shardopt.local_sgd(
       optax.sgd(lr),
       "batch",
-      period=period,
+      sync_period=period,
       axis_index_groups=GROUPS,
       warmup_steps=warmup,
     )
@@ -1191,4 +1191,4 @@ def test_warm_start_runs_its_all_reduce_only_in_its_branch():
 @pytest.mark.parametrize("bad", [-1, 1.5, "3"])
 def test_warmup_steps_must_be_a_non_negative_integer(bad):
   with pytest.raises(ValueError, match=r"shardopt\.local_sgd: warmup_steps"):
-    shardopt.local_sgd(optax.sgd(0.1), "batch", period=2, warmup_steps=bad)
+    shardopt.local_sgd(optax.sgd(0.1), "batch", sync_period=2, warmup_steps=bad)

@@ -356,10 +356,10 @@ GROUPED = {
     optax.adam(0.1), AXIS, axis_index_groups=g
   ),
   "shardopt.agn": lambda g: shardopt.agn(
-    optax.sgd(0.1), AXIS, communication_period=2, axis_index_groups=g
+    optax.sgd(0.1), AXIS, sync_period=2, axis_index_groups=g
   ),
   "shardopt.local_sgd": lambda g: shardopt.local_sgd(
-    optax.sgd(0.1), AXIS, period=2, axis_index_groups=g
+    optax.sgd(0.1), AXIS, sync_period=2, axis_index_groups=g
   ),
   "shardopt.diloco": lambda g: shardopt.diloco(
     optax.sgd(0.1), AXIS, sync_period=2, axis_index_groups=g
@@ -423,11 +423,9 @@ WITH_AXIS = {
   "shardopt.clip_by_global_norm": lambda a: shardopt.clip_by_global_norm(
     1.0, a
   ),
-  "shardopt.agn": lambda a: shardopt.agn(
-    optax.sgd(0.1), a, communication_period=2
-  ),
+  "shardopt.agn": lambda a: shardopt.agn(optax.sgd(0.1), a, sync_period=2),
   "shardopt.local_sgd": lambda a: shardopt.local_sgd(
-    optax.sgd(0.1), a, period=2
+    optax.sgd(0.1), a, sync_period=2
   ),
   "shardopt.diloco": lambda a: shardopt.diloco(
     optax.sgd(0.1), a, sync_period=2
@@ -541,24 +539,20 @@ STATEFUL = {
     shardopt.cross_shard_mean(AXIS), optax.adam(0.1)
   ),
   "tower(adam)": lambda: shardopt.tower(optax.adam(0.1), AXIS),
-  "agn(sgd)": lambda: shardopt.agn(
-    optax.sgd(0.1), AXIS, communication_period=2
-  ),
-  "agn(adam)": lambda: shardopt.agn(
-    optax.adam(0.1), AXIS, communication_period=2
-  ),
-  "local_sgd": lambda: shardopt.local_sgd(optax.sgd(0.1), AXIS, period=2),
+  "agn(sgd)": lambda: shardopt.agn(optax.sgd(0.1), AXIS, sync_period=2),
+  "agn(adam)": lambda: shardopt.agn(optax.adam(0.1), AXIS, sync_period=2),
+  "local_sgd": lambda: shardopt.local_sgd(optax.sgd(0.1), AXIS, sync_period=2),
   "diloco": lambda: shardopt.diloco(optax.adam(0.1), AXIS, sync_period=2),
   "accumulate(cross_shard(adam), 2)": lambda: shardopt.accumulate(
     shardopt.cross_shard(optax.adam(0.1), AXIS), 2
   ),
   "apply_if_finite(cross_shard(adam))": lambda: shardopt.apply_if_finite(
-    shardopt.cross_shard(optax.adam(0.1), AXIS), AXIS, 2
+    shardopt.cross_shard(optax.adam(0.1), AXIS), 2, axis_name=AXIS
   ),
   "accumulate(apply_if_finite(cross_shard(adam)), 2)": lambda: (
     shardopt.accumulate(
       shardopt.apply_if_finite(
-        shardopt.cross_shard(optax.adam(0.1), AXIS), AXIS, 2
+        shardopt.cross_shard(optax.adam(0.1), AXIS), 2, axis_name=AXIS
       ),
       2,
     )
@@ -642,10 +636,13 @@ def test_grads_not_matching_the_state_structure_raise_and_change_nothing(
   "make, arg",
   [
     (
-      lambda v: shardopt.agn(optax.sgd(0.1), AXIS, communication_period=v),
-      "communication_period",
+      lambda v: shardopt.agn(optax.sgd(0.1), AXIS, sync_period=v),
+      "sync_period",
     ),
-    (lambda v: shardopt.local_sgd(optax.sgd(0.1), AXIS, period=v), "period"),
+    (
+      lambda v: shardopt.local_sgd(optax.sgd(0.1), AXIS, sync_period=v),
+      "sync_period",
+    ),
     (
       lambda v: shardopt.diloco(optax.sgd(0.1), AXIS, sync_period=v),
       "sync_period",
@@ -653,7 +650,7 @@ def test_grads_not_matching_the_state_structure_raise_and_change_nothing(
   ],
   ids=["agn", "local_sgd", "diloco"],
 )
-def test_communication_period_not_a_positive_integer_is_rejected(make, arg):
+def test_sync_period_not_a_positive_integer_is_rejected(make, arg):
   tried = []
 
   @_settings(30)
@@ -697,7 +694,7 @@ def test_agn_rejects_an_integer_gradient_leaf(mesh):
     "w": params["w"],
     "i": _per_replica(np.random.default_rng(1), (3,), jnp.int32),
   }
-  tx = shardopt.agn(optax.sgd(0.1), AXIS, communication_period=2)
+  tx = shardopt.agn(optax.sgd(0.1), AXIS, sync_period=2)
   state, specs = _init(mesh, tx, params)
   _assert_fails_cleanly(
     mesh, tx, state, specs, params, grads, TypeError, "shardopt.agn", "['i']"
@@ -705,7 +702,7 @@ def test_agn_rejects_an_integer_gradient_leaf(mesh):
 
 
 def test_agn_accepts_bfloat16_gradients_for_float32_params():
-  tx = shardopt.agn(optax.sgd(0.1), AXIS, communication_period=2)
+  tx = shardopt.agn(optax.sgd(0.1), AXIS, sync_period=2)
 
   def step(params, grads):
     updates, _ = tx.update(grads, tx.init(params), params)

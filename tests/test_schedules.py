@@ -234,13 +234,15 @@ def test_hierarchical_one_level_of_the_axis_size_is_local_sgd_to_a_few_ulp():
     y,
   )
   local, _ = _pmap_trajectory(
-    shardopt.local_sgd(_local(), "batch", period=3), x, y
+    shardopt.local_sgd(_local(), "batch", sync_period=3), x, y
   )
   # In ulps of the largest param: direct vs center-based averaging round
   # differently, by a few ulps of the values being averaged.
   scale = np.spacing(np.float32(np.max(np.abs(_flat(local)))))
   ulp = np.max(np.abs(_flat(hier) - _flat(local))) / scale
-  print(f"hierarchical {{3: {R}}} vs local_sgd(period=3): max {ulp:.1f} ulp")
+  print(
+    f"hierarchical {{3: {R}}} vs local_sgd(sync_period=3): max {ulp:.1f} ulp"
+  )
   assert 0 < ulp <= 8
 
 
@@ -462,7 +464,7 @@ def test_more_fragments_than_leaves_is_a_clear_error():
       _local(), "batch", period_group_sizes={2: 2, 4: 8}
     ),
     lambda: _diloco(4, num_fragments=3),
-    lambda: shardopt.agn(optax.adam(0.05), "batch", communication_period=4),
+    lambda: shardopt.agn(optax.adam(0.05), "batch", sync_period=4),
   ],
   ids=["hierarchical", "streaming", "agn"],
 )
@@ -529,7 +531,7 @@ def _island_tx(method, sync_period):
       outer_momentum=OUTER_MOMENTUM,
     )
   if method == "local_sgd":
-    return shardopt.local_sgd(inner, "island", period=sync_period)
+    return shardopt.local_sgd(inner, "island", sync_period=sync_period)
   # agn accumulates the gradients it is given: reduce them over "data" first,
   # so that every data replica of an island accumulates the island's mean.
   return optax.chain(
@@ -537,7 +539,7 @@ def _island_tx(method, sync_period):
     shardopt.agn(
       optax.sgd(LR),
       "island",
-      communication_period=sync_period,
+      sync_period=sync_period,
       global_optimizer=optax.sgd(LR),
     ),
   )
@@ -692,7 +694,7 @@ def _shard_map_steps(tx, mesh, steps, *, whole_state_p_axis):
 @pytest.mark.parametrize(
   "make",
   [
-    lambda: shardopt.agn(_local(), "batch", communication_period=3),
+    lambda: shardopt.agn(_local(), "batch", sync_period=3),
     lambda: _diloco(3, num_fragments=2),
     lambda: shardopt.hierarchical_local_sgd(
       _local(), "batch", period_group_sizes={2: 2, 3: 8}
@@ -717,7 +719,7 @@ def test_whole_state_under_p_axis_with_stacked_counters_matches_pmap(
 
 
 def test_p_unit_counters_still_work_under_shard_map(mesh):
-  tx = shardopt.agn(_local(), "batch", communication_period=3)
+  tx = shardopt.agn(_local(), "batch", sync_period=3)
   params, state = _shard_map_steps(tx, mesh, 6, whole_state_p_axis=False)
   x, y = _data(30, 6)
   want_params, _ = _at(_pmap_trajectory(tx, x, y), -1)
@@ -728,7 +730,7 @@ def test_p_unit_counters_still_work_under_shard_map(mesh):
 
 
 def test_a_counter_typed_varying_is_accepted(mesh):
-  tx = shardopt.agn(optax.sgd(0.1), "batch", communication_period=1)
+  tx = shardopt.agn(optax.sgd(0.1), "batch", sync_period=1)
 
   def step(w):
     state = tx.init(w)
@@ -802,9 +804,9 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
   # Adam's two moments; hierarchical the center (its last group average).
   cases = {
     "plain adam": (plain, 0),
-    "local_sgd(adam)": (shardopt.local_sgd(plain, "batch", period=big), 1),
+    "local_sgd(adam)": (shardopt.local_sgd(plain, "batch", sync_period=big), 1),
     "diloco(adam)": (shardopt.diloco(plain, "batch", sync_period=big), 2),
-    "agn(adam)": (shardopt.agn(plain, "batch", communication_period=big), 3),
+    "agn(adam)": (shardopt.agn(plain, "batch", sync_period=big), 3),
     "streaming diloco(adam)": (
       shardopt.diloco(plain, "batch", sync_period=big, num_fragments=4),
       2,
@@ -835,7 +837,7 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
       None,
     ),
     "agn(adam) after a warm-up": (
-      shardopt.agn(plain, "batch", communication_period=big, warmup_steps=3),
+      shardopt.agn(plain, "batch", sync_period=big, warmup_steps=3),
       None,
     ),
     "hierarchical_local_sgd(adam)": (
@@ -898,9 +900,9 @@ def test_a_sync_cond_returns_only_what_the_sync_changes():
   inner = shardopt.cross_shard(adam, "data")
   cases = {
     # name: (tx, axis_env, params-shaped outputs of each cond)
-    "local_sgd": (shardopt.local_sgd(adam, "batch", period=3), batch, [2]),
+    "local_sgd": (shardopt.local_sgd(adam, "batch", sync_period=3), batch, [2]),
     "diloco": (shardopt.diloco(adam, "batch", sync_period=3), batch, [4]),
-    "agn": (shardopt.agn(adam, "batch", communication_period=3), batch, [8]),
+    "agn": (shardopt.agn(adam, "batch", sync_period=3), batch, [8]),
     "hierarchical": (
       shardopt.hierarchical_local_sgd(
         adam, "batch", period_group_sizes={2: 2, big: 8}

@@ -171,7 +171,7 @@ def reduce(
   overflow (and multiplied back afterwards for ``"sum"``). A quantized
   ``comm_dtype`` (``jnp.int8``, ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``,
   ``jnp.int4`` or :func:`shardopt.quantized`) runs the two-phase reduction
-  of ``shardopt.quantize`` (all_to_all, float32 reduction, requantize,
+  of the quantized wire (all_to_all, float32 reduction, requantize,
   all_gather) over all such leaves at once; every member of a group still
   ends with bit-identical values, within the error bound stated there.
 

@@ -130,8 +130,8 @@ def cross_shard_mean(
   ``pmap`` and ``shard_map``, groups, and ``comm_dtype``; stateless unless
   ``error_feedback=True``.
 
-  With a quantized ``comm_dtype`` (e.g. ``jnp.int8``, see
-  ``shardopt.quantize``) and ``error_feedback=True``, each replica keeps
+  With a quantized ``comm_dtype`` (e.g. ``jnp.int8``, or
+  :func:`shardopt.quantized`) and ``error_feedback=True``, each replica keeps
   what quantization dropped from its contribution in
   :class:`ErrorFeedbackState` ``.error`` (float32, per replica, in the
   gradient's shape: spec ``P(axis)`` under ``jax.shard_map``) and adds it to

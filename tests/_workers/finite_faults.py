@@ -78,7 +78,7 @@ def transform(scenario: str):
       shardopt.cross_shard(adam, AXIS), K
     ),
   }[scenario]()
-  return shardopt.apply_if_finite(inner, AXIS, MAX_CONSECUTIVE)
+  return shardopt.apply_if_finite(inner, MAX_CONSECUTIVE, axis_name=AXIS)
 
 
 def _loss(w, x, y):
@@ -155,7 +155,7 @@ def run_loss_scale():
   import jmp
 
   tx = shardopt.apply_if_finite(
-    shardopt.cross_shard(optax.sgd(LR), AXIS), AXIS, MAX_CONSECUTIVE
+    shardopt.cross_shard(optax.sgd(LR), AXIS), MAX_CONSECUTIVE, axis_name=AXIS
   )
   x, y, w0 = data()
   mask, values = faults()

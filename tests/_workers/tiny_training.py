@@ -39,9 +39,7 @@ TRANSFORMS = {
     shardopt.cross_shard_mean(AXIS), optax.sgd(0.05)
   ),
   "tower_adam": lambda: shardopt.tower(optax.adam(0.02), AXIS),
-  "agn": lambda: shardopt.agn(
-    optax.sgd(0.05), AXIS, communication_period=AGN_PERIOD
-  ),
+  "agn": lambda: shardopt.agn(optax.sgd(0.05), AXIS, sync_period=AGN_PERIOD),
 }
 
 

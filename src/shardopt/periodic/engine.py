@@ -515,7 +515,7 @@ def periodic(
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`AGNState`.
   """
-  _axes.check_transform(optimizer, name, "optimizer")
+  _axes.check_transform(optimizer, name)
   outer_step.check(name)
   _axes.check_reduction(reduction, name, axis_name)
   comm_dtype = _axes.check_comm_dtype(comm_dtype, name, axis_name)

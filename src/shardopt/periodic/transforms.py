@@ -16,6 +16,7 @@ from typing import Any
 
 import optax
 
+from shardopt._renamed import renamed_keywords
 from shardopt.periodic import checks
 from shardopt.periodic import contributions
 from shardopt.periodic import engine
@@ -23,11 +24,12 @@ from shardopt.periodic import outer
 from shardopt.periodic import schedules
 
 
+@renamed_keywords(optimizer="inner", communication_period="sync_period")
 def agn(
-  optimizer: optax.GradientTransformation,
+  inner: optax.GradientTransformation,
   axis_name: Any,
   *,
-  communication_period: int = 10,
+  sync_period: int = 10,
   global_optimizer: optax.GradientTransformation | None = None,
   reduction: str = "mean",
   axis_index_groups=None,
@@ -37,12 +39,12 @@ def agn(
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulated Gradient Normalization (TensorFlow's ``AGNOptimizer``).
 
-  Every step, on every replica: a local step of ``optimizer`` on this
+  Every step, on every replica: a local step of ``inner`` on this
   replica's params, ``accumulator += grads`` (in float32 for bfloat16/float16
-  gradients) and ``count += 1``. Every ``communication_period`` steps (when
-  ``count % communication_period == 0``) the replicas synchronise:
+  gradients) and ``count += 1``. Every ``sync_period`` steps (when
+  ``count % sync_period == 0``) the replicas synchronise:
 
-  1. normalize: ``a = accumulator / communication_period``;
+  1. normalize: ``a = accumulator / sync_period``;
   2. combine ``a`` across the replicas of ``axis_name`` with ``reduction``
      (within each group of ``axis_index_groups``), leaving out any replica
      whose ``a`` is not finite (the mean is then over the finite replicas; if
@@ -55,7 +57,7 @@ def agn(
 
   The all-reduce runs only at a sync step: it is inside the sync branch of a
   ``jax.lax.cond`` whose predicate is the replicated counter, so the other
-  steps communicate nothing (parameter bytes / ``communication_period`` per
+  steps communicate nothing (parameter bytes / ``sync_period`` per
   step on average).
 
   TensorFlow's version is asynchronous (every worker commits to a parameter
@@ -87,20 +89,20 @@ def agn(
 
   A replica left out of a combination also restarts the floating-point
   leaves of its local optimizer state (the moments, which may hold the
-  non-finite values) from ``optimizer.init(params)`` at the start of its next
+  non-finite values) from ``inner.init(params)`` at the start of its next
   step (``state.restart`` flags it, one row per replica); integer leaves
   (step counts) are kept.
 
   Args:
-    optimizer: the local optimizer (sgd, momentum, adam, ...), applied on every
+    inner: the local optimizer (sgd, momentum, adam, ...), applied on every
       replica at every step.
     axis_name: the ``pmap``/mesh axis name (or tuple of names) of the replicas.
       ``None`` is an error: the replicas must be mapped over a named axis.
-    communication_period: local steps between two synchronisations (T); an
+    sync_period: local steps between two synchronisations (T); an
       integer >= 1.
     global_optimizer: the optimizer that applies the combined, normalized
       accumulator to the center. ``None`` uses an independent second instance
-      of ``optimizer`` (its own state, as TensorFlow's separate slots).
+      of ``inner`` (its own state, as TensorFlow's separate slots).
       ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` turns AGN toward DiLoCo.
     reduction: ``"mean"`` (default) or ``"sum"``; anything else raises
       ``ValueError("Unsupported reduction: ...")``.
@@ -119,7 +121,7 @@ def agn(
       steps ``1..W`` the local optimizer receives the mean gradient over
       the axis (within each group), the replicas stay identical and the
       center follows the params; the schedule then runs as if step ``W``
-      were step 0 (the first sync after step ``W + period``). The warm-up's
+      were step 0 (the first sync after step ``W + sync_period``). The warm-up's
       all-reduce and the center's copy sit in conds on the replicated
       counter: later steps run neither. 0 (the default): no warm-up.
 
@@ -133,7 +135,7 @@ def agn(
     the *normalized* accumulator at step 4::
 
       >>> import jax, jax.numpy as jnp, numpy as np, optax, shardopt
-      >>> tx = shardopt.agn(optax.sgd(0.1), "batch", communication_period=4)
+      >>> tx = shardopt.agn(optax.sgd(0.1), "batch", sync_period=4)
       >>> def step(params, state):
       ...   grads = jnp.full_like(params, -1.0)
       ...   updates, state = tx.update(grads, state, params)
@@ -151,7 +153,7 @@ def agn(
 
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
       >>> mesh = jax.make_mesh((8,), ("batch",))
-      >>> tx = shardopt.agn(optax.sgd(0.1), "batch", communication_period=2)
+      >>> tx = shardopt.agn(optax.sgd(0.1), "batch", sync_period=2)
       >>> def step(w, state, x):  # w: this replica's params, shape (1, 2)
       ...   grads = jax.grad(lambda w: jnp.sum((w - x) ** 2))(w)
       ...   updates, state = tx.update(grads, state, w)
@@ -179,14 +181,12 @@ def agn(
   """
   name = "shardopt.agn"
   checks.check_axis_name(axis_name, name)
-  period = checks.check_period(
-    communication_period, "communication_period", name
-  )
+  period = checks.check_period(sync_period, "sync_period", name)
   if global_optimizer is None:
-    global_optimizer = optimizer
+    global_optimizer = inner
   return engine.periodic(
     name,
-    optimizer,
+    inner,
     axis_name,
     syncs=schedules.every(period),
     contribution=contributions.GradientSums(period),
@@ -199,33 +199,34 @@ def agn(
   )
 
 
+@renamed_keywords(optimizer="inner", period="sync_period")
 def local_sgd(
-  optimizer: optax.GradientTransformation,
+  inner: optax.GradientTransformation,
   axis_name: Any,
   *,
-  period: int,
+  sync_period: int,
   axis_index_groups=None,
   comm_dtype=None,
   error_feedback: bool = False,
   warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
-  """Periodic model averaging (local SGD): every ``period`` steps, params ← mean.
+  """Periodic model averaging (local SGD): every ``sync_period`` steps, params ← mean.
 
-  Each replica takes ``period`` local steps of ``optimizer``; then the params
+  Each replica takes ``sync_period`` local steps of ``inner``; then the params
   of all replicas (of each group) are replaced by their mean. It is the
   engine of :func:`agn` with the contribution ``center - local params`` and
   a global ``optax.sgd(1.0)``: ``center - mean_i(center - local_i) =
   mean_i(local_i)``. The state's ``accumulator`` is an empty tuple (the
   contribution is read from the params at the sync step). For plain SGD it
-  equals ``agn(optax.sgd(lr), ..., global_optimizer=optax.sgd(lr * period))``.
+  equals ``agn(optax.sgd(lr), ..., global_optimizer=optax.sgd(lr * sync_period))``.
 
   Non-finite replicas are left out of the mean, the collectives run only at
   sync steps, and the same shard_map pattern applies: see :func:`agn`.
 
   Args:
-    optimizer: the local optimizer.
+    inner: the local optimizer.
     axis_name: the ``pmap``/mesh axis name (or tuple of names) of the replicas.
-    period: local steps between two averagings; an integer >= 1.
+    sync_period: local steps between two averagings; an integer >= 1.
     axis_index_groups: optional equal-size groups; each group averages alone.
     comm_dtype: optional wire dtype, floating or quantized (see
       :func:`agn`).
@@ -240,7 +241,7 @@ def local_sgd(
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, shardopt
-    >>> tx = shardopt.local_sgd(optax.sgd(1.0), "batch", period=2)
+    >>> tx = shardopt.local_sgd(optax.sgd(1.0), "batch", sync_period=2)
     >>> def step(params, state, grads):
     ...   updates, state = tx.update(grads, state, params)
     ...   return optax.apply_updates(params, updates), state
@@ -261,10 +262,10 @@ def local_sgd(
   """
   name = "shardopt.local_sgd"
   checks.check_axis_name(axis_name, name)
-  period = checks.check_period(period, "period", name)
+  period = checks.check_period(sync_period, "sync_period", name)
   return engine.periodic(
     name,
-    optimizer,
+    inner,
     axis_name,
     syncs=schedules.every(period),
     contribution=contributions.PseudoGradients(),
@@ -276,8 +277,9 @@ def local_sgd(
   )
 
 
+@renamed_keywords(optimizer="inner")
 def hierarchical_local_sgd(
-  optimizer: optax.GradientTransformation,
+  inner: optax.GradientTransformation,
   axis_name: Any,
   *,
   period_group_sizes: dict,
@@ -306,7 +308,7 @@ def hierarchical_local_sgd(
   :func:`local_sgd` to rounding (a few ulp: ``local_sgd`` averages through its
   center, ``center - mean(center - params)``). A replica whose params are not
   finite is left out of its group's average (and restarts the float leaves of
-  its local optimizer state from ``optimizer.init`` at its next step); if no member of a group
+  its local optimizer state from ``inner.init`` at its next step); if no member of a group
   is finite the group is left as it is. ``state.skipped`` counts the
   contributions left out of this replica's groups, so it can differ between
   groups: under a checking ``jax.shard_map`` it is typed varying, so pass the
@@ -324,7 +326,7 @@ def hierarchical_local_sgd(
   also requires the last group size to be the world size; shardopt does not.
 
   Args:
-    optimizer: the local optimizer, applied on every replica at every step.
+    inner: the local optimizer, applied on every replica at every step.
     axis_name: the ``pmap``/mesh axis name (or tuple of names) of the replicas.
     period_group_sizes: ``{period: group_size}``, non-empty, integers >= 1,
       both strictly increasing in the order given.
@@ -368,7 +370,7 @@ def hierarchical_local_sgd(
   levels = checks.check_period_group_sizes(period_group_sizes, name)
   return engine.periodic(
     name,
-    optimizer,
+    inner,
     axis_name,
     syncs=schedules.hierarchy(levels),
     contribution=contributions.Params(),
@@ -377,8 +379,9 @@ def hierarchical_local_sgd(
   )
 
 
+@renamed_keywords(optimizer="inner")
 def diloco(
-  optimizer: optax.GradientTransformation,
+  inner: optax.GradientTransformation,
   axis_name: Any,
   *,
   sync_period: int = 500,
@@ -397,7 +400,7 @@ def diloco(
 ) -> optax.GradientTransformationExtraArgs:
   """DiLoCo: local inner steps, then an outer Nesterov step on the mean delta.
 
-  Each replica takes ``sync_period`` steps of the inner ``optimizer`` (AdamW
+  Each replica takes ``sync_period`` steps of the inner optimizer ``inner`` (AdamW
   in the paper); then the outer gradient ``center - mean_i(local params_i)``
   is applied to the center by SGD with (Nesterov) momentum, and every replica
   restarts from the new center. The inner optimizer state is kept across
@@ -475,7 +478,7 @@ def diloco(
   "island"))``.
 
   Args:
-    optimizer: the inner optimizer (e.g. ``optax.adamw(...)``).
+    inner: the inner optimizer (e.g. ``optax.adamw(...)``).
     axis_name: the ``pmap``/mesh axis name (or tuple of names) of the replicas.
     sync_period: inner steps per outer step (H in the paper); integer >= 1.
     outer_learning_rate: the outer SGD learning rate (or an optax schedule).
@@ -580,7 +583,7 @@ def diloco(
   overlaps = tau > 0 or alpha > 0
   return engine.periodic(
     name,
-    optimizer,
+    inner,
     axis_name,
     # With overlap, the sync of step t runs in the update of step t + 1, so
     # that its all-reduce reads the params as given, not that step's
