@@ -134,7 +134,8 @@ def state_specs(
     >>> mesh = jax.make_mesh((8,), ("data",))
     >>> params = {"w": jax.ShapeDtypeStruct((4, 3), "float32")}
     >>> specs = shardopt.state_specs(
-    ...     shardopt.local_sgd(optax.sgd(0.1, momentum=0.9), "data", sync_period=4),
+    ...     shardopt.local_sgd(
+    ...         optax.sgd(0.1, momentum=0.9), "data", sync_period=4),
     ...     params, "data", mesh=mesh)
     >>> specs.center, specs.local_state[0].trace, specs.count
     ({'w': P()}, {'w': P('data',)}, P())
