@@ -28,6 +28,10 @@ import numpy as np
 from shardopt import _axes
 from shardopt import quantize
 
+__all__ = ["broadcast", "reduce", "replica_divergence"]
+# The other names without an underscore (reduce_for, reduce_with_error,
+# reduce_on_wire) are shardopt's own: its transforms reduce through them.
+
 _REDUCE = "shardopt.reduce"
 
 
@@ -96,7 +100,7 @@ def _psum_leaf(y, varying: tuple, groups: tuple | None):
   return jax.lax.psum(y, axis, axis_index_groups=groups)
 
 
-def _reduce_on_wire(
+def reduce_on_wire(
   x, summing_collective, members: int, comm_dtype, reduction: str
 ):
   """Runs ``summing_collective`` on ``x`` with ``comm_dtype`` on the wire.
@@ -136,8 +140,6 @@ def reduce(
   reduction: str = "mean",
   axis_index_groups=None,
   comm_dtype=None,
-  _transform: str = _REDUCE,
-  _error: Any = None,
 ) -> Any:
   """Sums or averages every leaf of ``tree`` across the replicas of an axis.
 
@@ -184,9 +186,7 @@ def reduce(
     comm_dtype: optional wire dtype: floating (a cast) or quantized.
 
   Returns:
-    A pytree like ``tree`` holding the reduced values. (With the private
-    ``_error``, a tree of float32 per-replica error-feedback buffers like
-    ``tree``: ``(reduced, new_error)``; see ``cross_shard_mean``.)
+    A pytree like ``tree`` holding the reduced values.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, shardopt
@@ -199,29 +199,94 @@ def reduce(
     >>> np.asarray(f(jnp.arange(8.0)))
     array([12., 16., 12., 16., 12., 16., 12., 16.], dtype=float32)
   """
-  _axes.check_reduction(reduction, _transform, axis_name)
-  comm_dtype = _axes.check_comm_dtype(comm_dtype, _transform, axis_name)
+  return reduce_for(
+    _REDUCE,
+    tree,
+    axis_name,
+    reduction=reduction,
+    axis_index_groups=axis_index_groups,
+    comm_dtype=comm_dtype,
+  )
+
+
+def reduce_for(
+  transform: str,
+  tree: Any,
+  axis_name: Any,
+  *,
+  reduction: str = "mean",
+  axis_index_groups=None,
+  comm_dtype=None,
+) -> Any:
+  """:func:`reduce`, whose error messages name ``transform`` (the shardopt
+  transform that reduces, e.g. ``"shardopt.cross_shard_mean"``)."""
+  reduced, _ = _reduce_tree(
+    tree, None, axis_name, transform, reduction, axis_index_groups, comm_dtype
+  )
+  return reduced
+
+
+def reduce_with_error(
+  transform: str,
+  tree: Any,
+  error: Any,
+  axis_name: Any,
+  *,
+  reduction: str = "mean",
+  axis_index_groups=None,
+  comm_dtype=None,
+) -> tuple[Any, Any]:
+  """:func:`reduce_for` with error feedback on a quantized wire.
+
+  ``error`` is a tree like ``tree`` of float32 per-replica buffers: what the
+  wire dropped from this replica's last contribution. Each leaf varying over
+  every axis of ``axis_name`` sends ``x + error`` and keeps what the wire
+  drops from it (the residuals of the quantized all-reduce); other leaves
+  keep their buffer. With ``axis_name=None`` nothing is sent, so nothing is
+  dropped. See ``cross_shard_mean(error_feedback=True)``.
+
+  Returns:
+    ``(reduced, new_error)``, both trees like ``tree``.
+  """
+  return _reduce_tree(
+    tree, error, axis_name, transform, reduction, axis_index_groups, comm_dtype
+  )
+
+
+def _reduce_tree(
+  tree: Any,
+  error: Any,
+  axis_name: Any,
+  transform: str,
+  reduction: str,
+  axis_index_groups,
+  comm_dtype,
+) -> tuple[Any, Any]:
+  """:func:`reduce` of ``tree`` (plus ``error``, unless None): ``(reduced,
+  new_error)``, ``new_error`` None without ``error``."""
+  _axes.check_reduction(reduction, transform, axis_name)
+  comm_dtype = _axes.check_comm_dtype(comm_dtype, transform, axis_name)
   if axis_name is None:
     if axis_index_groups is not None:
       raise ValueError(
-        f"{_transform}: axis_index_groups={axis_index_groups!r} needs a named"
+        f"{transform}: axis_index_groups={axis_index_groups!r} needs a named"
         " axis, but axis_name=None. Pass the pmap/mesh axis name."
       )
-    return tree
-  size = _axes.axis_size(axis_name, _transform)
-  groups = _axes.validate_groups(axis_index_groups, size, _transform, axis_name)
+    return tree, error  # identity: nothing is sent, nothing dropped
+  size = _axes.axis_size(axis_name, transform)
+  groups = _axes.validate_groups(axis_index_groups, size, transform, axis_name)
   members = _axes.group_size(groups, size)
 
   spec = comm_dtype if isinstance(comm_dtype, quantize.QuantizedSpec) else None
-  if _error is not None and spec is None:
+  if error is not None and spec is None:
     raise ValueError(
-      f"{_transform}: error feedback needs a quantized comm_dtype (e.g."
+      f"{transform}: error feedback needs a quantized comm_dtype (e.g."
       f" jnp.int8 or shardopt.quantized(jnp.int4)), got {comm_dtype!r}."
     )
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   errors = (
-    treedef.flatten_up_to(_error)
-    if _error is not None
+    treedef.flatten_up_to(error)
+    if error is not None
     else [None] * len(leaves_with_path)
   )
   out = [None] * len(leaves_with_path)
@@ -229,11 +294,11 @@ def reduce(
   queued = {}  # varying axes -> indices of leaves for the quantized wire
 
   for i, (path, x) in enumerate(leaves_with_path):
-    _axes.check_float_leaf(path, x, _transform, axis_name)
+    _axes.check_float_leaf(path, x, transform, axis_name)
     varying, invariant = _axes.split_axes(x, axis_name)
     if invariant and groups is not None:
       raise ValueError(
-        f"{_transform}: the leaf at {jax.tree_util.keystr(path) or '<root>'} is"
+        f"{transform}: the leaf at {jax.tree_util.keystr(path) or '<root>'} is"
         f" invariant over axis {_axes.as_axis(invariant)!r} (under shard_map,"
         " the gradient of replicated params is already summed over the whole"
         " axis by autodiff), so it cannot be reduced within"
@@ -245,7 +310,7 @@ def reduce(
     if varying and spec is not None and x.size > 0:
       queued.setdefault(varying, []).append(i)
     elif varying:
-      out[i] = _reduce_on_wire(
+      out[i] = reduce_on_wire(
         x,
         lambda y, varying=varying: _psum_leaf(y, varying, groups),
         members,
@@ -261,7 +326,7 @@ def reduce(
   for varying, indices in queued.items():
     # Only a leaf varying over every requested axis carries error feedback;
     # one invariant over some of them was summed there by autodiff already.
-    feedback = _error is not None and len(varying) == len(
+    feedback = error is not None and len(varying) == len(
       _axes.axis_names(axis_name)
     )
     wire_axis = _axes.as_axis(varying)
@@ -274,7 +339,7 @@ def reduce(
     wire_members = (
       members
       if groups is not None
-      else int(np.prod([_axes.axis_size(a, _transform) for a in varying]))
+      else int(np.prod([_axes.axis_size(a, transform) for a in varying]))
     )
     result = quantize.all_reduce(
       contributions,
@@ -294,8 +359,8 @@ def reduce(
         new_errors[i] = residuals[k]
 
   reduced_tree = treedef.unflatten(out)
-  if _error is None:
-    return reduced_tree
+  if error is None:
+    return reduced_tree, None
   return reduced_tree, treedef.unflatten(new_errors)
 
 

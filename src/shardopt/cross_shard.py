@@ -24,7 +24,8 @@ import optax
 
 from shardopt import _axes
 from shardopt import quantize
-from shardopt.collectives import reduce
+from shardopt.collectives import reduce_for
+from shardopt.collectives import reduce_with_error
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -49,23 +50,6 @@ def _zero_error(params: Any) -> Any:
   return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
 
 
-def _reduce_with_feedback(
-  updates, error, axis_name, reduction, axis_index_groups, comm_dtype, name
-):
-  """``reduce`` of ``updates + error``; returns (reduced, new error)."""
-  if axis_name is None:  # identity: nothing is quantized, nothing dropped
-    return reduce(updates, None, axis_index_groups=axis_index_groups), error
-  return reduce(
-    updates,
-    axis_name,
-    reduction=reduction,
-    axis_index_groups=axis_index_groups,
-    comm_dtype=comm_dtype,
-    _transform=name,
-    _error=error,
-  )
-
-
 def _reducing_transform(
   name: str,
   axis_name: Any,
@@ -83,14 +67,14 @@ def _reducing_transform(
 
     def update_fn(updates, state, params=None):
       del params
-      updates, error = _reduce_with_feedback(
+      updates, error = reduce_with_error(
+        name,
         updates,
         state.error,
         axis_name,
-        reduction,
-        axis_index_groups,
-        comm_dtype,
-        name,
+        reduction=reduction,
+        axis_index_groups=axis_index_groups,
+        comm_dtype=comm_dtype,
       )
       return updates, ErrorFeedbackState(error, state.inner_state)
 
@@ -102,13 +86,13 @@ def _reducing_transform(
 
   def update_fn(updates, state, params=None):
     del params
-    updates = reduce(
+    updates = reduce_for(
+      name,
       updates,
       axis_name,
       reduction=reduction,
       axis_index_groups=axis_index_groups,
       comm_dtype=comm_dtype,
-      _transform=name,
     )
     return updates, state
 
@@ -307,14 +291,14 @@ def cross_shard(
       return ErrorFeedbackState(_zero_error(params), inner.init(params))
 
     def update_with_error(updates, state, params=None, **extra_args):
-      updates, error = _reduce_with_feedback(
+      updates, error = reduce_with_error(
+        name,
         updates,
         state.error,
         axis_name,
-        reduction,
-        axis_index_groups,
-        comm_dtype,
-        name,
+        reduction=reduction,
+        axis_index_groups=axis_index_groups,
+        comm_dtype=comm_dtype,
       )
       updates, inner_state = inner.update(
         updates, state.inner_state, params, **extra_args
@@ -326,13 +310,13 @@ def cross_shard(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    updates = reduce(
+    updates = reduce_for(
+      name,
       updates,
       axis_name,
       reduction=reduction,
       axis_index_groups=axis_index_groups,
       comm_dtype=comm_dtype,
-      _transform=name,
     )
     return inner.update(updates, state, params, **extra_args)
 

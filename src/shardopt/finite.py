@@ -25,7 +25,7 @@ import optax
 
 from shardopt import _axes
 from shardopt._skip import update_or_skip
-from shardopt.collectives import reduce
+from shardopt.collectives import reduce_for
 
 _ALL_FINITE = "shardopt.all_finite"
 _APPLY_IF_FINITE = "shardopt.apply_if_finite"
@@ -90,12 +90,12 @@ def all_finite(
     # to be summed within each group (shardopt.reduce rejects invariant
     # leaves with groups).
     bad = _axes.cast_varying(bad, _axes.axis_names(axis_name))
-  bad_replicas = reduce(
+  bad_replicas = reduce_for(
+    _ALL_FINITE,
     bad,
     axis_name,
     reduction="sum",
     axis_index_groups=axis_index_groups,
-    _transform=_ALL_FINITE,
   )
   return bad_replicas == 0
 

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from shardopt import _axes
-from shardopt.collectives import reduce
+from shardopt.collectives import reduce_for
 
 _POWERSGD = "shardopt.powersgd"
 # The factor matmuls run in full float32 on every backend (the default
@@ -129,7 +129,7 @@ def _project(matrix: jax.Array, q: jax.Array) -> jax.Array:
 
 def _mean(factors: list, axis_name: Any, comm_dtype) -> list:
   """Steps 0, 3 and 6: the mean over the axis (``comm_dtype`` on the wire)."""
-  return reduce(factors, axis_name, comm_dtype=comm_dtype, _transform=_POWERSGD)
+  return reduce_for(_POWERSGD, factors, axis_name, comm_dtype=comm_dtype)
 
 
 def _orthonormalize(p: jax.Array) -> jax.Array:
@@ -179,12 +179,6 @@ def _next_q(
 # --- Argument and state checks. ---
 
 
-def _is_int(value: Any) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(
-    value, (bool, np.bool_)
-  )
-
-
 def _check_args(
   axis_name,
   rank,
@@ -205,13 +199,13 @@ def _check_args(
       " jax.jit over sharded arrays the compiler reduces the gradients"
       " itself and there is nothing to compress."
     )
-  if not _is_int(rank) or rank < 1:
+  if not _axes.is_integer(rank) or rank < 1:
     raise ValueError(
       f"{_POWERSGD}: rank={rank!r} (axis {axis_name!r}) must be"
       " an integer >= 1, the rank of the approximation; e.g."
       " rank=2 (PyTorch's matrix_approximation_rank)."
     )
-  if not _is_int(start_step) or start_step < 0:
+  if not _axes.is_integer(start_step) or start_step < 0:
     raise ValueError(
       f"{_POWERSGD}: start_step={start_step!r} (axis"
       f" {axis_name!r}) must be an integer >= 0, the number of"
@@ -238,7 +232,7 @@ def _check_args(
         f"{_POWERSGD}: {arg}={value!r} (axis {axis_name!r}) must"
         " be True or False."
       )
-  if not _is_int(seed):
+  if not _axes.is_integer(seed):
     raise ValueError(
       f"{_POWERSGD}: seed={seed!r} (axis {axis_name!r}) must be"
       " an integer, the seed of the initial Q; e.g. seed=0."

@@ -31,7 +31,7 @@ import optax
 
 from shardopt import _axes
 from shardopt import quantize
-from shardopt.collectives import _reduce_on_wire
+from shardopt.collectives import reduce_on_wire
 
 _TOWER = "shardopt.tower"
 _CLIP = "shardopt.clip_by_global_norm"
@@ -436,7 +436,7 @@ def tower(
         return _quantized_owned_sum(
           g, names, varying, num_owners, comm_dtype, reduction
         )
-      return _reduce_on_wire(
+      return reduce_on_wire(
         g,
         lambda y: _owned_sum(y, names, varying, sizes, num_owners),
         num_owners,

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardopt import _axes
-from shardopt.collectives import reduce
+from shardopt.collectives import reduce_for
+from shardopt.collectives import reduce_with_error
 from shardopt.finite import all_finite
 
 
@@ -49,39 +50,41 @@ def combine(
     isinstance(comm_dtype, np.dtype) and comm_dtype.itemsize >= 4
   )
   if wide:
-    *total, in_group = reduce(
+    *total, in_group = reduce_for(
+      transform,
       masked + [flag],
       axis_name,
       reduction="sum",
       axis_index_groups=groups,
       comm_dtype=comm_dtype,
-      _transform=transform,
     )
   else:
-    total = reduce(
-      masked,
-      axis_name,
-      reduction="sum",
-      axis_index_groups=groups,
-      comm_dtype=comm_dtype,
-      _transform=transform,
-      _error=error or None,
-    )
     if error:
-      total, error = total
-    in_group = reduce(
-      flag,
-      axis_name,
-      reduction="sum",
-      axis_index_groups=groups,
-      _transform=transform,
+      total, error = reduce_with_error(
+        transform,
+        masked,
+        error,
+        axis_name,
+        reduction="sum",
+        axis_index_groups=groups,
+        comm_dtype=comm_dtype,
+      )
+    else:
+      total = reduce_for(
+        transform,
+        masked,
+        axis_name,
+        reduction="sum",
+        axis_index_groups=groups,
+        comm_dtype=comm_dtype,
+      )
+    in_group = reduce_for(
+      transform, flag, axis_name, reduction="sum", axis_index_groups=groups
     )
   in_group = jnp.round(in_group)
   in_axis = in_group
   if groups is not None and whole_axis_count:
-    in_axis = jnp.round(
-      reduce(flag, axis_name, reduction="sum", _transform=transform)
-    )
+    in_axis = jnp.round(reduce_for(transform, flag, axis_name, reduction="sum"))
   if reduction == "mean":
     divisor = jnp.maximum(in_group, 1.0)
     total = [t / divisor.astype(t.dtype) for t in total]

@@ -60,7 +60,7 @@ import optax
 
 from shardopt import _axes
 from shardopt import quantize
-from shardopt.collectives import reduce
+from shardopt.collectives import reduce_for
 from shardopt.periodic import _xla
 from shardopt.periodic import checks
 from shardopt.periodic import combine
@@ -208,12 +208,12 @@ def _warm_up(step: _Step, count: jax.Array) -> tuple[_Step, list, jax.Array]:
   warm = jnp.reshape(count, ()) <= engine.warmup_steps
   grads = _xla.cond(
     warm,
-    lambda g: reduce(
+    lambda g: reduce_for(
+      engine.name,
       g,
       engine.axis_name,
       reduction="mean",
       axis_index_groups=step.groups[0],
-      _transform=engine.name,
     ),
     lambda g: g,
     step.grads,
