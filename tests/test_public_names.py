@@ -91,3 +91,20 @@ def test_every_name_a_page_mentions_exists(page):
 def test_every_name_a_public_docstring_mentions_exists():
   bad = {q: b for q, doc in _public_docstrings() if (b := unknown_names(doc))}
   assert bad == {}
+
+
+def test_no_public_signature_takes_a_private_keyword():
+  """A keyword starting with ``_`` (``reduce(_error=)`` once changed the
+  return type) is not part of a public signature."""
+  offenders = []
+  for module in (shardopt, *SUBPACKAGES.values()):
+    for name in module.__all__:
+      obj = getattr(module, name)
+      if not callable(obj):
+        continue
+      try:
+        params = inspect.signature(obj).parameters
+      except (TypeError, ValueError):
+        continue
+      offenders += [f"{name}({p}=)" for p in params if p.startswith("_")]
+  assert offenders == []

@@ -655,3 +655,86 @@ def test_layer_axes_as_a_plain_dict_for_nnx_state_params():
   assert sorted(shapes) == [(2, 2), (2, 2), (3,)]
   with pytest.raises(ValueError, match="not a pytree prefix"):
     _diloco(2, layer_axes={"blocks": 0}).init(params)
+
+
+# --------------------------------------------------------------------------
+# torchft's schedule through sync_offset.
+
+
+def _np_torchft(params0, targets, ids, num_fragments, delay, alpha):
+  """torchft 0.2's Streaming DiLoCo (torchft/local_sgd.py, ``DiLoCo``) in
+  float64 numpy, written from its step hook: a per-fragment counter
+  ``local_step`` runs 1 .. H / F; at ``H / F - delay`` the fragment
+  ``manager_step % F`` computes its outer gradient ``center - mean(params)``
+  from the params after that step and starts the all-reduce; at ``H / F``
+  it takes the outer Nesterov SGD step (torch's ``buf = m * buf + g; p -= lr
+  * (g + m * buf)``) and merges ``params <- lerp(center, params, alpha)``,
+  then ``manager_step += 1`` and ``local_step = 0``. Returns the params after
+  every step, (steps, R, N)."""
+  steps = len(jax.tree.leaves(targets)[0])
+  y = _flat(targets, (steps, R))
+  ids = np.concatenate([i.reshape(-1) for i in ids])
+  center = _flat(params0, ()).copy()
+  params = np.tile(center, (R, 1))
+  buf = np.zeros_like(center)
+  per_fragment = H // num_fragments
+  local_step = manager_step = 0
+  pending, out = None, []
+  for t in range(1, steps + 1):
+    params = params - LR * (params - y[t - 1])
+    local_step += 1
+    if local_step == per_fragment - delay:
+      f = manager_step % num_fragments
+      m = ids == f
+      pending = (m, center[m] - params[:, m].mean(axis=0))
+    if local_step == per_fragment:
+      m, g = pending
+      buf[m] = OUTER_MOMENTUM * buf[m] + g
+      center[m] = center[m] - OUTER_LR * (g + OUTER_MOMENTUM * buf[m])
+      params[:, m] = alpha * params[:, m] + (1 - alpha) * center[m]
+      manager_step, local_step = manager_step + 1, 0
+    out.append(params.copy())
+  return np.stack(out)
+
+
+@pytest.mark.parametrize(
+  "num_fragments, delay, alpha",
+  [(1, 0, 0.0), (2, 0, 0.0), (2, 1, 0.5), (4, 0, 0.5)],
+)
+def test_sync_offset_gives_torchfts_schedule(num_fragments, delay, alpha):
+  """``sync_offset = H // F - fragment_sync_delay`` with ``overlap_steps =
+  fragment_sync_delay`` runs torchft's schedule: its fragment i sends after
+  step (i + 1) H / F - delay and merges at (i + 1) H / F (shardopt's default
+  sends fragment f at f H / F, fragment 0 last)."""
+  steps = 2 * H + 3
+  params0 = _params0(LEAVES)
+  targets = _targets(LEAVES, steps, seed=7 + delay)
+  tx = _diloco(
+    num_fragments,
+    overlap_steps=delay,
+    overlap_alpha=alpha,
+    sync_offset=H // num_fragments - delay,
+  )
+  params, _ = _pmap_history(tx, params0, targets)
+  ids = _fragment_ids(LEAVES, num_fragments)
+  want = _np_torchft(params0, targets, ids, num_fragments, delay, alpha)
+  got = _flat(params, (steps, R))
+  for t in range(steps):
+    np.testing.assert_allclose(
+      got[t],
+      want[t],
+      rtol=RTOL,
+      atol=ATOL,
+      err_msg=f"params after step {t + 1}",
+    )
+  if num_fragments > 1:  # F = 1, no delay: the offset H is the same as 0.
+    # Without the offset the schedules differ (the test can fail).
+    plain = _diloco(num_fragments, overlap_steps=delay, overlap_alpha=alpha)
+    other = _flat(_pmap_history(plain, params0, targets)[0], (steps, R))
+    assert np.abs(other - want).max() > 1e-3
+
+
+@pytest.mark.parametrize("bad", [-1, H + 1, 2.0, True, None])
+def test_sync_offset_outside_the_period_is_named(bad):
+  with pytest.raises(ValueError, match=r"shardopt.diloco: sync_offset="):
+    _diloco(1, sync_offset=bad)

@@ -363,8 +363,8 @@ def tower(
       quantized one (``jnp.int8``, ``jnp.float8_e4m3fn``, ``jnp.int4``,
       ``shardopt.quantized(...)``) quantizes each replica's rows in blocks
       with float32 scales and sends them by one all-to-all of bytes; each
-      owner sums its rows in float32 (a quantized reduce-scatter). Not inside model-parallel
-      replicas (``NotImplementedError``).
+      owner sums its rows in float32 (a quantized reduce-scatter). Not
+      inside model-parallel replicas (``NotImplementedError``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s

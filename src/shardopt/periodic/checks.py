@@ -181,6 +181,20 @@ def check_overlap(
   return int(overlap_steps), float(overlap_alpha)
 
 
+def check_sync_offset(value: Any, sync_period: int, transform: str) -> int:
+  """Checks ``diloco``'s ``sync_offset``: an integer in [0, sync_period]
+  (``sync_period`` is the same schedule as 0)."""
+  if not _axes.is_integer(value) or not 0 <= int(value) <= sync_period:
+    raise ValueError(
+      f"{transform}: sync_offset={value!r} must be an integer with"
+      f" 0 <= sync_offset <= sync_period={sync_period} (every sync moves that"
+      " many steps later in its period); 0 (the default) puts fragment 0's"
+      " sync at the end of each period. To follow torchft's schedule, pass"
+      " sync_period // num_fragments - fragment_sync_delay."
+    )
+  return int(value) % sync_period
+
+
 # --------------------------------------------------------------------------
 # What update is given.
 

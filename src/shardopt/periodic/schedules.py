@@ -57,22 +57,22 @@ def hierarchy(period_group_sizes: dict) -> tuple[Sync, ...]:
 
 
 def streaming(
-  period: int, num_fragments: int, lag: int = 0
+  period: int, num_fragments: int, lag: int = 0, offset: int = 0
 ) -> tuple[Sync, ...]:
-  """Fragment ``f`` after step t iff ``t % period == (f * period) // F``
-  (run ``lag`` steps later)."""
+  """Fragment ``f`` after step t iff ``t % period == ((f * period) // F +
+  offset) % period`` (run ``lag`` steps later)."""
   return tuple(
-    Sync(period, (f * period) // num_fragments, f, lag=lag)
+    Sync(period, ((f * period) // num_fragments + offset) % period, f, lag=lag)
     for f in range(num_fragments)
   )
 
 
 def merges(
-  period: int, num_fragments: int, overlap_steps: int
+  period: int, num_fragments: int, overlap_steps: int, offset: int = 0
 ) -> tuple[Sync, ...]:
   """When each fragment of :func:`streaming` rejoins the center:
   ``overlap_steps`` after its sync."""
-  return streaming(period, num_fragments, lag=overlap_steps)
+  return streaming(period, num_fragments, lag=overlap_steps, offset=offset)
 
 
 def replica_groups(

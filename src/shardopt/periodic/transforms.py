@@ -397,6 +397,7 @@ def diloco(
   overlap_steps: int = 0,
   overlap_alpha: float = 0.0,
   layer_axes: Any = None,
+  sync_offset: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """DiLoCo: local inner steps, then an outer Nesterov step on the mean delta.
 
@@ -508,6 +509,13 @@ def diloco(
     layer_axes: a pytree prefix of the params (or one int or None for all
       leaves): per leaf its stacked layer axis, or None (the default: whole
       leaves).
+    sync_offset: moves every sync ``sync_offset`` steps later in its period:
+      fragment ``f`` syncs after step ``t`` iff ``t % sync_period == (f *
+      sync_period // F + sync_offset) % sync_period`` (its merge follows
+      ``overlap_steps`` later); an integer in ``[0, sync_period]``
+      (``sync_period`` is the same as 0, the default). torchft's Streaming DiLoCo is ``sync_offset = sync_period // F
+      - fragment_sync_delay`` (see ``docs/diloco.md``, "Coming from
+      torchft").
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -580,6 +588,7 @@ def diloco(
     )
   fragments = checks.check_num_fragments(num_fragments, period, name)
   tau, alpha = checks.check_overlap(overlap_steps, overlap_alpha, period, name)
+  offset = checks.check_sync_offset(sync_offset, period, name)
   overlaps = tau > 0 or alpha > 0
   return engine.periodic(
     name,
@@ -588,7 +597,7 @@ def diloco(
     # With overlap, the sync of step t runs in the update of step t + 1, so
     # that its all-reduce reads the params as given, not that step's
     # gradient: it can run alongside the step's forward and backward pass.
-    syncs=schedules.streaming(period, fragments, lag=min(tau, 1)),
+    syncs=schedules.streaming(period, fragments, min(tau, 1), offset),
     contribution=contributions.PseudoGradients(),
     outer_step=outer.Optimizer(outer_optimizer),
     axis_index_groups=axis_index_groups,
@@ -597,6 +606,8 @@ def diloco(
     warmup_steps=checks.check_warmup_steps(warmup_steps, name),
     num_fragments=fragments,
     layer_axes=layer_axes,
-    merges=schedules.merges(period, fragments, tau) if overlaps else (),
+    merges=(
+      schedules.merges(period, fragments, tau, offset) if overlaps else ()
+    ),
     merge=outer.Merge(alpha) if overlaps else None,
   )
