@@ -74,10 +74,10 @@ from jax.sharding import PartitionSpec as P
 import shardopt
 from benchmarks import _common
 from benchmarks import _timing
-from benchmarks import hlo
 from benchmarks import methods
 from benchmarks import projection
-from benchmarks import schedules
+from shardopt import _hlo as hlo
+from shardopt.periodic import schedules
 
 NAME = "cost"
 GOALS = {
@@ -192,7 +192,7 @@ class _Runner:
     return out
 
   def copied(self) -> dict:
-    """:func:`benchmarks.hlo.copied_bytes` of this step's compiled HLO."""
+    """:func:`shardopt._hlo.copied_bytes` of this step's compiled HLO."""
     return hlo.copied_bytes(
       self.step.lower(self.params, self.state, *self.batch).compile().as_text()
     )
@@ -292,7 +292,7 @@ class _Bench:
       .compile()
       .as_text()
     )
-    return schedules.per_step(
+    return hlo.per_step(
       hlo.compiled_collectives(text, num_devices=self.n), schedule
     )
 
@@ -321,7 +321,7 @@ def _streaming_variants(period: int, num_layers: int) -> list:
       lambda opt, kwargs=kwargs: shardopt.diloco(
         opt(), _common.AXIS, sync_period=period, num_fragments=4, **kwargs
       ),
-      schedules.fragments(period, 4),
+      hlo.Schedule(schedules.streaming(period, 4)),
     )
     for label, kwargs in variants.items()
   ]
@@ -358,7 +358,7 @@ def _apply_if_finite() -> methods.Method:
       5,
       axis_name=_common.AXIS,
     ),
-    schedules.every(),
+    hlo.Schedule(),
   )
 
 
@@ -450,7 +450,7 @@ def _powersgd_projection(
   """Bytes from the HLO, extra compute from ``timing``; seconds per link."""
   base_bytes = bench.param_bytes
   tx, _ = methods.build(methods.powersgd(rank, name="adam"), _adam)
-  moved = bench.hlo_bytes(tx, schedules.every(taken="min"))["mean_bytes"]
+  moved = bench.hlo_bytes(tx, hlo.Schedule(taken="min"))["mean_bytes"]
   extra = (
     timing["candidates"][name]["median_s"]
     - timing["candidates"][mean]["median_s"]

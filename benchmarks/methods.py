@@ -11,6 +11,7 @@ for that method instead of failing, and measures it once it lands.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -18,7 +19,8 @@ import optax
 
 import shardopt
 from benchmarks import _common
-from benchmarks import schedules
+from shardopt import _hlo
+from shardopt.periodic import schedules
 
 Factory = Callable[[], optax.GradientTransformation]
 AXIS = _common.AXIS
@@ -32,7 +34,8 @@ class Method:
     label: the row name in tables and plots.
     requires: public shardopt names it uses.
     build: ``optimizer factory -> transform``.
-    schedule: which steps communicate what (:mod:`benchmarks.schedules`).
+    schedule: which steps communicate what (:class:`shardopt._hlo.Schedule`,
+      built from the periodic engine's own schedule).
     rounds_per_step: communication rounds per step (1 = every step), for the
       "per round" view.
     quick: part of the ``--quick`` smoke run (one per code path).
@@ -45,7 +48,7 @@ class Method:
   label: str
   requires: tuple
   build: Callable[[Factory], optax.GradientTransformation]
-  schedule: schedules.Schedule
+  schedule: _hlo.Schedule
   rounds_per_step: float = 1.0
   quick: bool = False
   updates_per_step: float = 1.0
@@ -90,7 +93,7 @@ def sync(name: str = "adamw") -> Method:
     f"cross_shard({name}) [sync]",
     ("cross_shard",),
     lambda opt: shardopt.cross_shard(opt(), AXIS),
-    schedules.every(),
+    _hlo.Schedule(),
     quick=True,
     family="sync",
   )
@@ -114,7 +117,7 @@ def cross_shard_mean(
       ),
       opt(),
     ),
-    schedules.every(),
+    _hlo.Schedule(),
     quick=quick,
     family="sync",
   )
@@ -125,7 +128,7 @@ def accumulate(k: int, quick: bool = False, name: str = "adamw") -> Method:
     f"accumulate(cross_shard({name}), {k})",
     ("accumulate", "cross_shard"),
     lambda opt: shardopt.accumulate(shardopt.cross_shard(opt(), AXIS), k),
-    schedules.periodic(k),
+    _hlo.Schedule(schedules.every(k)),
     1.0 / k,
     quick,
     updates_per_step=1.0 / k,
@@ -143,7 +146,7 @@ def powersgd(
     lambda opt: optax.chain(
       shardopt.powersgd(AXIS, rank=rank, comm_dtype=comm_dtype), opt()
     ),
-    schedules.every(taken="min"),
+    _hlo.Schedule(taken="min"),
     1.0,
     quick,
     family="powersgd",
@@ -155,7 +158,7 @@ def agn(period: int, quick: bool = False, name: str = "adamw") -> Method:
     f"agn({name}, T={period})",
     ("agn",),
     lambda opt: shardopt.agn(opt(), AXIS, communication_period=period),
-    schedules.periodic(period),
+    _hlo.Schedule(schedules.every(period)),
     1.0 / period,
     quick,
   )
@@ -182,7 +185,7 @@ def local_sgd(
       comm_dtype=comm_dtype,
       error_feedback=error_feedback,
     ),
-    schedules.periodic(period),
+    _hlo.Schedule(schedules.every(period)),
     1.0 / period,
     quick,
     family="local_sgd",
@@ -214,7 +217,7 @@ def diloco(
       error_feedback=error_feedback,
       **({"warmup_steps": warmup_steps} if warmup_steps else {}),
     ),
-    schedules.periodic(period, warmup=warmup_steps),
+    _hlo.Schedule(schedules.every(period), warmup_steps=warmup_steps),
     1.0 / period,
     quick,
     family="diloco",
@@ -259,7 +262,9 @@ def streaming_diloco(
         else {}
       ),
     ),
-    schedules.fragments(period, num_fragments, lag=min(overlap_steps, 1)),
+    _hlo.Schedule(
+      schedules.streaming(period, num_fragments, lag=min(overlap_steps, 1))
+    ),
     num_fragments / period,
     quick,
     family="streaming",
@@ -269,7 +274,7 @@ def streaming_diloco(
 def hierarchical(
   period_group_sizes: dict, quick: bool = False, name: str = "adamw"
 ) -> Method:
-  cycle = schedules.levels(period_group_sizes).period
+  cycle = math.lcm(*period_group_sizes)
   rounds = (
     sum(
       1
@@ -284,7 +289,7 @@ def hierarchical(
     lambda opt: shardopt.hierarchical_local_sgd(
       opt(), AXIS, period_group_sizes=period_group_sizes
     ),
-    schedules.levels(period_group_sizes),
+    _hlo.Schedule(schedules.hierarchy(period_group_sizes)),
     rounds,
     quick,
     family="hierarchical",

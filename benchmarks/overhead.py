@@ -9,7 +9,7 @@ its own hand-written ``pmean`` baseline is timed too). Goal: ratio <= 1.02.
 
 Besides the timings it checks that every variant computes the same params as
 the baseline after one step, and compares the compiled instruction mix
-(:func:`benchmarks.hlo.instruction_mix`): an identical mix means the wrapper
+(:func:`shardopt._hlo.instruction_mix`): an identical mix means the wrapper
 compiles to the same program, whatever the noisy clock says.
 """
 
@@ -22,7 +22,7 @@ import optax
 import shardopt
 from benchmarks import _common
 from benchmarks import _timing
-from benchmarks import hlo
+from shardopt import _hlo as hlo
 
 NAME = "overhead"
 GOAL = 1.02

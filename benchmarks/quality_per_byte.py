@@ -17,8 +17,9 @@ without error feedback, a synchronous warm start, streaming DiLoCo with
 F = 4 fragments and overlap, and hierarchical local SGD.
 
 Bytes: each method's training chunk is compiled once; its HLO is read by
-:mod:`benchmarks.hlo` (the loop body is one step) and weighted by the
-method's schedule (:mod:`benchmarks.schedules`, warm-up steps included):
+:mod:`shardopt._hlo` (the loop body is one step) and weighted by the
+method's schedule (:func:`shardopt._hlo.per_step`, asking the periodic
+engine's schedule, warm-up steps included):
 bytes one replica SENDS in a bandwidth-optimal algorithm (a ring all-reduce
 of ``B`` bytes in groups of ``g`` sends ``2 (g - 1) / g * B``; the quantized
 wire's all-to-all and all-gather ``(g - 1) / g`` each), summed over the run.
@@ -67,10 +68,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
-from benchmarks import hlo  # noqa: E402
 from benchmarks import lm  # noqa: E402
 from benchmarks import methods  # noqa: E402
-from benchmarks import schedules  # noqa: E402
+from shardopt import _hlo as hlo  # noqa: E402
 
 NAME = "quality_per_byte"
 SYNC = "cross_shard(adamw) [sync]"
@@ -156,7 +156,7 @@ def measure(
     t0, c0 = time.perf_counter(), _cpu_seconds()
     compiled, text = workload.compile(tx)
     ops = hlo.compiled_collectives(text, num_devices=n)
-    per_step = schedules.per_step(ops, method.schedule, measure=sent)
+    per_step = hlo.per_step(ops, method.schedule, measure=sent)
     entry.update(
       compile_seconds=time.perf_counter() - t0,
       compile_cpu_seconds=_cpu_seconds() - c0,
@@ -164,7 +164,7 @@ def measure(
       mean_bytes_per_step=per_step["mean_bytes"],
       peak_bytes_per_step=per_step["peak_bytes"],
       warmup_bytes_per_step=per_step["warmup_bytes"],
-      total_bytes=schedules.run_bytes(per_step, method.schedule, config.steps),
+      total_bytes=hlo.run_bytes(per_step, method.schedule, config.steps),
       bytes_warning=per_step["warning"],
       runs=[],
     )

@@ -44,7 +44,7 @@ import optax  # noqa: E402
 import shardopt  # noqa: E402
 from benchmarks import _common  # noqa: E402
 from benchmarks import _timing  # noqa: E402
-from benchmarks import hlo  # noqa: E402
+from shardopt import _hlo as hlo  # noqa: E402
 
 MLP = (1024, 2048, 1536, 10)
 QUICK_MLP = (64, 128, 10)

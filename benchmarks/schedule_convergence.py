@@ -25,9 +25,9 @@ H/4 local steps: the table also shows replica 0's own accuracy and the final
 ``shardopt.replica_divergence``.
 
 Bytes per step come from the compiled HLO of each method's training chunk
-(:func:`benchmarks.hlo.compiled_collectives`, the collectives of the loop
+(:func:`shardopt._hlo.compiled_collectives`, the collectives of the loop
 body, i.e. one step) weighted by the method's schedule
-(:func:`benchmarks.schedules.per_step`), as in sections 3 and 8.
+(:func:`shardopt._hlo.per_step`), as in sections 3 and 8.
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ import optax
 
 from benchmarks import _common
 from benchmarks import convergence
-from benchmarks import hlo
 from benchmarks import methods
-from benchmarks import schedules
+from shardopt import _hlo as hlo
 
 NAME = "schedule_convergence"
 TITLE = (
@@ -92,32 +91,19 @@ def _comparisons(quick: bool) -> list[dict]:
   ]
 
 
-def _rounds(schedule: schedules.Schedule, steps: int, n: int) -> tuple:
+def _rounds(schedule: hlo.Schedule, steps: int, n: int) -> tuple:
   """``(global rounds, all rounds)`` in ``steps`` steps of ``schedule``.
 
-  A round is one step that communicates; it is global when its largest
-  collective runs over the whole axis of ``n`` replicas. A streaming fragment
-  sync is a global round of one fragment.
+  A round is one step that communicates; it is global when the sync that
+  runs in it spans the whole axis of ``n`` replicas. A streaming fragment
+  sync is a global round of one fragment. Which sync runs in which step is
+  the periodic engine's answer (:func:`shardopt._hlo.fired`).
   """
-  if schedule.kind == "periodic":
-    return steps // schedule.period, steps // schedule.period
-  if schedule.kind == "fragments":
-    syncs = sum(
-      1
-      for t in range(1, steps + 1)
-      for f in range(schedule.num_fragments)
-      if t % schedule.period == (f * schedule.period) // schedule.num_fragments
-    )
-    return syncs, syncs
-  if schedule.kind == "levels":
-    total = global_ = 0
-    for t in range(1, steps + 1):
-      due = [(p, g) for p, g in schedule.levels if t % p == 0]
-      if due:
-        total += 1
-        global_ += max(due)[1] == n
-    return global_, total
-  return steps, steps
+  if not schedule.syncs:
+    return steps, steps
+  fired = hlo.fired(schedule, np.arange(1, steps + 1))
+  groups = [schedule.syncs[k - 1].group_size for k in fired[fired > 0]]
+  return sum(g in (None, n) for g in groups), len(groups)
 
 
 def _split(params) -> dict:
@@ -176,7 +162,7 @@ def _train(method: methods.Method, data, seeds, steps: int, eval_every: int):
   )
   ops = hlo.compiled_collectives(chunk.as_text(), num_devices=n)
   step_ops = [op for op in ops if "loop" in op.context]  # one step's
-  per_step = schedules.per_step(step_ops, method.schedule)
+  per_step = hlo.per_step(step_ops, method.schedule)
   global_rounds, all_rounds = _rounds(method.schedule, steps, n)
   curves = {"acc": [], "loss": [], "replica0_acc": []}
   divergence = []

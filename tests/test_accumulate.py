@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from benchmarks import hlo
 from shardopt import _axes
+from shardopt import _hlo as hlo
 
 AXIS = "batch"
 R = 8

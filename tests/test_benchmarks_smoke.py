@@ -79,57 +79,6 @@ def test_hlo_reader_counts_reduce_scatter_and_bf16_wire_bytes(mesh):
   assert lowered["dtypes"] == ["bf16"]
 
 
-def test_schedule_weights_each_branch_by_the_steps_that_take_it():
-  from benchmarks import hlo
-  from benchmarks import schedules
-
-  pairs = [[0, 1], [2, 3], [4, 5], [6, 7]]
-
-  def levels(t, x):  # 256 float32 = 1024 bytes per all-reduce
-    level = jnp.where(t % 16 == 0, 2, jnp.where(t % 4 == 0, 1, 0))
-    return jax.lax.switch(
-      level,
-      [
-        lambda v: v,
-        lambda v: jax.lax.psum(v, "i", axis_index_groups=pairs),
-        lambda v: jax.lax.psum(v, "i"),
-      ],
-      x,
-    )
-
-  def fragments(t, x):  # fragment f: 64 float32 = 256 bytes, at t % 64 == 16 f
-    for f in range(4):
-      part = slice(64 * f, 64 * (f + 1))
-      x = jax.lax.cond(
-        t % 64 == 16 * f,
-        lambda v: v.at[part].set(jax.lax.psum(v[part], "i")),
-        lambda v: v,
-        x,
-      )
-    return x
-
-  def weighed(fn, schedule):
-    f = jax.pmap(fn, axis_name="i")
-    text = f.lower(jnp.arange(8), jnp.ones((8, 256))).compile().as_text()
-    return schedules.per_step(hlo.compiled_collectives(text), schedule)
-
-  # Steps 4, 8, 12 average in pairs, step 16 over all 8: 4 of 16 steps.
-  by_level = weighed(levels, schedules.levels({4: 2, 16: 8}))
-  assert by_level["warning"] == ""
-  assert by_level["cycle"] == [0, 0, 0, 1024] * 4
-  assert (by_level["mean_bytes"], by_level["peak_bytes"]) == (256, 1024)
-  # Each fragment once per 64 steps: 1024 / 64 on average, 256 at the peak.
-  by_fragment = weighed(fragments, schedules.fragments(64, 4))
-  assert by_fragment["warning"] == ""
-  assert (by_fragment["mean_bytes"], by_fragment["peak_bytes"]) == (16, 256)
-  assert sorted(i + 1 for i, b in enumerate(by_fragment["cycle"]) if b) == [
-    16,
-    32,
-    48,
-    64,
-  ]
-
-
 def test_projection_uses_ring_allreduce_formula():
   from benchmarks import projection
 

@@ -103,7 +103,7 @@ def test_wire_bytes_count_a_cond_branch_once_per_period():
   )
   x = jax.numpy.ones((8, 256))
   text = f.lower(x, jax.numpy.ones(8)).compile().as_text()
-  per_step = demo.wire_bytes_per_step(text, 8, sync_period=4)
+  per_step = demo.wire_bytes_per_step(text, 8, demo.wire_schedule("diloco", 4))
   ring = 2 * 7 / 8 * 1024
   assert per_step == pytest.approx(ring + ring / 4)
 

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardopt
 from benchmarks import _common
-from benchmarks import hlo
+from shardopt import _hlo as hlo
 from shardopt.periodic import fragments as _fragments
 
 R = 8  # replicas

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from benchmarks import hlo
+from shardopt import _hlo as hlo
 
 R = 8  # replicas
 H = 4  # sync period

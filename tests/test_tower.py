@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardopt
 from benchmarks import _common
-from benchmarks import hlo
+from shardopt import _hlo as hlo
 
 N = 8
 AXIS = "batch"

@@ -15,10 +15,11 @@ The demo trains the same multilayer perceptron on scikit-learn's bundled
   gradient on a 4-bit wire (``--outer-dtype``; per-block float32 scales).
 
 For each it prints the test accuracy and the bytes each replica sends over
-the run, read from the compiled step's HLO (collectives at the top level run
-every step; those inside a ``lax.cond`` branch once per sync period), and the
-ratio to ``sync``. It saves the frontier (accuracy against bytes, log scale)
-and the loss curves as a PNG, and the table as Markdown.
+the run, read from the compiled step's HLO by :mod:`shardopt._hlo`
+(collectives at the top level run every step; those inside a ``lax.cond``
+branch on the steps the periodic engine's schedule runs it: once per sync
+period), and the ratio to ``sync``. It saves the frontier (accuracy against
+bytes, log scale) and the loss curves as a PNG, and the table as Markdown.
 
 Devices: the CPU backend is asked for ``--devices`` (default 8) virtual
 devices by adding ``--xla_force_host_platform_device_count`` to ``XLA_FLAGS``
@@ -48,7 +49,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -213,83 +213,45 @@ def make_optimizer(
 
 # --- Bytes on the wire, read from the compiled step. ---
 
-_COLLECTIVE = re.compile(
-  r"=\s*(?P<shape>.+?)\s+(?P<kind>all-reduce|reduce-scatter|all-gather"
-  r"|all-to-all|collective-permute)(?:-start)?\("
-)
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1}
-_BYTES |= {"f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
-_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
-_CALLED = re.compile(
-  r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
-  r"=%([\w.\-]+)"
-)
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+def wire_schedule(method: str, sync_period: int):
+  """Which steps of ``method`` run the collectives of each ``lax.cond``
+  branch of its compiled step: the periodic engine's own schedule
+  (:mod:`shardopt.periodic.schedules`); ``sync`` and ``powersgd`` run the
+  same collectives every step."""
+  from shardopt import _hlo  # pylint: disable=g-import-not-at-top
+  from shardopt.periodic import schedules  # pylint: disable=g-import-not-at-top
+
+  if method == "diloco":
+    return _hlo.Schedule(schedules.every(sync_period))
+  if method == "streaming":
+    return _hlo.Schedule(schedules.streaming(sync_period, 2))
+  return _hlo.Schedule()
 
 
-def wire_bytes_per_step(hlo_text: str, replicas: int, sync_period: int):
+def _measure_wire(hlo_text: str, replicas: int, schedule) -> dict:
+  """:func:`shardopt._hlo.per_step` of compiled HLO text, in the bytes one
+  replica sends (:func:`shardopt._hlo.sent_bytes`)."""
+  import functools  # pylint: disable=g-import-not-at-top
+
+  from shardopt import _hlo  # pylint: disable=g-import-not-at-top
+
+  ops = _hlo.compiled_collectives(hlo_text, num_devices=replicas)
+  sent = functools.partial(_hlo.sent_bytes, num_devices=replicas)
+  return _hlo.per_step(ops, schedule, measure=sent)
+
+
+def wire_bytes_per_step(hlo_text: str, replicas: int, schedule) -> float:
   """Mean bytes one replica sends per step, from compiled HLO text.
 
-  A ring all-reduce of a B-byte buffer sends ``2 (n - 1) / n * B`` bytes per
-  replica; a reduce-scatter (of its operand), an all-gather (of its result)
-  or an all-to-all ``(n - 1) / n * B``. Collectives at the top level run
-  every step; those inside a ``conditional``'s branches (the sync branch of
-  a ``lax.cond``) count once per ``sync_period`` steps.
+  Read by :mod:`shardopt._hlo`: a ring all-reduce of a B-byte buffer in
+  groups of ``g`` sends ``2 (g - 1) / g * B`` bytes per replica; a
+  reduce-scatter (of its operand), an all-gather (of its result) or an
+  all-to-all ``(g - 1) / g * B``. Collectives at the top level run every
+  step; those inside a ``conditional``'s branch on the steps ``schedule``
+  (:func:`wire_schedule`) runs that branch.
   """
-  computations, current = {}, None
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header:
-      current = header.group(1)
-      computations[current] = []
-    elif current is not None:
-      computations[current].append(line)
-
-  def called(line: str) -> list:
-    """The computations an instruction line calls (branches included)."""
-    names = _CALLED.findall(line)
-    for group in _BRANCHES.findall(line):
-      names += [c.strip().lstrip("%") for c in group.split(",")]
-    return names
-
-  # Every computation reachable from a conditional's branches.
-  todo = [
-    name
-    for lines in computations.values()
-    for line in lines
-    if " conditional(" in line
-    for name in called(line)
-  ]
-  in_branch = set()
-  while todo:
-    name = todo.pop()
-    if name in in_branch or name not in computations:
-      continue
-    in_branch.add(name)
-    for line in computations[name]:
-      todo += called(line)
-  share = (replicas - 1) / replicas
-  total = 0.0
-  for name, lines in computations.items():
-    for line in lines:
-      match = _COLLECTIVE.search(line)
-      if not match or "-done(" in line:
-        continue
-      arrays = [
-        _BYTES.get(dtype, 4) * np.prod([int(d) for d in dims.split(",") if d])
-        for dtype, dims in _ARRAY.findall(match.group("shape"))
-      ]
-      kind = match.group("kind")
-      if kind == "all-gather" and "-start(" in line:
-        arrays = arrays[len(arrays) // 2 :]  # (operands..., results...)
-      buffer = float(sum(arrays))
-      if kind == "reduce-scatter":
-        buffer *= replicas
-      sent = buffer * share * (2 if kind == "all-reduce" else 1)
-      total += sent / sync_period if name in in_branch else sent
-  return total
+  return _measure_wire(hlo_text, replicas, schedule)["mean_bytes"]
 
 
 def train(
@@ -316,6 +278,7 @@ def train(
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
   import shardopt  # pylint: disable=g-import-not-at-top
+  from shardopt import _hlo  # pylint: disable=g-import-not-at-top
 
   x_train, x_test, y_train, y_test = data
   n = len(devices)
@@ -346,9 +309,9 @@ def train(
   opt_state = init_state(params)
   idx = batches[0]
   hlo = step.lower(params, opt_state, x_train[idx], y_train[idx])
-  periodic = method in ("diloco", "streaming")
-  per_step = wire_bytes_per_step(
-    hlo.compile().as_text(), n, sync_period if periodic else 1
+  schedule = wire_schedule(method, sync_period)
+  sent = _hlo.run_bytes(
+    _measure_wire(hlo.compile().as_text(), n, schedule), schedule, steps
   )
   bar = tqdm(
     range(steps),
@@ -387,7 +350,7 @@ def train(
     f" {sync_period} steps",
   }[method]
   return RunResult(
-    method, accuracy, steps, per_step * steps, wall, losses, divergence, wire
+    method, accuracy, steps, sent, wall, losses, divergence, wire
   )
 
 
