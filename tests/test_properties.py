@@ -18,211 +18,34 @@ the sizes below under ``ci`` (the default), at least 500 under ``thorough``
 (``make fuzz``).
 """
 
-import _hypothesis_profiles
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _properties import AXIS
+from _properties import INVALID_GROUP_KINDS
+from _properties import WRONG_NAMES
+from _properties import R
+from _properties import assert_fails_cleanly
+from _properties import build_tree
+from _properties import float_params
+from _properties import init_on_mesh
+from _properties import invalid_groups
+from _properties import per_replica_values
+from _properties import put_rows
+from _properties import pytrees
+from _properties import report
+from _properties import settings
+from _properties import stateless
+from _properties import valid_groups
 from hypothesis import given
 from hypothesis import strategies as st
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
 
-AXIS = "batch"
-R = 8
-SHAPES = [(), (0,), (1,), (3,), (2, 3), (7,)]
-FLOATS = [jnp.float32, jnp.bfloat16, jnp.float16]
 NON_FLOATS = [jnp.int32, jnp.int8, jnp.uint8, jnp.bool_]
-
-
-def _settings(ci_examples):
-  # The loaded hypothesis profile decides: ``ci_examples`` under ``ci`` (the
-  # default), at least 500 under ``thorough`` (``make fuzz``). Both profiles
-  # skip shrinking; see tests/_hypothesis_profiles.py.
-  return _hypothesis_profiles.settings_for(ci_examples)
-
-
-def _report(what, tried, detail=""):
-  print(f"\n[properties] {what}: {tried} inputs tried{detail}")
-
-
-# --- Strategies. -------------------------------------------------------------
-
-
-@st.composite
-def _trees(draw, dtypes=FLOATS, min_leaves=1, max_leaves=3):
-  """(structure kind, [(shape, dtype)]) for a random pytree of leaves."""
-  leaves = draw(
-    st.lists(
-      st.tuples(st.sampled_from(SHAPES), st.sampled_from(dtypes)),
-      min_size=min_leaves,
-      max_size=max_leaves,
-    )
-  )
-  return draw(st.sampled_from(["dict", "list", "nested"])), leaves
-
-
-def _build(kind, leaves):
-  """A pytree of the given kind holding ``leaves`` (in order)."""
-  if kind == "dict":
-    return {f"leaf{i}": leaf for i, leaf in enumerate(leaves)}
-  if kind == "list":
-    return list(leaves)
-  return {"outer": {"inner": leaves[0]}, "rest": tuple(leaves[1:])}
-
-
-@st.composite
-def _valid_groups(draw):
-  if draw(st.integers(0, 3)) == 0:
-    return None
-  size = draw(st.sampled_from([1, 2, 4, 8]))
-  order = draw(st.permutations(range(R)))
-  return [list(order[i : i + size]) for i in range(0, R, size)]
-
-
-INVALID_GROUP_KINDS = [
-  "duplicate",
-  "out_of_range",
-  "unequal",
-  "missing",
-  "empty_group",
-  "empty_list",
-  "not_an_int",
-  "not_a_list",
-]
-
-
-@st.composite
-def _invalid_groups(draw, kind):
-  """Groups of the given kind that are not a partition into equal groups."""
-  order = list(draw(st.permutations(range(R))))
-  size = draw(st.sampled_from([2, 4, 8]))
-  split = lambda xs: [xs[i : i + size] for i in range(0, len(xs), size)]
-  i, j = draw(
-    st.lists(st.integers(0, R - 1), min_size=2, max_size=2, unique=True)
-  )
-  if kind == "duplicate":
-    order[j] = order[i]
-    return split(order)
-  if kind == "out_of_range":
-    order[i] = draw(st.sampled_from([-1, R, R + 1, 100]))
-    return split(order)
-  if kind == "unequal":
-    cut = draw(st.sampled_from([1, 3, 5, 7]))
-    return [order[:cut], order[cut:]]
-  if kind == "missing":
-    del order[i]
-    return [order]
-  if kind == "empty_group":
-    return split(order) + [[]]
-  if kind == "empty_list":
-    return []
-  if kind == "not_an_int":
-    order[i] = draw(st.sampled_from([1.0, "0", True, None, [0]]))
-    return split(order)
-  return draw(st.sampled_from(["01234567", 3, {0: 1}]))
-
-
-_WRONG_NAMES = st.one_of(
-  st.text(min_size=1, max_size=8).filter(lambda s: s != AXIS),
-  st.tuples(
-    st.just(AXIS), st.text(min_size=1, max_size=8).filter(lambda s: s != AXIS)
-  ),
-)
-
-
-# --- Running a transform step under shard_map. --------------------------------
-
-
-def _per_replica(rng, shape, dtype, scale=1.0, bound=np.inf):
-  """Values for R replicas, shape (R,) + shape, in [-bound, bound], rounded
-  to dtype."""
-  values = np.clip(
-    scale * rng.standard_normal(size=(R,) + shape), -bound, bound
-  )
-  if jnp.issubdtype(dtype, jnp.floating):
-    return np.asarray(values).astype(dtype)
-  if dtype == jnp.bool_:
-    return values > 0
-  return np.clip(np.round(values * 10), 0, 100).astype(dtype)
-
-
-def _put(mesh, tree):
-  return jax.tree.map(
-    lambda x: jax.device_put(x, NamedSharding(mesh, P(AXIS))), tree
-  )
-
-
-def _specs(tx, params_host):
-  """``P()`` for state leaves that are scalars on a replica, else ``P(AXIS)``."""
-  per_replica = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct((R, 1) + x.shape[1:], x.dtype), params_host
-  )
-  shapes = jax.eval_shape(
-    jax.vmap(tx.init, axis_name=AXIS, axis_size=R), per_replica
-  )
-  return jax.tree.map(lambda s: P() if s.ndim == 1 else P(AXIS), shapes)
-
-
-def _stateless(fn):
-  """A collective as a transform, so every target is called the same way."""
-  return optax.GradientTransformation(
-    lambda p: optax.EmptyState(), lambda g, s, p=None: (fn(g), s)
-  )
-
-
-def _step(mesh, tx, state_specs):
-  """jit(shard_map(update)) with params, state and grads donated.
-
-  Every replica holds its own params and grads (a leading axis of 1 inside).
-  """
-
-  def body(params, state, grads):
-    return tx.update(grads, state, params)
-
-  return jax.jit(
-    jax.shard_map(
-      body,
-      mesh=mesh,
-      in_specs=(P(AXIS), state_specs, P(AXIS)),
-      out_specs=(P(AXIS), state_specs),
-    ),
-    donate_argnums=(0, 1, 2),
-  )
-
-
-def _init(mesh, tx, params_host):
-  """State built by ``tx`` (a valid transform) inside shard_map."""
-  specs = _specs(tx, params_host)
-  init = jax.jit(
-    jax.shard_map(tx.init, mesh=mesh, in_specs=P(AXIS), out_specs=specs)
-  )
-  return init(_put(mesh, params_host)), specs
-
-
-def _assert_fails_cleanly(
-  mesh, bad_tx, state, specs, params, grads, error, *fragments
-):
-  """``bad_tx.update`` raises ``error`` naming every fragment, at trace time,
-  and leaves the (donated) params, state and grads as they were."""
-  params, grads = _put(mesh, params), _put(mesh, grads)
-  args = (params, state, grads)
-  before = jax.tree.map(np.array, args)
-  step = _step(mesh, bad_tx, specs)
-  with pytest.raises(error) as lowered:
-    step.lower(*args)  # tracing alone raises it
-  with pytest.raises(error) as called:
-    step(*args)
-  for info in (lowered, called):
-    for fragment in fragments:
-      assert fragment in str(info.value), (fragment, str(info.value))
-  for arr, copy in zip(jax.tree.leaves(args), jax.tree.leaves(before)):
-    assert not arr.is_deleted(), "a donated input was consumed"
-    np.testing.assert_array_equal(np.asarray(arr), copy)
-  return str(called.value)
 
 
 # --- Valid input: equal to numpy. ---------------------------------------------
@@ -247,7 +70,7 @@ def _reducer(mapping, mesh, reduction, groups):
       check_vma=mapping == "shard_map",
     )
   )
-  return lambda t: mapped(_put(mesh, t))
+  return lambda t: mapped(put_rows(mesh, t))
 
 
 def _tolerance(dtype, members, magnitude):
@@ -265,10 +88,10 @@ def test_reduce_equals_numpy_for_random_trees_groups_and_reductions(
 ):
   tried = []
 
-  @_settings(12)
+  @settings(12)
   @given(
-    tree=_trees(),
-    groups=_valid_groups(),
+    tree=pytrees(),
+    groups=valid_groups(),
     seed=st.integers(0, 2**31 - 1),
     scale=st.sampled_from([1e-3, 1.0, 100.0, "large"]),
   )
@@ -282,10 +105,10 @@ def test_reduce_equals_numpy_for_random_trees_groups_and_reductions(
       # their mean does not (a sum's result must itself fit in float16).
       if scale == "large":
         bound = 60000.0 if reduction == "mean" else 60000.0 / members
-        leaves.append(_per_replica(rng, shape, dtype, bound / 2, bound))
+        leaves.append(per_replica_values(rng, shape, dtype, bound / 2, bound))
       else:
-        leaves.append(_per_replica(rng, shape, dtype, scale))
-    inputs = _build(kind, leaves)
+        leaves.append(per_replica_values(rng, shape, dtype, scale))
+    inputs = build_tree(kind, leaves)
     out = _reducer(mapping, mesh, reduction, groups)(inputs)
     assert jax.tree.structure(out) == jax.tree.structure(inputs)
     partition = groups or [list(range(R))]
@@ -318,7 +141,7 @@ def test_reduce_equals_numpy_for_random_trees_groups_and_reductions(
   check()
   dtypes = sorted({d for t in tried for d in t[1]})
   shapes = sorted({s for t in tried for s in t[2]})
-  _report(
+  report(
     f"reduce({reduction}) == numpy under {mapping}",
     len(tried),
     f" (with groups {sum(t[0] for t in tried)}; dtypes {dtypes};"
@@ -329,19 +152,11 @@ def test_reduce_equals_numpy_for_random_trees_groups_and_reductions(
 # --- Invalid input: clear errors, nothing half-updated. -----------------------
 
 
-def _float_params():
-  rng = np.random.default_rng(0)
-  return {
-    "w": _per_replica(rng, (3,), jnp.float32),
-    "b": _per_replica(rng, (), jnp.float32),
-  }
-
-
 GROUPED = {
-  "shardopt.reduce": lambda g: _stateless(
+  "shardopt.reduce": lambda g: stateless(
     lambda t: shardopt.reduce(t, AXIS, axis_index_groups=g)
   ),
-  "shardopt.scale_loss": lambda g: _stateless(
+  "shardopt.scale_loss": lambda g: stateless(
     lambda t: jax.tree.map(
       lambda x: shardopt.scale_loss(x, AXIS, axis_index_groups=g), t
     )
@@ -372,25 +187,28 @@ _GROUPED_STATES = {}
 
 @pytest.mark.parametrize("kind", INVALID_GROUP_KINDS)
 def test_invalid_groups_raise_a_clear_error_and_change_nothing(mesh, kind):
-  params = _float_params()
+  params = float_params()
   if not _GROUPED_STATES:
     _GROUPED_STATES.update(
-      {name: _init(mesh, make(None), params) for name, make in GROUPED.items()}
+      {
+        name: init_on_mesh(mesh, make(None), params)
+        for name, make in GROUPED.items()
+      }
     )
   states = _GROUPED_STATES
   tried = []
 
-  @_settings(8)
-  @given(groups=_invalid_groups(kind), name=st.sampled_from(sorted(GROUPED)))
+  @settings(8)
+  @given(groups=invalid_groups(kind), name=st.sampled_from(sorted(GROUPED)))
   def check(groups, name):
     state, specs = states[name]
-    grads = _float_params()
+    grads = float_params()
     try:
       bad = GROUPED[name](groups)
     except ValueError as e:  # rejected when built: nothing ran at all
       message = str(e)
     else:  # rejected while tracing the update
-      message = _assert_fails_cleanly(
+      message = assert_fails_cleanly(
         mesh, bad, state, specs, params, grads, ValueError
       )
     for fragment in (name, "axis_index_groups", repr(AXIS), f"size {R}"):
@@ -398,7 +216,7 @@ def test_invalid_groups_raise_a_clear_error_and_change_nothing(mesh, kind):
     tried.append(name)
 
   check()
-  _report(
+  report(
     f"invalid axis_index_groups ({kind}) -> ValueError",
     len(tried),
     f" over {len(set(tried))} transforms",
@@ -406,14 +224,12 @@ def test_invalid_groups_raise_a_clear_error_and_change_nothing(mesh, kind):
 
 
 WITH_AXIS = {
-  "shardopt.reduce": lambda a: _stateless(lambda t: shardopt.reduce(t, a)),
-  "shardopt.broadcast": lambda a: _stateless(
-    lambda t: shardopt.broadcast(t, a)
-  ),
-  "shardopt.replica_divergence": lambda a: _stateless(
+  "shardopt.reduce": lambda a: stateless(lambda t: shardopt.reduce(t, a)),
+  "shardopt.broadcast": lambda a: stateless(lambda t: shardopt.broadcast(t, a)),
+  "shardopt.replica_divergence": lambda a: stateless(
     lambda t: jax.tree.map(lambda x: x + shardopt.replica_divergence(t, a), t)
   ),
-  "shardopt.scale_loss": lambda a: _stateless(
+  "shardopt.scale_loss": lambda a: stateless(
     lambda t: jax.tree.map(lambda x: shardopt.scale_loss(x, a), t)
   ),
   "shardopt.cross_shard_mean": lambda a: shardopt.cross_shard_mean(a),
@@ -435,20 +251,20 @@ WITH_AXIS = {
 
 @pytest.mark.parametrize("name", sorted(WITH_AXIS))
 def test_wrong_axis_names_raise_a_clear_error_and_change_nothing(mesh, name):
-  params = _float_params()
-  state, specs = _init(mesh, WITH_AXIS[name](AXIS), params)
+  params = float_params()
+  state, specs = init_on_mesh(mesh, WITH_AXIS[name](AXIS), params)
   tried = []
 
-  @_settings(5)
-  @given(axis=_WRONG_NAMES)
+  @settings(5)
+  @given(axis=WRONG_NAMES)
   def check(axis):
-    message = _assert_fails_cleanly(
+    message = assert_fails_cleanly(
       mesh,
       WITH_AXIS[name](axis),
       state,
       specs,
       params,
-      _float_params(),
+      float_params(),
       shardopt.AxisNotBoundError,
       name,
       repr(axis),
@@ -458,11 +274,11 @@ def test_wrong_axis_names_raise_a_clear_error_and_change_nothing(mesh, name):
     tried.append(axis)
 
   check()
-  _report(f"wrong axis names for {name} -> AxisNotBoundError", len(tried))
+  report(f"wrong axis names for {name} -> AxisNotBoundError", len(tried))
 
 
 NON_FLOAT_TARGETS = {
-  "shardopt.reduce": lambda: _stateless(lambda t: shardopt.reduce(t, AXIS)),
+  "shardopt.reduce": lambda: stateless(lambda t: shardopt.reduce(t, AXIS)),
   "shardopt.cross_shard_mean": lambda: shardopt.cross_shard_mean(AXIS),
   "shardopt.cross_shard_sum": lambda: shardopt.cross_shard_sum(AXIS),
   "shardopt.cross_shard": lambda: shardopt.cross_shard(optax.sgd(0.1), AXIS),
@@ -476,9 +292,9 @@ def test_non_float_leaves_raise_a_type_error_naming_the_leaf(mesh):
   tried = []
   states = {}
 
-  @_settings(30)
+  @settings(30)
   @given(
-    tree=_trees(min_leaves=2, max_leaves=3),
+    tree=pytrees(min_leaves=2, max_leaves=3),
     bad_dtype=st.sampled_from(NON_FLOATS),
     position=st.integers(0, 2),
     name=st.sampled_from(sorted(NON_FLOAT_TARGETS)),
@@ -493,24 +309,24 @@ def test_non_float_leaves_raise_a_type_error_naming_the_leaf(mesh):
       (shape if shape != (0,) else (2,), dtype) for shape, dtype in specs
     ]
     specs[position] = (specs[position][0], bad_dtype)
-    leaves = [_per_replica(rng, s, d) for s, d in specs]
-    params = _build(
+    leaves = [per_replica_values(rng, s, d) for s, d in specs]
+    params = build_tree(
       kind,
       [
         x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(np.float32)
         for x in leaves
       ],
     )
-    grads = _build(kind, leaves)
+    grads = build_tree(kind, leaves)
     tx = NON_FLOAT_TARGETS[name]()
     key = (name, kind, tuple(s for s, _ in specs))
     if key not in states:
-      states[key] = _init(mesh, tx, params)
+      states[key] = init_on_mesh(mesh, tx, params)
     state, state_specs = states[key]
     path = jax.tree_util.keystr(
       jax.tree_util.tree_flatten_with_path(grads)[0][position][0]
     )
-    _assert_fails_cleanly(
+    assert_fails_cleanly(
       mesh,
       tx,
       state,
@@ -526,7 +342,7 @@ def test_non_float_leaves_raise_a_type_error_naming_the_leaf(mesh):
     tried.append(name)
 
   check()
-  _report(
+  report(
     "non-float leaves -> TypeError naming the leaf",
     len(tried),
     f" over {len(set(tried))} transforms",
@@ -570,23 +386,25 @@ MUTATIONS = [
 
 
 def _mutate(mutation, kind, leaves):
-  """A pytree whose structure differs from ``_build(kind, leaves)``."""
+  """A pytree whose structure differs from ``build_tree(kind, leaves)``."""
   if mutation == "drop_leaf" and len(leaves) > 1:
-    return _build(kind, leaves[:-1])
+    return build_tree(kind, leaves[:-1])
   if mutation in ("drop_leaf", "add_leaf"):
-    return _build(kind, leaves + [leaves[0]])
+    return build_tree(kind, leaves + [leaves[0]])
   if mutation == "rename_or_retype":
     if kind == "dict":
-      tree = _build(kind, leaves)
+      tree = build_tree(kind, leaves)
       return {("renamed" if k == "leaf0" else k): v for k, v in tree.items()}
     if kind == "list":
       return tuple(leaves)
     return {"outer": [leaves[0]], "rest": tuple(leaves[1:])}
   if mutation == "other_container":
-    return _build(
+    return build_tree(
       {"dict": "list", "list": "nested", "nested": "dict"}[kind], leaves
     )
-  return _build(kind, [{"nested": leaves[0]}] + leaves[1:])  # leaf_to_subtree
+  return build_tree(
+    kind, [{"nested": leaves[0]}] + leaves[1:]
+  )  # leaf_to_subtree
 
 
 @pytest.mark.parametrize("name", sorted(STATEFUL))
@@ -595,9 +413,9 @@ def test_grads_not_matching_the_state_structure_raise_and_change_nothing(
 ):
   tried = []
 
-  @_settings(6)
+  @settings(6)
   @given(
-    tree=_trees(dtypes=[jnp.float32]),
+    tree=pytrees(dtypes=[jnp.float32]),
     mutation=st.sampled_from(MUTATIONS),
     seed=st.integers(0, 2**31 - 1),
   )
@@ -607,12 +425,14 @@ def test_grads_not_matching_the_state_structure_raise_and_change_nothing(
     specs = [
       (shape if shape != (0,) else (2,), dtype) for shape, dtype in specs
     ]
-    leaves = [_per_replica(rng, shape, dtype) for shape, dtype in specs]
-    state, state_specs = _init(mesh, STATEFUL[name](), _build(kind, leaves))
+    leaves = [per_replica_values(rng, shape, dtype) for shape, dtype in specs]
+    state, state_specs = init_on_mesh(
+      mesh, STATEFUL[name](), build_tree(kind, leaves)
+    )
     # The step gets grads AND params of the new structure, as a user who
     # changed the model but kept an old optimizer state would pass them.
     changed = _mutate(mutation, kind, leaves)
-    message = _assert_fails_cleanly(
+    message = assert_fails_cleanly(
       mesh,
       STATEFUL[name](),
       state,
@@ -625,7 +445,7 @@ def test_grads_not_matching_the_state_structure_raise_and_change_nothing(
     tried.append(mutation)
 
   check()
-  _report(
+  report(
     f"grads/state tree mismatch for {name} -> error",
     len(tried),
     f" ({len(set(tried))} kinds of mismatch)",
@@ -653,7 +473,7 @@ def test_grads_not_matching_the_state_structure_raise_and_change_nothing(
 def test_sync_period_not_a_positive_integer_is_rejected(make, arg):
   tried = []
 
-  @_settings(30)
+  @settings(30)
   @given(
     value=st.one_of(
       st.integers(max_value=0),
@@ -671,7 +491,7 @@ def test_sync_period_not_a_positive_integer_is_rejected(make, arg):
     tried.append(value)
 
   check()
-  _report(f"{arg} <= 0 or not an integer -> ValueError", len(tried))
+  report(f"{arg} <= 0 or not an integer -> ValueError", len(tried))
 
 
 # --- Once gaps in shardopt.agn / local_sgd, now checked by periodic.py. -------
@@ -679,24 +499,26 @@ def test_sync_period_not_a_positive_integer_is_rejected(make, arg):
 
 @pytest.mark.parametrize("name", ["agn(sgd)", "local_sgd"])
 def test_periodic_rejects_grads_with_a_leaf_turned_into_a_subtree(mesh, name):
-  leaves = [_float_params()["w"], _float_params()["b"]]
-  state, specs = _init(mesh, STATEFUL[name](), _build("dict", leaves))
+  leaves = [float_params()["w"], float_params()["b"]]
+  state, specs = init_on_mesh(
+    mesh, STATEFUL[name](), build_tree("dict", leaves)
+  )
   changed = _mutate("leaf_to_subtree", "dict", leaves)
-  message = _assert_fails_cleanly(
+  message = assert_fails_cleanly(
     mesh, STATEFUL[name](), state, specs, changed, changed, Exception
   )
   assert "structure" in message or "mismatch" in message, message
 
 
 def test_agn_rejects_an_integer_gradient_leaf(mesh):
-  params = {"w": _float_params()["w"], "i": _float_params()["w"]}
+  params = {"w": float_params()["w"], "i": float_params()["w"]}
   grads = {
     "w": params["w"],
-    "i": _per_replica(np.random.default_rng(1), (3,), jnp.int32),
+    "i": per_replica_values(np.random.default_rng(1), (3,), jnp.int32),
   }
   tx = shardopt.agn(optax.sgd(0.1), AXIS, sync_period=2)
-  state, specs = _init(mesh, tx, params)
-  _assert_fails_cleanly(
+  state, specs = init_on_mesh(mesh, tx, params)
+  assert_fails_cleanly(
     mesh, tx, state, specs, params, grads, TypeError, "shardopt.agn", "['i']"
   )
 

@@ -31,25 +31,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _properties import AXIS
+from _properties import INVALID_GROUP_KINDS
+from _properties import WRONG_NAMES
+from _properties import R
+from _properties import assert_fails_cleanly
+from _properties import build_tree
+from _properties import float_params
+from _properties import init_on_mesh
+from _properties import invalid_groups
+from _properties import pytrees
+from _properties import report
+from _properties import settings
+from _properties import stateless
 from hypothesis import assume
 from hypothesis import example
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_properties import _WRONG_NAMES
-from test_properties import AXIS
-from test_properties import INVALID_GROUP_KINDS
-from test_properties import R
-from test_properties import _assert_fails_cleanly
-from test_properties import _build
-from test_properties import _float_params
-from test_properties import _init
-from test_properties import _invalid_groups
-from test_properties import _report
-from test_properties import _settings
-from test_properties import _stateless
-from test_properties import _trees
 
 import shardopt
 
@@ -107,12 +107,12 @@ def _accumulate_vs_multisteps(k, mean, inner):
 def test_accumulate_equals_optax_multisteps_for_random_k_trees_and_dtypes():
   tried, worst = [], {}
 
-  @_settings(12)
+  @settings(12)
   @given(
     k=st.integers(1, 5),
     mean=st.booleans(),
     inner=st.sampled_from(sorted(ACC_INNERS)),
-    tree=_trees(dtypes=LOW_PRECISION_OK),
+    tree=pytrees(dtypes=LOW_PRECISION_OK),
     scale=st.sampled_from([1e-3, 1.0, 100.0]),
     seed=st.integers(0, 2**31 - 1),
   )
@@ -133,10 +133,10 @@ def test_accumulate_equals_optax_multisteps_for_random_k_trees_and_dtypes():
     kind, specs = tree
     rng = np.random.default_rng(seed)
     steps = 2 * k + 1
-    params = _build(
+    params = build_tree(
       kind, [jnp.asarray(rng.normal(size=s), d) for s, d in specs]
     )
-    grads_seq = _build(
+    grads_seq = build_tree(
       kind,
       [jnp.asarray(scale * rng.normal(size=(steps,) + s), d) for s, d in specs],
     )
@@ -186,7 +186,7 @@ def test_accumulate_equals_optax_multisteps_for_random_k_trees_and_dtypes():
     tried.append((k, mean, inner, tuple(np.dtype(d).name for _, d in specs)))
 
   check()
-  _report(
+  report(
     "accumulate == optax.MultiSteps",
     len(tried),
     f" (k {sorted({t[0] for t in tried})}; use_grad_mean both:"
@@ -362,7 +362,7 @@ def test_apply_if_finite_random_nan_inf_patterns_skip_together_and_match_numpy(
 ):
   tried = {"faulty": 0, "skipped": 0, "forced": 0}
 
-  @_settings(8)
+  @settings(8)
   @given(
     pattern=_fault_patterns(),
     tree=st.sampled_from(sorted(FAULT_TREES)),
@@ -383,7 +383,7 @@ def test_apply_if_finite_random_nan_inf_patterns_skip_together_and_match_numpy(
 
     def unflatten(x, lead):
       parts = np.split(x, np.cumsum(sizes)[:-1], axis=-1)
-      return _build(
+      return build_tree(
         kind, [part.reshape(lead + s) for part, s in zip(parts, shapes)]
       )
 
@@ -423,7 +423,7 @@ def test_apply_if_finite_random_nan_inf_patterns_skip_together_and_match_numpy(
     tried.setdefault("inners", set()).add(inner)
 
   check()
-  _report(
+  report(
     f"apply_if_finite under random NaN/inf patterns ({mapping})",
     tried["examples"],
     f" over {len(tried['inners'])} inner transforms; {tried['faulty']}"
@@ -447,7 +447,7 @@ _NOT_INTEGERS = st.one_of(
 def test_accumulate_every_k_steps_not_a_positive_integer_is_rejected():
   tried = []
 
-  @_settings(20)
+  @settings(20)
   @given(value=st.one_of(st.integers(max_value=0), _NOT_INTEGERS))
   def check(value):
     with pytest.raises(ValueError) as info:
@@ -462,7 +462,7 @@ def test_accumulate_every_k_steps_not_a_positive_integer_is_rejected():
     tried.append(value)
 
   check()
-  _report(
+  report(
     "accumulate every_k_steps <= 0 or not an integer -> ValueError", len(tried)
   )
 
@@ -470,7 +470,7 @@ def test_accumulate_every_k_steps_not_a_positive_integer_is_rejected():
 def test_accumulate_use_grad_mean_not_a_bool_is_rejected():
   tried = []
 
-  @_settings(10)
+  @settings(10)
   @given(
     value=st.one_of(
       st.integers(), st.floats(allow_nan=True), st.none(), st.text(max_size=3)
@@ -485,13 +485,13 @@ def test_accumulate_use_grad_mean_not_a_bool_is_rejected():
     tried.append(value)
 
   check()
-  _report("accumulate use_grad_mean not a bool -> TypeError", len(tried))
+  report("accumulate use_grad_mean not a bool -> TypeError", len(tried))
 
 
 def test_apply_if_finite_max_consecutive_errors_not_a_non_negative_integer_is_rejected():
   tried = []
 
-  @_settings(20)
+  @settings(20)
   @given(value=st.one_of(st.integers(max_value=-1), _NOT_INTEGERS))
   def check(value):
     with pytest.raises(ValueError) as info:
@@ -506,7 +506,7 @@ def test_apply_if_finite_max_consecutive_errors_not_a_non_negative_integer_is_re
     tried.append(value)
 
   check()
-  _report(
+  report(
     "apply_if_finite max_consecutive_errors < 0 or not an integer"
     " -> ValueError",
     len(tried),
@@ -552,7 +552,7 @@ WITH_AXIS_NEW = {  # name in the error -> (axis -> transform)
   "shardopt.apply_if_finite": lambda a: shardopt.apply_if_finite(
     shardopt.cross_shard(optax.adam(0.1), AXIS), 2, axis_name=a
   ),
-  "shardopt.all_finite": lambda a: _stateless(
+  "shardopt.all_finite": lambda a: stateless(
     lambda t: jax.tree.map(
       lambda x: jnp.where(shardopt.all_finite(t, a), x, 0.0), t
     )
@@ -569,20 +569,20 @@ WITH_AXIS_NEW = {  # name in the error -> (axis -> transform)
 def test_wrong_axis_names_of_the_new_transforms_raise_and_change_nothing(
   mesh, name
 ):
-  params = _float_params()
-  state, specs = _init(mesh, WITH_AXIS_NEW[name](AXIS), params)
+  params = float_params()
+  state, specs = init_on_mesh(mesh, WITH_AXIS_NEW[name](AXIS), params)
   tried = []
 
-  @_settings(5)
-  @given(axis=_WRONG_NAMES)
+  @settings(5)
+  @given(axis=WRONG_NAMES)
   def check(axis):
-    message = _assert_fails_cleanly(
+    message = assert_fails_cleanly(
       mesh,
       WITH_AXIS_NEW[name](axis),
       state,
       specs,
       params,
-      _float_params(),
+      float_params(),
       shardopt.AxisNotBoundError,
       name,
       repr(axis),
@@ -592,19 +592,19 @@ def test_wrong_axis_names_of_the_new_transforms_raise_and_change_nothing(
     tried.append(axis)
 
   check()
-  _report(f"wrong axis names for {name} -> AxisNotBoundError", len(tried))
+  report(f"wrong axis names for {name} -> AxisNotBoundError", len(tried))
 
 
 def test_all_finite_invalid_groups_raise_and_change_nothing(mesh):
-  params = _float_params()
-  state, specs = _init(mesh, _stateless(lambda t: t), params)
+  params = float_params()
+  state, specs = init_on_mesh(mesh, stateless(lambda t: t), params)
   tried = []
 
-  @_settings(16)
+  @settings(16)
   @given(data=st.data(), kind=st.sampled_from(INVALID_GROUP_KINDS))
   def check(data, kind):
-    groups = data.draw(_invalid_groups(kind))
-    bad = _stateless(
+    groups = data.draw(invalid_groups(kind))
+    bad = stateless(
       lambda t: jax.tree.map(
         lambda x: jnp.where(
           shardopt.all_finite(t, AXIS, axis_index_groups=groups), x, 0.0
@@ -612,8 +612,8 @@ def test_all_finite_invalid_groups_raise_and_change_nothing(mesh):
         t,
       )
     )
-    message = _assert_fails_cleanly(
-      mesh, bad, state, specs, params, _float_params(), ValueError
+    message = assert_fails_cleanly(
+      mesh, bad, state, specs, params, float_params(), ValueError
     )
     for fragment in (
       "shardopt.all_finite",
@@ -630,7 +630,7 @@ def test_all_finite_invalid_groups_raise_and_change_nothing(mesh):
     match="shardopt.all_finite: axis_index_groups.*needs a named axis",
   ):
     shardopt.all_finite(jnp.ones(3), None, axis_index_groups=[[0]])
-  _report(
+  report(
     "all_finite with invalid axis_index_groups -> ValueError",
     len(tried),
     f" ({len(set(tried))} kinds)",
@@ -750,7 +750,7 @@ def _powersgd_run(rank, rate, shapes, steps, seed, lr=1.0):
 def test_powersgd_at_full_rank_is_the_mean():
   tried = []
 
-  @_settings(8)
+  @settings(8)
   @given(
     shapes=st.lists(st.sampled_from(POWERSGD_SHAPES), min_size=1, max_size=3),
     steps=st.integers(1, 3),
@@ -772,7 +772,7 @@ def test_powersgd_at_full_rank_is_the_mean():
     tried.append(sum(_powersgd_compressed(s, rank, rate) for s in shapes))
 
   check()
-  _report(
+  report(
     "powersgd at full rank == mean",
     len(tried),
     f" ({sum(tried)} compressed leaves)",
@@ -783,7 +783,7 @@ def test_powersgd_at_full_rank_is_the_mean():
 def test_powersgd_error_feedback_sums_to_what_was_not_sent():
   tried = []
 
-  @_settings(8)
+  @settings(8)
   @given(
     shapes=st.lists(st.sampled_from(POWERSGD_SHAPES), min_size=1, max_size=3),
     rank=st.integers(1, 3),
@@ -817,7 +817,7 @@ def test_powersgd_error_feedback_sums_to_what_was_not_sent():
     tried.append(sum(_powersgd_compressed(s, rank, rate) for s in shapes))
 
   check()
-  _report(
+  report(
     "powersgd: sum of errors == sum of inputs - n * approximation",
     len(tried),
     f" ({sum(tried)} compressed leaves)",
@@ -871,10 +871,10 @@ def _flat_rows(tree):
 def test_hierarchical_local_sgd_equals_numpy_for_random_schedules():
   tried = []
 
-  @_settings(8)
+  @settings(8)
   @given(
     schedule=_hierarchies(),
-    tree=_trees(dtypes=[jnp.float32]),
+    tree=pytrees(dtypes=[jnp.float32]),
     steps=st.integers(1, 12),
     seed=st.integers(0, 2**31 - 1),
   )
@@ -887,9 +887,11 @@ def test_hierarchical_local_sgd_equals_numpy_for_random_schedules():
     rng = np.random.default_rng(seed)
     lr = 0.1
     leaves0 = [rng.normal(size=s).astype(np.float32) for s, _ in specs]
-    params = _build(kind, [np.tile(x, (R,) + (1,) * x.ndim) for x in leaves0])
+    params = build_tree(
+      kind, [np.tile(x, (R,) + (1,) * x.ndim) for x in leaves0]
+    )
     grads_seq = [
-      _build(
+      build_tree(
         kind, [rng.normal(size=(R,) + s).astype(np.float32) for s, _ in specs]
       )
       for _ in range(steps)
@@ -915,7 +917,7 @@ def test_hierarchical_local_sgd_equals_numpy_for_random_schedules():
     tried.append(len(schedule))
 
   check()
-  _report(
+  report(
     "hierarchical_local_sgd == numpy",
     len(tried),
     f" (levels per schedule: {sorted(set(tried))})",
@@ -1002,7 +1004,7 @@ def test_diloco_fragments_equal_numpy_for_random_periods_and_trees():
   fragments_supported = _diloco_has_fragments()
   tried = []
 
-  @_settings(8)
+  @settings(8)
   @given(
     period=st.integers(1, 6),
     shapes=st.lists(
@@ -1048,7 +1050,7 @@ def test_diloco_fragments_equal_numpy_for_random_periods_and_trees():
     tried.append(num_fragments)
 
   check()
-  _report(
+  report(
     "diloco(num_fragments=F) == numpy",
     len(tried),
     f" (F drawn: {sorted(set(tried))}; num_fragments supported:"
