@@ -63,7 +63,7 @@ autodoc_member_order = "bysource"
 autodoc_default_options = {"exclude-members": "count, index"}
 autosummary_generate = False  # the tables link to entries on the same page
 add_module_names = False
-# "sync_count" in the on-page contents, not "AGNState.sync_count".
+# "sync_count" in the on-page contents, not "PeriodicState.sync_count".
 toc_object_entries_show_parents = "hide"
 
 # Notebooks are rendered from the outputs stored in notebooks/*.ipynb (written

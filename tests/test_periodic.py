@@ -716,7 +716,7 @@ def test_state_restored_mid_period_continues_bit_identically():
   for i in range(3):
     params, state = two_steps(params, state, *chunk(i))
   saved = jax.tree.map(np.asarray, (params, state))  # mid-period checkpoint
-  assert isinstance(saved[1], shardopt.AGNState)
+  assert isinstance(saved[1], shardopt.PeriodicState)
   assert np.all(saved[1].count == 6) and np.all(saved[1].sync_count == 1)
   assert all(isinstance(v, np.ndarray) for v in jax.tree.leaves(saved))
   params, state = jax.tree.map(jnp.asarray, saved)

@@ -107,3 +107,11 @@ def test_every_public_signature_spells_the_concepts_one_way():
     params = set(inspect.signature(obj).parameters)
     offenders += [f"shardopt.{name}({p}=)" for p in sorted(params & old)]
   assert not offenders, offenders
+
+
+def test_agn_state_is_the_periodic_state_under_its_first_name():
+  assert shardopt.AGNState is shardopt.PeriodicState
+  tx = shardopt.local_sgd(optax.sgd(0.1), AXIS, sync_period=2)
+  state = jax.pmap(tx.init)(jnp.zeros((R, 3)))
+  assert isinstance(state, shardopt.AGNState)
+  assert type(state).__name__ == "PeriodicState"

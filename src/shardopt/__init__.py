@@ -22,6 +22,7 @@ from shardopt.cross_shard import scale_loss
 from shardopt.finite import all_finite
 from shardopt.finite import apply_if_finite
 from shardopt.periodic import AGNState
+from shardopt.periodic import PeriodicState
 from shardopt.periodic import agn
 from shardopt.periodic import diloco
 from shardopt.periodic import hierarchical_local_sgd
@@ -47,6 +48,7 @@ __all__ = [
   "replica_divergence",
   "scale_loss",
   "AGNState",
+  "PeriodicState",
   "agn",
   "diloco",
   "hierarchical_local_sgd",

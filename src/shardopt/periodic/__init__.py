@@ -37,7 +37,7 @@ combined with ``reduction`` ("mean" by default; "sum" is what a parameter
 server does when it applies every worker's commit in one round).
 
 The package shows the engine's parts, one module each: ``transforms`` (the
-public functions), ``state`` (``AGNState``), ``schedules`` (which
+public functions), ``state`` (``PeriodicState``), ``schedules`` (which
 fragment, which group, which step), ``fragments`` (whole leaves or strided
 layers of stacked leaves), ``contributions`` (gradient sums,
 pseudo-gradients, params), ``combine`` (the collective round), ``outer``
@@ -52,12 +52,20 @@ imported).
 """
 
 from shardopt.periodic.state import AGNState
+from shardopt.periodic.state import PeriodicState
 from shardopt.periodic.transforms import agn
 from shardopt.periodic.transforms import diloco
 from shardopt.periodic.transforms import hierarchical_local_sgd
 from shardopt.periodic.transforms import local_sgd
 
-__all__ = ["AGNState", "agn", "diloco", "hierarchical_local_sgd", "local_sgd"]
+__all__ = [
+  "AGNState",
+  "PeriodicState",
+  "agn",
+  "diloco",
+  "hierarchical_local_sgd",
+  "local_sgd",
+]
 
 # The public functions live in .transforms; their examples run with this
 # module's doctests (tests/test_docstrings.py walks shardopt's top level).

@@ -41,7 +41,7 @@ shared center). ``update`` runs these steps, one call each:
    (:func:`.outer.pull_after`), or with overlap onto the mix of params and
    center for the fragment whose merge is due (:class:`.outer.Merge`), the
    local optimizer's for the others.
-8. :func:`_new_state`: the :class:`.state.AGNState` after the step.
+8. :func:`_new_state`: the :class:`.state.PeriodicState` after the step.
 
 What a step costs, and the tricks that keep a step without a sync as cheap
 as the plain local step, are in :mod:`._xla`.
@@ -68,8 +68,8 @@ from shardopt.periodic import contributions
 from shardopt.periodic import fragments as _fragments
 from shardopt.periodic import outer
 from shardopt.periodic import schedules
-from shardopt.periodic.state import AGNState
 from shardopt.periodic.state import Carry
+from shardopt.periodic.state import PeriodicState
 from shardopt.periodic.state import initial_error
 from shardopt.periodic.state import initial_flags
 
@@ -84,7 +84,7 @@ class _Engine:
   axis_name: Any
   syncs: Sequence[schedules.Sync]
   contribution: contributions.Contribution
-  outer_step: Any  # outer.Optimizer or outer.Replace
+  outer_step: outer.OuterStep
   reduction: str
   axis_index_groups: Any
   comm_dtype: Any
@@ -108,7 +108,7 @@ class _Step(NamedTuple):
 
   engine: _Engine
   grads: Any
-  state: AGNState
+  state: PeriodicState
   params: Any
   extra_args: dict
   size: int  # of the replica axis
@@ -418,9 +418,9 @@ def _updates(step: _Step, count, index, carry: Carry, updates: list) -> list:
   )
 
 
-def _new_state(step: _Step, count, carry: Carry, local_state) -> AGNState:
+def _new_state(step: _Step, count, carry: Carry, local_state) -> PeriodicState:
   """Step 8: the state after the step."""
-  return AGNState(
+  return PeriodicState(
     count=count,
     sync_count=carry.sync_count,
     accumulator=step.engine.contribution.state(step.treedef, carry.accumulator),
@@ -437,7 +437,7 @@ def _new_state(step: _Step, count, carry: Carry, local_state) -> AGNState:
 # The engine.
 
 
-def _init(params, *, engine: _Engine) -> AGNState:
+def _init(params, *, engine: _Engine) -> PeriodicState:
   """The engine's ``init``: counters at 0, the center at ``params``, the
   local and outer optimizers' states (one outer state per fragment)."""
   fragments = _fragments.split(
@@ -449,7 +449,7 @@ def _init(params, *, engine: _Engine) -> AGNState:
   skipped, restart = initial_flags(
     leaves, engine.axis_name, engine.whole_axis_count
   )
-  return AGNState(
+  return PeriodicState(
     count=jnp.zeros([], jnp.int32),
     sync_count=jnp.zeros([], jnp.int32),
     accumulator=engine.contribution.init(params),
@@ -471,7 +471,7 @@ def periodic(
   *,
   syncs: Sequence[schedules.Sync],
   contribution: contributions.Contribution,
-  outer_step: outer.Optimizer | outer.Replace,
+  outer_step: outer.OuterStep,
   reduction: str = "mean",
   axis_index_groups=None,
   comm_dtype=None,
@@ -513,7 +513,7 @@ def periodic(
       by the caller.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` with state :class:`AGNState`.
+    An ``optax.GradientTransformationExtraArgs`` with state :class:`PeriodicState`.
   """
   _axes.check_transform(optimizer, name)
   outer_step.check(name)

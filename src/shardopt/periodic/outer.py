@@ -1,7 +1,9 @@
 """Outer steps: how a sync moves the center with the combined contribution,
 and the updates that pull the params onto it.
 
-One small object per kind, each with ``check``, ``init`` and ``step``:
+One small object per kind, each with ``check``, ``init`` and ``step`` (the
+:class:`OuterStep` protocol, all the engine asks of one; a new outer step is
+a new class here):
 
 - :class:`Optimizer`: an optax optimizer moves the center
   (``center <- global_optimizer(center, a)``): ``agn``'s global optimizer,
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,24 @@ import optax
 from shardopt import _axes
 from shardopt.periodic import _xla
 from shardopt.periodic import fragments as _fragments
+
+
+class OuterStep(Protocol):
+  """What the engine (:mod:`.engine`) asks of an outer step."""
+
+  def check(self, transform: str) -> None:
+    """Raises a clear error (naming ``transform``) for a bad configuration."""
+
+  def init(self, params: Any, fragments, view) -> Any:
+    """The outer state for ``params`` (one per fragment with fragments);
+    ``view`` turns a list of leaves into what an optimizer sees."""
+
+  def step(
+    self, combined, mine, center, global_state, any_finite, view
+  ) -> tuple[list, Any]:
+    """The new center leaves and outer state after a sync: ``combined`` is
+    the group's combined contribution, ``mine`` this replica's, per synced
+    leaf; nothing moves unless ``any_finite``."""
 
 
 def fragment_view(treedef, num_fragments: int):

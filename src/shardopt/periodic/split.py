@@ -34,7 +34,7 @@ from shardopt.periodic import engine as _engine
 from shardopt.periodic import fragments as _fragments
 from shardopt.periodic import outer
 from shardopt.periodic import schedules
-from shardopt.periodic.state import AGNState
+from shardopt.periodic.state import PeriodicState
 
 Engine = _engine._Engine
 
@@ -72,7 +72,11 @@ def engine_of(tx: Any, where: str) -> Engine:
 
 
 def local_update(
-  engine: Engine, grads: Any, state: AGNState, params: Any, extra_args: dict
+  engine: Engine,
+  grads: Any,
+  state: PeriodicState,
+  params: Any,
+  extra_args: dict,
 ):
   """Step 1-3, 6-8 without a sync: ``(updates, state)`` after one local
   step, with no collective over ``engine.axis_name``."""
@@ -128,7 +132,9 @@ def put(leaves: list, parts: tuple, values: list) -> list:
   return leaves
 
 
-def contribution(engine: Engine, sync: int, state: AGNState, params) -> list:
+def contribution(
+  engine: Engine, sync: int, state: PeriodicState, params
+) -> list:
   """Step 5a: this replica's contribution to sync ``sync`` (1-based), one
   array per piece, read from the params as given (after the local step)."""
   parts = pieces(engine, params, sync)
@@ -144,7 +150,7 @@ def contribution(engine: Engine, sync: int, state: AGNState, params) -> list:
 def apply(
   engine: Engine,
   sync: int,
-  state: AGNState,
+  state: PeriodicState,
   params: Any,
   combined: list,
   *,

@@ -1,5 +1,6 @@
-"""The state of the periodic family: :class:`AGNState` (what the transforms
-keep between steps) and :class:`Carry` (what a sync may change within one).
+"""The state of the periodic family: :class:`PeriodicState` (what the transforms
+keep between steps; ``AGNState``, its first name, is the same class) and
+:class:`Carry` (what a sync may change within one).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 from shardopt import _axes
 
 
-class AGNState(NamedTuple):
+class PeriodicState(NamedTuple):
   """State of :func:`agn`, :func:`local_sgd`, :func:`diloco` and
   :func:`hierarchical_local_sgd`.
 
@@ -67,6 +68,11 @@ class AGNState(NamedTuple):
   skipped: chex.Array
   restart: chex.Array
   error: Any = ()
+
+
+# The name from TensorFlow's AGNOptimizer, which the family grew from; the same
+# class, so isinstance checks and restored checkpoints are unchanged.
+AGNState = PeriodicState
 
 
 class Carry(NamedTuple):

@@ -127,7 +127,7 @@ def agn(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
-    :class:`AGNState`. ``update`` needs ``params``. Extra keyword arguments go
+    :class:`PeriodicState`. ``update`` needs ``params``. Extra keyword arguments go
     to the local optimizer.
 
   Example:
@@ -237,7 +237,7 @@ def local_sgd(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
-    :class:`AGNState`. ``update`` needs ``params``.
+    :class:`PeriodicState`. ``update`` needs ``params``.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, shardopt
@@ -334,7 +334,7 @@ def hierarchical_local_sgd(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
-    :class:`AGNState` (``global_state`` and ``accumulator`` empty).
+    :class:`PeriodicState` (``global_state`` and ``accumulator`` empty).
     ``update`` needs ``params``.
 
   Example:
@@ -513,13 +513,13 @@ def diloco(
       fragment ``f`` syncs after step ``t`` iff ``t % sync_period == (f *
       sync_period // F + sync_offset) % sync_period`` (its merge follows
       ``overlap_steps`` later); an integer in ``[0, sync_period]``
-      (``sync_period`` is the same as 0, the default). torchft's Streaming DiLoCo is ``sync_offset = sync_period // F
-      - fragment_sync_delay`` (see ``docs/diloco.md``, "Coming from
-      torchft").
+      (``sync_period`` is the same as 0, the default). torchft's Streaming
+      DiLoCo is ``sync_offset = sync_period // F - fragment_sync_delay``
+      (see ``docs/diloco.md``, "Coming from torchft").
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
-    :class:`AGNState`. ``update`` needs ``params``.
+    :class:`PeriodicState`. ``update`` needs ``params``.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, shardopt
