@@ -135,9 +135,7 @@ def _cases(n: int) -> list[dict]:
         dict(
           label=f"agn(adam, T={period})",
           mapping="pmap",
-          tx=lambda p=period: shardopt.agn(
-            adam(), axis, communication_period=p
-          ),
+          tx=lambda p=period: shardopt.agn(adam(), axis, sync_period=p),
           period=period,
           minimum=1.0 / period,
           quick=period == 16,
@@ -148,7 +146,7 @@ def _cases(n: int) -> list[dict]:
       dict(
         label="local_sgd(adam, period=16)",
         mapping="pmap",
-        tx=lambda: shardopt.local_sgd(adam(), axis, period=16),
+        tx=lambda: shardopt.local_sgd(adam(), axis, sync_period=16),
         period=16,
         minimum=1.0 / 16,
       )

@@ -64,12 +64,12 @@ def _methods(quick: bool = False) -> dict:
   if _common.has("agn"):
     for period in (4,) if quick else (4, 16):  # smoke run: one agn
       methods[f"agn(adam, T={period})"] = (
-        lambda p=period: shardopt.agn(adam(), axis, communication_period=p),
+        lambda p=period: shardopt.agn(adam(), axis, sync_period=p),
         period,
       )
   if _common.has("local_sgd"):
     methods["local_sgd(adam, period=8)"] = (
-      lambda: shardopt.local_sgd(adam(), axis, period=8),
+      lambda: shardopt.local_sgd(adam(), axis, sync_period=8),
       8,
     )
   if _common.has("diloco"):

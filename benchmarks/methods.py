@@ -157,7 +157,7 @@ def agn(period: int, quick: bool = False, name: str = "adamw") -> Method:
   return Method(
     f"agn({name}, T={period})",
     ("agn",),
-    lambda opt: shardopt.agn(opt(), AXIS, communication_period=period),
+    lambda opt: shardopt.agn(opt(), AXIS, sync_period=period),
     _hlo.Schedule(schedules.every(period)),
     1.0 / period,
     quick,
@@ -171,7 +171,7 @@ def local_sgd(
   comm_dtype=None,
   error_feedback: bool = False,
 ) -> Method:
-  """``local_sgd(optimizer, period=period)``: plain parameter averaging
+  """``local_sgd(optimizer, sync_period=period)``: plain parameter averaging
   every ``period`` steps, the average on ``comm_dtype`` (optionally with
   error feedback)."""
   wire = wire_name(comm_dtype, error_feedback)
@@ -181,7 +181,7 @@ def local_sgd(
     lambda opt: shardopt.local_sgd(
       opt(),
       AXIS,
-      period=period,
+      sync_period=period,
       comm_dtype=comm_dtype,
       error_feedback=error_feedback,
     ),
