@@ -934,12 +934,16 @@ def test_period_arguments_name_their_transform():
   [
     ({"outer_learning_rate": 0.0}, "outer_learning_rate=0.0"),
     ({"outer_momentum": 1.0}, "outer_momentum=1.0"),
-    ({"nesterov": "yes"}, "nesterov='yes'"),
   ],
 )
 def test_diloco_outer_arguments_are_checked(kwargs, match):
   with pytest.raises(ValueError, match=match):
     shardopt.diloco(optax.sgd(0.1), "batch", **kwargs)
+
+
+def test_diloco_nesterov_not_a_bool_is_a_type_error():
+  with pytest.raises(TypeError, match="shardopt.diloco: nesterov='yes'"):
+    shardopt.diloco(optax.sgd(0.1), "batch", nesterov="yes")
 
 
 def test_unsupported_reduction_raises_at_construction():

@@ -621,8 +621,6 @@ def test_unbound_axis_names_the_transform():
       dict(min_compression_rate=float("inf")),
       r"min_compression_rate=inf .* positive finite",
     ),
-    (dict(error_feedback="yes"), r"error_feedback='yes' .* True or False"),
-    (dict(warm_start=1), r"warm_start=1 .* True or False"),
     (dict(seed="a"), r"seed='a' .* integer"),
   ],
 )
@@ -630,6 +628,18 @@ def test_arguments_are_checked_at_construction(kwargs, match):
   kwargs = dict(dict(axis_name=AXIS), **kwargs)
   with pytest.raises(ValueError, match=r"shardopt.powersgd: " + match):
     shardopt.powersgd(kwargs.pop("axis_name"), **kwargs)
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    (dict(error_feedback="yes"), r"error_feedback='yes' must be True or False"),
+    (dict(warm_start=1), r"warm_start=1 must be True or False"),
+  ],
+)
+def test_flags_that_are_not_bools_are_type_errors(kwargs, match):
+  with pytest.raises(TypeError, match=r"shardopt.powersgd: " + match):
+    shardopt.powersgd(AXIS, **kwargs)
 
 
 def test_comm_dtype_must_be_floating_or_quantized():

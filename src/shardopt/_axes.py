@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardopt import _args
 from shardopt import _jax
 
 AxisName = Hashable | tuple
@@ -163,11 +164,8 @@ def explicit_spec(x: Any):
 
 
 def is_integer(value: Any) -> bool:
-  """True for a Python or NumPy integer that is not a bool (the one test
-  behind every integer argument: periods, counts, replica indices)."""
-  return isinstance(value, (int, np.integer)) and not isinstance(
-    value, (bool, np.bool_)
-  )
+  """:func:`shardopt._args.is_integer` (kept here for its many callers)."""
+  return _args.is_integer(value)
 
 
 def as_axis(names: tuple) -> AxisName:

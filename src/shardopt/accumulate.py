@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from shardopt import _args
 from shardopt import _axes
 
 _ACCUMULATE = "shardopt.accumulate"
@@ -221,11 +221,12 @@ def accumulate(
     (``backward_passes_per_step``).
   """
   schedule = _check_every_k_steps(every_k_steps)
-  if not isinstance(use_grad_mean, (bool, np.bool_)):
-    raise TypeError(
-      f"{_ACCUMULATE}: use_grad_mean={use_grad_mean!r} must be"
-      " True (average the accumulated gradients) or False (sum)."
-    )
+  _args.flag(
+    use_grad_mean,
+    "use_grad_mean",
+    _ACCUMULATE,
+    "True averages the accumulated gradients, False sums them",
+  )
   _axes.check_transform(inner, _ACCUMULATE)
   inner = optax.with_extra_args_support(inner)
 

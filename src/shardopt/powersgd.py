@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from shardopt import _args
 from shardopt import _axes
 from shardopt.collectives import reduce_for
 
@@ -223,15 +224,8 @@ def _check_args(
       f" {axis_name!r}) must be a positive finite number: a leaf is"
       " compressed only when n*m > rank*(n+m)*min_compression_rate; e.g. 2.0."
     )
-  for arg, value in (
-    ("error_feedback", error_feedback),
-    ("warm_start", warm_start),
-  ):
-    if not isinstance(value, (bool, np.bool_)):
-      raise ValueError(
-        f"{_POWERSGD}: {arg}={value!r} (axis {axis_name!r}) must"
-        " be True or False."
-      )
+  _args.flag(error_feedback, "error_feedback", _POWERSGD, f"axis {axis_name!r}")
+  _args.flag(warm_start, "warm_start", _POWERSGD, f"axis {axis_name!r}")
   if not _axes.is_integer(seed):
     raise ValueError(
       f"{_POWERSGD}: seed={seed!r} (axis {axis_name!r}) must be"

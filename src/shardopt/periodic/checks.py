@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardopt import _args
 from shardopt import _axes
 from shardopt.periodic import schedules
 
@@ -101,11 +102,7 @@ def check_outer_args(
       f"{transform}: outer_momentum={outer_momentum!r} must be a number in"
       " [0, 1); DiLoCo uses 0.9 (0 turns momentum off)."
     )
-  if not isinstance(nesterov, (bool, np.bool_)):
-    raise ValueError(
-      f"{transform}: nesterov={nesterov!r} must be True or"
-      " False; DiLoCo uses True."
-    )
+  _args.flag(nesterov, "nesterov", transform, "DiLoCo uses True")
 
 
 # diloco's outer step as its three arguments spell it by default (its
