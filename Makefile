@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test fuzz bench install clean notebooks docs lint wheel
+.PHONY: demo test test-fast fuzz bench install clean notebooks docs lint wheel
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,17 @@ install: $(VENV)/.installed
 demo: $(VENV)/.demo-installed
 	$(PY) -m shardopt
 
+# The whole suite (what CI runs, .ci/run), the 15 slowest tests listed last.
 test: $(VENV)/.installed
-	$(PY) -m pytest -n 2 --dist loadgroup tests
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 tests
+
+# Every transform against its numpy/optax/TensorFlow reference and the
+# argument checks, in under 3 minutes: the suite less what is marked slow
+# (tests/conftest.py: SLOW_FILES, SLOW_TESTS; @pytest.mark.slow): subprocesses
+# (multi-process, elastic, restarts, process faults), notebooks, benchmark
+# runs, docs and packaging builds, and the longer variants of what it keeps.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 -m "not slow" tests
 
 # Write each notebooks/NN_*.ipynb from its jupytext source and execute it.
 notebooks: $(VENV)/.installed

@@ -1,6 +1,7 @@
 """Test setup: 8 forced CPU devices, set before jax is imported anywhere."""
 
 import os
+import re
 
 # The collective timeouts are raised from XLA CPU's defaults: on a loaded 2-core
 # machine, 8 device threads can take longer than the default to all reach a
@@ -37,3 +38,331 @@ def mesh():
   """A 1-D mesh named "batch" over the 8 CPU devices."""
   assert jax.device_count() == 8, jax.devices()
   return jax.make_mesh((8,), ("batch",))
+
+
+# --- Test tiers. -------------------------------------------------------------
+# `make test` runs every test (CI too: .ci/run). `make test-fast` runs
+# `pytest -m "not slow"`: every transform against its numpy, optax or
+# TensorFlow reference, in one mapping or case each, and the argument checks,
+# in under 3 minutes on 2 cores. The rest is marked slow: with
+# @pytest.mark.slow in its file, or here: a whole file (SLOW_FILES) or tests
+# (SLOW_TESTS: a test's name, or `name[case]` for cases of a parametrized one,
+# `*` matching any text), each with the reason; KEEP names the cases of a slow
+# parametrized test that stay in the fast tier.
+
+SLOW_FILES = {
+  "test_elastic.py": "processes killed and restarted",
+  "test_multiprocess.py": "jax.distributed across subprocesses",
+  "test_process_faults.py": "subprocesses killed mid-run",
+  "test_restart.py": "subprocesses restarted from checkpoints",
+  "test_notebooks.py": "notebooks",
+  "test_benchmarks_smoke.py": "benchmark runs",
+  "test_packaging.py": "builds the sdist and wheel",
+  "test_docstrings.py": "runs every docstring example",
+  "test_model_parallel_flax.py": "flax model-parallel training runs",
+  "test_faults.py": "200-step fault runs; test_finite keeps the numbers",
+}
+
+_HLO = "HLO structure or copies, not numbers"
+_CASES = "more cases of a reference test the fast tier keeps"
+_VARIANT = "a variant; the fast tier keeps the reference test"
+_LONG = "long run"
+SLOW_TESTS = {
+  "test_accumulate.py": {
+    "test_mixed_precision_same_numbers_as_optax_multisteps": _CASES,
+    "test_mixed_precision_cross_shard_matches_multisteps_and_stays_in_sync": (
+      _CASES
+    ),
+    "test_growing_schedule_under_cross_shard_matches_multisteps_in_sync": (
+      _VARIANT
+    ),
+    "test_whole_state_under_p_axis_matches_pmap": _VARIANT,
+    "test_a_schedule_decides_without_a_collective": _HLO,
+    "test_every_collective_of_the_update_sits_in_the_emit_branch": _HLO,
+    "test_optax_multisteps_communicates_outside_any_branch": _HLO,
+    "test_replicated_params_all_reduce_in_autodiff_on_every_mini_step": _HLO,
+    "test_params_cast_to_varying_communicate_once_per_period": _HLO,
+    "test_mini_step_copies_no_buffer_a_bare_gradient_add_does_not": _HLO,
+    "test_bytes_per_mini_step_are_one_kth_of_cross_shard": _HLO,
+  },
+  "test_collectives.py": {
+    "test_reduce_of_per_replica_values_matches_numpy": _CASES,
+    "test_reduce_of_invariant_gradient_divides_instead_of_all_reducing": _CASES,
+    "test_group_members_bit_identical_after_grouped_reduce": _CASES,
+  },
+  "test_composition.py": {
+    "test_accumulate_around_powersgd_communicates_only_in_the_emit_branch": _HLO,
+    "test_apply_if_finite_around_powersgd_leaves_only_the_flag_outside": _HLO,
+    "test_powersgd_state_as_a_whole_under_p_axis_matches_replicated_counters": (
+      _VARIANT
+    ),
+  },
+  "test_demo.py": {
+    "test_demo_*": "trains the demo's four methods",
+    "test_command_line_forces_cpu_devices_in_a_fresh_process": "subprocess",
+    "test_python_m_shardopt_without_the_demo_extra_prints_it_in_a_fresh_process": (
+      "subprocess"
+    ),
+  },
+  "test_elastic_rounds.py": {
+    "test_plain_round_matches_diloco_under_shard_map": _CASES,
+    "test_centers_bit_identical_across_islands": _VARIANT,
+    "test_healing_*": _LONG,
+    "test_job_start_handshake_adopts_the_lowest_island": _LONG,
+    "test_quantized_wire_with_error_feedback": _VARIANT,
+    "test_fragments_sync_one_fragment_per_round": _VARIANT,
+  },
+  "test_faults_accumulate.py": {
+    "test_a_guarded_accumulate_skips_on_every_replica_and_matches_numpy": _LONG,
+    "test_only_the_inner_guard_keeps_the_mini_steps_free_of_communication": _HLO,
+    "test_the_accumulate_entry_of_the_kill_one_process_test_trains": _LONG,
+  },
+  "test_finite.py": {
+    "test_nan_on_one_replica_every_replica_skips_together": "subprocesses",
+    "test_dynamic_loss_scale_from_the_replicated_flag_stays_in_sync": (
+      "subprocess"
+    ),
+    "test_the_guard_adds_only_the_4_byte_flag_to_the_inner_collectives": _HLO,
+    "test_free_guard_step_has_exactly_one_all_reduce": _HLO,
+    "test_a_donated_guarded_step_copies_no_more_than_the_unguarded_one": _HLO,
+  },
+  "test_guides.py": {
+    "test_coming_from_ddp": "runs the guide's code",
+    "test_diloco": "runs the guide's code",
+    "test_checkpointing": "runs the guide's code",
+    "test_vmap_route_matches_shard_map_bit_for_bit_and_syncs_only_in_branch": (
+      "runs the guide's code"
+    ),
+  },
+  "test_integration_flax.py": {
+    "test_agn_checkpoint_mid_period_restores_and_continues_bit_identically": (
+      "orbax checkpoint round trip"
+    ),
+    "test_tower_sharded_state_checkpoint_restores_and_continues_bit_identically": (
+      "orbax checkpoint round trip"
+    ),
+  },
+  "test_model_parallel.py": {
+    "test_model_sharded_run_matches_data_only_run": _CASES,
+    "test_islands_with_a_model_axis_match_the_run_without": _VARIANT,
+    "test_no_collective_over_the_model_axis_beyond_plain_optax": _HLO,
+    "test_tower_state_is_one_eighth_of_the_params_per_device": _HLO,
+    "test_the_docs_guide_example_runs_and_replicas_agree_after_the_sync": (
+      "runs the guide's code"
+    ),
+    "test_quantized_wire_inside_model_parallel_replicas_matches_data_only": (
+      _VARIANT
+    ),
+  },
+  "test_outer_optimizer.py": {
+    "test_the_default_spelled_as_an_optax_sgd_is_bit_identical": _VARIANT,
+    "test_fragments_keep_one_outer_state_each": _VARIANT,
+  },
+  "test_periodic.py": {
+    "test_eight_replicas_match_numpy_reference_under_pmap": _CASES,
+    "test_eight_replicas_match_numpy_reference_under_shard_map": _CASES,
+    "test_tf_oracle_adam_b0_one_replica_period_4": _VARIANT,
+    "test_replicated_params_cast_to_varying_keep_an_invariant_center": _VARIANT,
+    "test_nan_in_one_replica_is_left_out_and_the_replica_rejoins_the_center": (
+      _VARIANT
+    ),
+    "test_no_finite_replica_leaves_center_and_global_state_unchanged": _VARIANT,
+    "test_params_pulled_onto_center_are_snapped_bit_identical": _VARIANT,
+    "test_state_restored_mid_period_continues_bit_identically": _LONG,
+    "test_collectives_only_inside_the_sync_branch_under_*": _HLO,
+    "test_agn_period_8_converges_close_to_synchronous_with_an_eighth_of_the_syncs": (
+      _LONG
+    ),
+    "test_diloco_warm_start_matches_numpy": _VARIANT,
+    "test_local_sgd_and_agn_warm_start_within_groups_match_numpy": _VARIANT,
+    "test_warm_start_runs_its_all_reduce_only_in_its_branch": _HLO,
+  },
+  "test_powersgd.py": {
+    "test_tuple_axis_names_reduce_over_both_axes": _VARIANT,
+    "test_rank_at_least_min_dimension_gives_the_exact_mean": _VARIANT,
+    "test_result_depends_on_p_only_through_p_p_transpose": _VARIANT,
+    "test_start_step_mean_reduces_every_leaf_until_count_reaches_it": _VARIANT,
+    "test_without_warm_start_each_step_starts_from_a_fresh_q": _VARIANT,
+    "test_all_zero_gradient_gives_finite_updates_and_state": _VARIANT,
+    "test_bfloat16_gradients_are_compressed_in_float32": _VARIANT,
+    "test_compression_rule_is_strict_and_uses_the_effective_rank": _VARIANT,
+    "test_hlo_bytes_per_step_equal_the_formula_under_*": _HLO,
+    "test_comm_dtype_puts_the_factors_on_the_wire_in_bfloat16": _HLO,
+    "test_warm_up_and_compressed_steps_sit_in_the_branches_of_one_cond": _HLO,
+    "test_in_optax_chain_replicated_params_stay_replicated_and_in_sync": (
+      _VARIANT
+    ),
+  },
+  "test_properties.py": {
+    "test_reduce_equals_numpy_for_random_trees_groups_and_reductions": _CASES,
+    "test_grads_not_matching_the_state_structure_raise_and_change_nothing": (
+      _CASES
+    ),
+  },
+  "test_properties_transforms.py": {
+    "test_accumulate_equals_optax_multisteps_for_random_k_trees_and_dtypes": (
+      "random inputs; test_accumulate keeps optax's numbers"
+    ),
+    "test_apply_if_finite_random_nan_inf_patterns_skip_together_and_match_numpy": (
+      "random inputs; test_finite keeps the numbers"
+    ),
+    "test_powersgd_*": "random inputs; test_powersgd keeps the numbers",
+    "test_hierarchical_local_sgd_equals_numpy_for_random_schedules": (
+      "random inputs; test_schedules keeps the numbers"
+    ),
+    "test_diloco_fragments_equal_numpy_for_random_periods_and_trees": (
+      "random inputs; test_schedules keeps the numbers"
+    ),
+  },
+  "test_quantize.py": {
+    "test_two_phase_reduction_matches_the_numpy_reference_bit_for_bit": _CASES,
+    "test_tower_quantized_reduce_scatter_matches_numpy_bit_for_bit": _CASES,
+    "test_wire_carries_the_narrow_bytes_plus_scales": _HLO,
+    "test_all_leaves_of_a_reduction_share_two_collectives": _HLO,
+    "test_error_feedback_keeps_the_running_sum_error_bounded": _LONG,
+    "test_error_feedback_state_is_per_replica_float32_in_the_leaf_shape": (
+      _VARIANT
+    ),
+    "test_a_non_finite_step_does_not_poison_the_error_buffer": _VARIANT,
+    "test_powersgd_factors_on_an_int8_wire": _VARIANT,
+    "test_periodic_finite_flag_travels_in_float32": _HLO,
+    "test_diloco_with_an_int4_outer_gradient_runs_and_agrees": _VARIANT,
+  },
+  "test_renamed.py": {
+    "test_the_old_period_keyword_warns_and_gives_the_same_numbers": _VARIANT,
+    "test_optimizer_keyword_is_the_old_spelling_of_inner": _VARIANT,
+  },
+  "test_schedules.py": {
+    "test_hierarchical_one_level_of_the_axis_size_is_local_sgd_to_a_few_ulp": (
+      _VARIANT
+    ),
+    "test_hierarchical_groups_are_contiguous_and_collectives_stay_in_them": _HLO,
+    "test_streaming_diloco_matches_numpy_reference": _CASES,
+    "test_one_fragment_is_diloco_bit_for_bit": _VARIANT,
+    "test_each_fragment_sync_all_reduces_only_its_fragment": _HLO,
+    "test_checkpoint_mid_period_restores_bit_identically": _LONG,
+    "test_islands_match_numpy_reference_under_shard_map": _CASES,
+    "test_whole_state_under_p_axis_with_stacked_counters_matches_pmap": (
+      _VARIANT
+    ),
+    "test_p_unit_counters_still_work_under_shard_map": _VARIANT,
+    "test_a_non_sync_step_copies_nothing_once_its_state_is_donated": _HLO,
+    "test_a_sync_cond_returns_only_what_the_sync_changes": _HLO,
+  },
+  "test_streaming.py": {
+    "test_reference_with_tau_0_alpha_0_is_todays_streaming_diloco": _VARIANT,
+    "test_overlap_matches_numpy_reference": _CASES,
+    "test_overlap_matches_numpy_reference_under_shard_map": _VARIANT,
+    "test_tau_0_alpha_0_is_streaming_diloco_bit_for_bit": _VARIANT,
+    "test_layer_fragments_match_numpy_reference": _CASES,
+    "test_layer_fragments_along_axis_1_match_numpy_reference": _VARIANT,
+    "test_layer_fragments_peak_bytes_per_sync": _HLO,
+    "test_outer_gradient_error_feedback_keeps_the_center_on_course": _LONG,
+    "test_quantized_streaming_with_overlap_and_layers_under_shard_map": _VARIANT,
+  },
+  "test_streaming_flax.py": {
+    "test_each_sync_branch_moves_its_fragment": _VARIANT,
+    "test_checkpoint_between_sync_and_merge_continues_bit_for_bit": _LONG,
+    "test_int4_outer_gradient_with_error_feedback_trains": _LONG,
+  },
+  "test_tower.py": {
+    "test_tower_equals_cross_shard_under_pmap": _CASES,
+    "test_tower_equals_cross_shard_under_shard_map": _CASES,
+    "test_tower_over_a_tuple_of_axes_and_mixed_varying_leaves_equals_cross_shard": (
+      _VARIANT
+    ),
+    "test_adam_state_bytes_per_replica_are_ceil_size_over_n": _HLO,
+    "test_compiled_step_reduce_scatters_and_all_gathers_without_all_reduce": _HLO,
+    "test_compiled_step_copies_no_more_than_plain_optax": _HLO,
+    "test_sharding_aware_clip_inside_tower_equals_optax_clip_of_full_gradient_pmap": (
+      _VARIANT
+    ),
+  },
+}
+
+KEEP = {
+  "test_collectives.py": [
+    "test_reduce_of_per_replica_values_matches_numpy[pmap-no_groups-*]",
+    "test_reduce_of_per_replica_values_matches_numpy[shard_map_check_vma-pairs-*]",
+    "test_reduce_of_invariant_gradient_divides_instead_of_all_reducing[mean-no_comm_dtype]",
+    "test_group_members_bit_identical_after_grouped_reduce[shard_map_check_vma-pairs]",
+  ],
+  "test_elastic_rounds.py": [
+    "test_plain_round_matches_diloco_under_shard_map[diloco]",
+  ],
+  "test_model_parallel.py": [
+    "test_model_sharded_run_matches_data_only_run[chain(cross_shard_sum)-Explicit]",
+    "test_model_sharded_run_matches_data_only_run[diloco-Explicit]",
+  ],
+  "test_periodic.py": [
+    "test_eight_replicas_match_numpy_reference_under_pmap[3-mean-groups]",
+    "test_eight_replicas_match_numpy_reference_under_pmap[4-sum-all]",
+    "test_eight_replicas_match_numpy_reference_under_shard_map[mean-groups]",
+  ],
+  "test_properties.py": [
+    "test_reduce_equals_numpy_for_random_trees_groups_and_reductions[pmap-mean]",
+    "test_reduce_equals_numpy_for_random_trees_groups_and_reductions[shard_map-sum]",
+  ],
+  "test_quantize.py": [
+    "test_two_phase_reduction_matches_the_numpy_reference_bit_for_bit[*-pmap-pairs]",
+    "test_tower_quantized_reduce_scatter_matches_numpy_bit_for_bit[int8]",
+  ],
+  "test_schedules.py": [
+    "test_streaming_diloco_matches_numpy_reference[2-*]",
+    "test_islands_match_numpy_reference_under_shard_map[diloco-P(island)]",
+  ],
+  "test_streaming.py": [
+    "test_overlap_matches_numpy_reference[2-1-0.5]",
+    "test_overlap_matches_numpy_reference[4-3-0.0]",
+    "test_layer_fragments_match_numpy_reference[2-tau2]",
+  ],
+  "test_tower.py": [
+    "test_tower_equals_cross_shard_under_pmap[adam]",
+    "test_tower_equals_cross_shard_under_shard_map[sgd]",
+  ],
+}
+
+
+def _matches(pattern, item):
+  """``name`` matches every case of a test, ``name[case]`` the cases whose
+  id matches; ``*`` matches any text."""
+  name = item.name if "[" in pattern else getattr(item, "originalname", "")
+  regex = re.escape(pattern).replace(r"\*", ".*")
+  return re.fullmatch(regex, name or item.name) is not None
+
+
+def _stale(path, patterns):
+  """The patterns whose test ``path`` does not define (renamed or gone)."""
+  text = path.read_text()
+  stale = []
+  for name in sorted({p.split("[")[0] for p in patterns}):
+    defined = re.escape(name).replace(r"\*", r"\w*")
+    if not re.search(r"^def " + defined + r"\(", text, re.MULTILINE):
+      stale.append(name)
+  return stale
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """Marks SLOW_FILES and SLOW_TESTS (less KEEP) slow, before ``-m`` selects;
+  a name here that its file no longer defines is an error."""
+  files = {}
+  for item in items:
+    file = item.path.name
+    files.setdefault(file, item.path)
+    slow = SLOW_TESTS.get(file, {})
+    if file in SLOW_FILES or (
+      any(_matches(p, item) for p in slow)
+      and not any(_matches(p, item) for p in KEEP.get(file, []))
+    ):
+      item.add_marker(pytest.mark.slow)
+  stale = {
+    file: names
+    for file, path in files.items()
+    if (names := _stale(path, [*SLOW_TESTS.get(file, {}), *KEEP.get(file, [])]))
+  }
+  if stale:
+    raise pytest.UsageError(
+      f"tests/conftest.py (SLOW_TESTS, KEEP) names tests their files do not"
+      f" define: {stale}; rename or remove those entries"
+    )
