@@ -1,9 +1,10 @@
 """A transform's compiled ``update``, for the tests that read its HLO.
 
-Shared by tests/test_accumulate.py, tests/test_finite.py and
-tests/test_faults_accumulate.py: the update compiled with the gradients (and
-the state) as inputs, under ``pmap`` or a ``shard_map`` over 8 devices, and
-the ``shard_map`` state specs an update needs.
+Shared by tests/test_accumulate.py, tests/test_finite.py,
+tests/test_faults_accumulate.py and tests/test_schedules.py: the update
+compiled with the gradients (and the state) as inputs, under ``pmap`` or a
+``shard_map`` over 8 devices; the ``shard_map`` state specs an update needs;
+and the bytes a whole training step copies when it does not sync.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import _common
 from shardopt import _axes
+from shardopt import _hlo as hlo
 
 AXIS = "batch"
 R = 8
@@ -76,3 +79,28 @@ def compiled_update(tx, spelling, size=4096):
   )
   g = _put(mesh, jnp.zeros([R * size] if g_spec != P() else [size]), g_spec)
   return f.lower(g, state, _put(mesh, w, P())).compile().as_text()
+
+
+def non_sync_copied_bytes(tx, sizes, donate):
+  """Bytes XLA copies on a step that does not sync: copies at the top level
+  and in the branch each cond takes without a sync (its false branch).
+
+  The step is a training loop's, ``jax.jit`` over ``shard_map`` with params
+  and state donated or not (pmap on CPU copies every donated output).
+  """
+  mesh = jax.make_mesh((R,), (AXIS,))
+
+  on_mesh = lambda tree: _common.on_mesh(tree, mesh)
+  stacked = _common.replicate(_common.mlp_init(jax.random.key(0), sizes), R)
+  state = on_mesh(jax.pmap(tx.init, axis_name=AXIS)(stacked))
+  step = _common.concat_shard_map_step(
+    tx, mesh, _common.concat_specs(state), donate=donate
+  )
+  batch = on_mesh(_common.batch(jax.random.key(1), R, 4, *sizes[::2]))
+  text = step.lower(on_mesh(stacked), state, *batch).compile().as_text()
+  copies = hlo.copied_bytes(text)
+  return copies["top"] + sum(
+    size
+    for branch, size in copies["conditional"].items()
+    if branch.endswith("#0")
+  )

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from _compiled import compiled_update
+from _compiled import non_sync_copied_bytes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -523,8 +524,6 @@ def test_a_donated_guarded_step_copies_no_more_than_the_unguarded_one(name):
   more than the unguarded one. The control, a plain where over inner's
   outputs, makes XLA recompute the moments from the old ones inside the
   caller's fusion after they were overwritten in place: it copies them."""
-  from tests.test_schedules import _non_sync_copied_bytes
-
   adam = lambda: optax.adam(1e-3)
   mean = lambda inner: optax.chain(shardopt.cross_shard_mean(AXIS), inner)
   unguarded, guarded = {
@@ -546,12 +545,12 @@ def test_a_donated_guarded_step_copies_no_more_than_the_unguarded_one(name):
     ),
   }[name]
   sizes = (64, 128, 8)
-  bare = _non_sync_copied_bytes(unguarded(), sizes, donate=True)
-  mine = _non_sync_copied_bytes(guarded(), sizes, donate=True)
+  bare = non_sync_copied_bytes(unguarded(), sizes, donate=True)
+  mine = non_sync_copied_bytes(guarded(), sizes, donate=True)
   print(f"\n[hlo] {name}: copied bytes guarded {mine}, unguarded {bare}")
   assert mine <= bare
   if name.startswith("free"):
-    naive = _non_sync_copied_bytes(mean(_where_guard(adam())), sizes, True)
+    naive = non_sync_copied_bytes(mean(_where_guard(adam())), sizes, True)
     moments = 2 * 4 * (64 * 128 + 128 + 128 * 8 + 8)
     print(f"[hlo] the naive where guard copies {naive} ({moments} of moments)")
     assert naive >= moments

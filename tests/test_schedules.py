@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compiled import non_sync_copied_bytes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from benchmarks import _common
 from shardopt import _hlo as hlo
 from shardopt.periodic import fragments as _fragments
 
@@ -766,31 +766,6 @@ def test_a_counter_with_several_elements_names_the_specs():
 # A step that does not synchronise copies only what a sync may change.
 
 
-def _non_sync_copied_bytes(tx, sizes, donate):
-  """Bytes XLA copies on a step that does not sync: copies at the top level
-  and in the branch each cond takes without a sync (its false branch).
-
-  The step is a training loop's, ``jax.jit`` over ``shard_map`` with params
-  and state donated or not (pmap on CPU copies every donated output).
-  """
-  mesh = jax.make_mesh((R,), ("batch",))
-
-  on_mesh = lambda tree: _common.on_mesh(tree, mesh)
-  stacked = _common.replicate(_common.mlp_init(jax.random.key(0), sizes), R)
-  state = on_mesh(jax.pmap(tx.init, axis_name="batch")(stacked))
-  step = _common.concat_shard_map_step(
-    tx, mesh, _common.concat_specs(state), donate=donate
-  )
-  batch = on_mesh(_common.batch(jax.random.key(1), R, 4, *sizes[::2]))
-  text = step.lower(on_mesh(stacked), state, *batch).compile().as_text()
-  copies = hlo.copied_bytes(text)
-  return copies["top"] + sum(
-    size
-    for branch, size in copies["conditional"].items()
-    if branch.endswith("#0")
-  )
-
-
 def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
   """A step without a sync communicates nothing and, with the state donated
   (what a training loop does), copies no more than plain optax's step. Not
@@ -852,9 +827,9 @@ def test_a_non_sync_step_copies_nothing_once_its_state_is_donated():
   # what their base transform copies (compiled twice per case, the test's
   # cost).
   for name, (tx, trees) in cases.items():
-    donated[name] = _non_sync_copied_bytes(tx, sizes, donate=True)
+    donated[name] = non_sync_copied_bytes(tx, sizes, donate=True)
     if trees is not None:
-      kept[name] = _non_sync_copied_bytes(tx, sizes, donate=False)
+      kept[name] = non_sync_copied_bytes(tx, sizes, donate=False)
   print(
     f"bytes copied by a non-sync step ({tree} B of params): donated"
     f" {donated}, not donated {kept}"
