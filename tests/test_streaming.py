@@ -154,7 +154,7 @@ def _shard_map_history(tx, mesh, params0, targets):
 def _np_fragments(nbytes, num_fragments):
   """Leaf ranges of each whole-leaf fragment: contiguous, cut where the
   cumulative bytes come closest to multiples of total/F (the rule of
-  tests/test_properties_new.py; the examples here have no ties)."""
+  tests/test_properties_transforms.py; the examples here have no ties)."""
   cumulative = np.cumsum(nbytes)
   total, cuts = cumulative[-1], [0]
   for j in range(1, num_fragments):
