@@ -334,3 +334,28 @@ def test_vmap_route_matches_shard_map_bit_for_bit_and_syncs_only_in_branch():
   # What the entry does hold: the row-parallel w2's all-reduce over "model".
   entry_ops = collectives("\n".join(comps[entry]), mesh)
   assert entry_ops and all(op["axes"] == {"model"} for op in entry_ops)
+
+
+def test_model_parallel_out_sharding_note_holds():
+  """docs/model_parallel.md: on an Explicit mesh a contraction over a dimension
+  sharded over "model" needs out_sharding (JAX's ShardingTypeError, quoted on
+  the page); with it the matmul runs; on an Auto mesh it runs without."""
+  import jax.numpy as jnp
+  from jax.sharding import AxisType
+
+  page = (DOCS / "model_parallel.md").read_text()
+  quoted = "Contracting dimensions are sharded and it is ambiguous how"
+  assert quoted in page.replace("\n", " ")
+  for axis_type, needs in ((AxisType.Explicit, True), (AxisType.Auto, False)):
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    with jax.set_mesh(mesh):
+      shard = lambda a, spec: jax.device_put(a, jax.NamedSharding(mesh, spec))
+      h = shard(jnp.ones((8, 16)), P(None, "model"))
+      w2 = shard(jnp.ones((16, 4)), P("model", None))
+      if needs:
+        with pytest.raises(Exception, match=quoted):
+          jax.jit(lambda h, w: h @ w)(h, w2)
+      else:
+        assert float(jax.jit(lambda h, w: h @ w)(h, w2)[0, 0]) == 16.0
+      out = jax.jit(lambda h, w: jnp.matmul(h, w, out_sharding=P(None, None)))
+      assert float(out(h, w2)[0, 0]) == 16.0
