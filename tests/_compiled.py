@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import _common
 from shardopt import _axes
 from shardopt import _hlo as hlo
 
@@ -86,8 +85,12 @@ def non_sync_copied_bytes(tx, sizes, donate):
   and in the branch each cond takes without a sync (its false branch).
 
   The step is a training loop's, ``jax.jit`` over ``shard_map`` with params
-  and state donated or not (pmap on CPU copies every donated output).
+  and state donated or not (pmap on CPU copies every donated output), on the
+  benchmarks' MLP workload (imported here, so that only the tests that call
+  this depend on the benchmarks).
   """
+  from benchmarks import _common
+
   mesh = jax.make_mesh((R,), (AXIS,))
 
   on_mesh = lambda tree: _common.on_mesh(tree, mesh)
