@@ -30,6 +30,7 @@ from shardopt.periodic import local_sgd
 from shardopt.powersgd import PowerSGDState
 from shardopt.powersgd import powersgd
 from shardopt.quantize import quantized
+from shardopt.sparse import topk
 from shardopt.specs import state_specs
 from shardopt.specs import vmap_axes
 from shardopt.tower import clip_by_global_norm
@@ -56,6 +57,7 @@ __all__ = [
   "PowerSGDState",
   "powersgd",
   "quantized",
+  "topk",
   "clip_by_global_norm",
   "state_specs",
   "vmap_axes",

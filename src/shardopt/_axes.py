@@ -280,14 +280,18 @@ def check_comm_dtype(
   a ``np.dtype`` (a plain cast on the wire); ``jnp.int8``,
   ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``, ``jnp.int4`` and
   ``shardopt.quantized(...)`` specs are returned as a
-  ``shardopt.quantize.QuantizedSpec`` (a quantized two-phase reduction).
-  Anything else raises ``TypeError`` naming the transform, the axis and the
-  dtypes that work.
+  ``shardopt.quantize.QuantizedSpec`` (a quantized two-phase reduction);
+  a ``shardopt.topk(...)`` spec (``shardopt.sparse.TopKSpec``, the sparse
+  wire) as it is. Anything else raises ``TypeError`` naming the transform,
+  the axis and the dtypes that work.
   """
   from shardopt import quantize  # noqa: PLC0415 (quantize imports jax only)
+  from shardopt.sparse import TopKSpec  # noqa: PLC0415 (imports quantize)
 
   if comm_dtype is None:
     return None
+  if isinstance(comm_dtype, TopKSpec):
+    return comm_dtype
   on = (
     f" (the wire dtype of reductions over axis {axis_name!r})"
     if (axis_name is not None)
@@ -296,7 +300,8 @@ def check_comm_dtype(
   use = (
     "use a float dtype such as jnp.bfloat16 or jnp.float16, a quantized one"
     " (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int4), or"
-    " shardopt.quantized(dtype, block_size=...)."
+    " shardopt.quantized(dtype, block_size=...), or a sparse one,"
+    " shardopt.topk(k) (with error_feedback=True)."
   )
   spec = quantize.as_spec(comm_dtype)
   if spec is not None:

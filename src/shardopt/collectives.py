@@ -11,7 +11,8 @@ about:
   ``shard_map`` as a grouped reduce-scatter followed by a grouped all-gather;
 * ``comm_dtype``, a narrower dtype on the wire (bfloat16, float16), or a
   quantized one (int8, float8, int4 with block scales, see
-  ``shardopt.quantize``).
+  :func:`shardopt.quantized`); the transforms with error feedback also take
+  a sparse one (the top k of every chunk, :func:`shardopt.topk`).
 
 The examples below assume 8 devices, e.g. a CPU forced to show them with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before importing jax.
@@ -27,6 +28,7 @@ import numpy as np
 
 from shardopt import _axes
 from shardopt import quantize
+from shardopt import sparse
 
 __all__ = ["broadcast", "reduce", "replica_divergence"]
 # The other names without an underscore (reduce_for, reduce_with_error,
@@ -113,8 +115,15 @@ def reduce_on_wire(
   shape (``psum_scatter`` keeps one chunk). A quantized ``comm_dtype`` has
   its own reduction (:func:`shardopt.quantize.all_reduce`, from
   :func:`reduce`; ``tower`` calls ``shardopt.quantize.reduce_scatter``
-  itself); an opaque collective cannot take it.
+  itself); an opaque collective cannot take it, nor a sparse one.
   """
+  if isinstance(comm_dtype, sparse.TopKSpec):
+    raise NotImplementedError(
+      f"comm_dtype={comm_dtype!r}: the top-k wire is implemented for the"
+      " all-reduces of the transforms with error feedback (cross_shard*,"
+      " local_sgd, diloco, agn with error_feedback=True), not for this"
+      " collective. Use a float comm_dtype (e.g. jnp.bfloat16) here."
+    )
   if isinstance(comm_dtype, quantize.QuantizedSpec):
     raise NotImplementedError(
       f"comm_dtype={comm_dtype!r}: a quantized wire is implemented for"
@@ -175,7 +184,10 @@ def reduce(
   ``jnp.int4`` or :func:`shardopt.quantized`) runs the two-phase reduction
   of the quantized wire (all_to_all, float32 reduction, requantize,
   all_gather) over all such leaves at once; every member of a group still
-  ends with bit-identical values, within the error bound stated there.
+  ends with bit-identical values, within the error bound stated there. The
+  sparse wire (:func:`shardopt.topk`) needs an error buffer, which a
+  stateless ``reduce`` cannot keep: it raises ``ValueError`` naming the
+  transforms that take it.
 
   Args:
     tree: a pytree of floating-point arrays (gradients, typically).
@@ -236,14 +248,16 @@ def reduce_with_error(
   axis_index_groups=None,
   comm_dtype=None,
 ) -> tuple[Any, Any]:
-  """:func:`reduce_for` with error feedback on a quantized wire.
+  """:func:`reduce_for` with error feedback on a quantized or sparse wire.
 
   ``error`` is a tree like ``tree`` of float32 per-replica buffers: what the
   wire dropped from this replica's last contribution. Each leaf varying over
-  every axis of ``axis_name`` sends ``x + error`` and keeps what the wire
-  drops from it (the residuals of the quantized all-reduce); other leaves
-  keep their buffer. With ``axis_name=None`` nothing is sent, so nothing is
-  dropped. See ``cross_shard_mean(error_feedback=True)``.
+  every axis of ``axis_name`` sends ``x + error`` (``x + error_decay *
+  error`` on the top-k wire) and keeps what the wire drops from it (the
+  residuals of the quantized or top-k all-reduce); other leaves keep their
+  buffer (on the top-k wire they travel dense, in float32). With
+  ``axis_name=None`` nothing is sent, so nothing is dropped. See
+  ``cross_shard_mean(error_feedback=True)``.
 
   Returns:
     ``(reduced, new_error)``, both trees like ``tree``.
@@ -277,12 +291,26 @@ def _reduce_tree(
   groups = _axes.validate_groups(axis_index_groups, size, transform, axis_name)
   members = _axes.group_size(groups, size)
 
-  spec = comm_dtype if isinstance(comm_dtype, quantize.QuantizedSpec) else None
+  codecs = (quantize.QuantizedSpec, sparse.TopKSpec)
+  spec = comm_dtype if isinstance(comm_dtype, codecs) else None
+  top_k = isinstance(spec, sparse.TopKSpec)
   if error is not None and spec is None:
     raise ValueError(
       f"{transform}: error feedback needs a quantized comm_dtype (e.g."
-      f" jnp.int8 or shardopt.quantized(jnp.int4)), got {comm_dtype!r}."
+      f" jnp.int8 or shardopt.quantized(jnp.int4)) or shardopt.topk(k), got"
+      f" {comm_dtype!r}."
     )
+  if top_k and error is None and jax.tree.leaves(tree):
+    raise ValueError(
+      f"{transform}: comm_dtype={comm_dtype!r} (axis {axis_name!r}) needs"
+      " error feedback: the top-k wire drops most of every contribution and"
+      " sends it later from a per-replica error buffer, which a stateless"
+      " reduction cannot keep. Use a transform with error_feedback=True:"
+      " shardopt.cross_shard_mean(axis, comm_dtype=shardopt.topk(k),"
+      " error_feedback=True), cross_shard_sum, cross_shard, local_sgd,"
+      " diloco or agn; or a dense comm_dtype (e.g. jnp.int8) here."
+    )
+  every_axis = len(_axes.axis_names(axis_name))
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   errors = (
     treedef.flatten_up_to(error)
@@ -307,7 +335,10 @@ def _reduce_tree(
         " to='varying') before jax.grad, so each replica keeps its own"
         " gradient."
       )
-    if varying and spec is not None and x.size > 0:
+    # The top-k wire takes only the leaves that carry an error buffer (those
+    # varying over every axis); others travel dense, in float32.
+    sparse_ok = not top_k or len(varying) == every_axis
+    if varying and spec is not None and x.size > 0 and sparse_ok:
       queued.setdefault(varying, []).append(i)
     elif varying:
       out[i] = reduce_on_wire(
@@ -326,14 +357,19 @@ def _reduce_tree(
   for varying, indices in queued.items():
     # Only a leaf varying over every requested axis carries error feedback;
     # one invariant over some of them was summed there by autodiff already.
-    feedback = error is not None and len(varying) == len(
-      _axes.axis_names(axis_name)
-    )
+    feedback = error is not None and len(varying) == every_axis
     wire_axis = _axes.as_axis(varying)
     contributions = [leaves_with_path[i][1] for i in indices]
     if feedback:
+      # SparseLoCo's e = beta e + delta on the top-k wire (beta 1: e + x).
+      decay = spec.error_decay if top_k else 1.0
       contributions = [
-        x.astype(jnp.float32) + errors[i].astype(jnp.float32)
+        x.astype(jnp.float32)
+        + (
+          errors[i].astype(jnp.float32)
+          if decay == 1.0
+          else jnp.float32(decay) * errors[i].astype(jnp.float32)
+        )
         for i, x in zip(indices, contributions)
       ]
     wire_members = (
@@ -341,7 +377,8 @@ def _reduce_tree(
       if groups is not None
       else int(np.prod([_axes.axis_size(a, transform) for a in varying]))
     )
-    result = quantize.all_reduce(
+    codec = sparse if top_k else quantize
+    result = codec.all_reduce(
       contributions,
       wire_axis,
       groups,

@@ -27,6 +27,7 @@ import optax
 from shardopt import _args
 from shardopt import _axes
 from shardopt.collectives import reduce_for
+from shardopt.sparse import TopKSpec
 
 _POWERSGD = "shardopt.powersgd"
 # The factor matmuls run in full float32 on every backend (the default
@@ -231,7 +232,17 @@ def _check_args(
       f"{_POWERSGD}: seed={seed!r} (axis {axis_name!r}) must be"
       " an integer, the seed of the initial Q; e.g. seed=0."
     )
-  return _axes.check_comm_dtype(comm_dtype, _POWERSGD, axis_name)
+  comm_dtype = _axes.check_comm_dtype(comm_dtype, _POWERSGD, axis_name)
+  if isinstance(comm_dtype, TopKSpec):
+    raise ValueError(
+      f"{_POWERSGD}: comm_dtype={comm_dtype!r} (axis {axis_name!r}): the"
+      " top-k wire does not carry powersgd's factors (already compressed,"
+      " with powersgd's own error feedback). Use a float or quantized"
+      " comm_dtype (e.g. jnp.bfloat16, jnp.int8), or the top-k wire instead"
+      " of powersgd: cross_shard_mean(axis, comm_dtype=shardopt.topk(k),"
+      " error_feedback=True)."
+    )
+  return comm_dtype
 
 
 def _check_leaf(

@@ -177,19 +177,33 @@ def check_error_feedback(
   error_feedback: Any, comm_dtype: Any, name: str, axis_name: Any
 ) -> bool:
   """Whether ``error_feedback`` is on; a TypeError/ValueError naming the fix
-  if it is not a bool, or is on without a quantized ``comm_dtype``."""
+  if it is not a bool, is on without a quantized (or sparse) ``comm_dtype``,
+  or is off with the sparse wire (``shardopt.topk``), which needs it."""
+  from shardopt.sparse import TopKSpec  # noqa: PLC0415 (sparse imports us)
+
   if not isinstance(error_feedback, bool):
     raise TypeError(
       f"{name}: error_feedback={error_feedback!r} (axis {axis_name!r}) must"
       " be True or False."
     )
+  if isinstance(comm_dtype, TopKSpec):
+    if not error_feedback:
+      raise ValueError(
+        f"{name}: comm_dtype={comm_dtype!r} (axis {axis_name!r}) with"
+        " error_feedback=False: the top-k wire drops most of every"
+        " contribution; it needs error_feedback=True, which keeps what it"
+        " drops and sends it later. Pass error_feedback=True (transforms"
+        " that take it: cross_shard_mean, cross_shard_sum, cross_shard,"
+        " local_sgd, diloco, agn), or a dense comm_dtype (e.g. jnp.int8)."
+      )
+    return True
   if error_feedback and not isinstance(comm_dtype, QuantizedSpec):
     raise ValueError(
       f"{name}: error_feedback=True (axis {axis_name!r}) keeps what a"
       f" quantized wire drops, but comm_dtype={comm_dtype} does not"
       " quantize. Pass a quantized comm_dtype (jnp.int8, jnp.float8_e4m3fn,"
-      " jnp.float8_e5m2, jnp.int4 or shardopt.quantized(...)), or"
-      " error_feedback=False."
+      " jnp.float8_e5m2, jnp.int4 or shardopt.quantized(...)), the sparse"
+      " shardopt.topk(k), or error_feedback=False."
     )
   return error_feedback
 

@@ -32,6 +32,7 @@ import optax
 from shardopt import _axes
 from shardopt import quantize
 from shardopt.collectives import reduce_on_wire
+from shardopt.sparse import TopKSpec
 
 _TOWER = "shardopt.tower"
 _CLIP = "shardopt.clip_by_global_norm"
@@ -405,6 +406,14 @@ def tower(
     )
   _axes.check_reduction(reduction, _TOWER, axis_name)
   comm_dtype = _axes.check_comm_dtype(comm_dtype, _TOWER, axis_name)
+  if isinstance(comm_dtype, TopKSpec):
+    raise NotImplementedError(
+      f"{_TOWER}: comm_dtype={comm_dtype!r} (axis {axis_name!r}): the top-k"
+      " wire needs an error buffer per replica, which tower does not keep."
+      " Use a float or quantized comm_dtype (e.g. jnp.bfloat16, jnp.int8)"
+      " with tower, or the top-k wire with cross_shard(inner, axis,"
+      " comm_dtype=shardopt.topk(k), error_feedback=True)."
+    )
   _axes.check_transform(inner, _TOWER)
   inner = optax.with_extra_args_support(inner)
   names = _axes.axis_names(axis_name)

@@ -37,6 +37,7 @@ from shardopt import _axes
 from shardopt import quantize
 from shardopt.finite import all_finite
 from shardopt.periodic import split
+from shardopt.sparse import TopKSpec
 
 HEADER_FIELDS = (
   "island",  # the island's id (its process index)
@@ -113,9 +114,21 @@ class Wire(NamedTuple):
   def _layout(self, size: int):
     return quantize.layout(size, 1, self.comm_dtype)
 
+  def _check(self) -> None:
+    if isinstance(self.comm_dtype, TopKSpec):
+      raise NotImplementedError(
+        f"shardopt.elastic: comm_dtype={self.comm_dtype!r}: the top-k wire"
+        " is not implemented for elastic islands' rounds. Build the"
+        " transform with a float or quantized comm_dtype (e.g. jnp.int8,"
+        " error_feedback=True) for shardopt.elastic, or use the top-k wire"
+        " on a fixed set of replicas (diloco, local_sgd or agn under"
+        " jax.shard_map)."
+      )
+
   def encode(self, flat: jax.Array):
     """``(bytes, kept)``: the payload of a flat float32 vector, and the
     values the receivers will decode from it."""
+    self._check()
     spec = self.comm_dtype
     if isinstance(spec, quantize.QuantizedSpec):
       block, blocks = self._layout(flat.size)
@@ -128,6 +141,7 @@ class Wire(NamedTuple):
 
   def decode(self, payload: jax.Array, size: int) -> jax.Array:
     """The flat float32 vector of ``size`` a payload stands for."""
+    self._check()
     spec = self.comm_dtype
     if isinstance(spec, quantize.QuantizedSpec):
       block, blocks = self._layout(size)
