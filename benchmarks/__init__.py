@@ -1,9 +1,25 @@
-"""shardopt's benchmark suite (scripts, not tests): ``python -m benchmarks.run``.
+"""shardopt's benchmarks (scripts, not tests), in two packages.
 
-One module per section (overhead, groups, communication, memory, convergence,
-projection), each with ``run(quick) -> dict`` returning a title, a table,
-notes and the raw data; ``run.py`` writes them to ``benchmarks/results/``.
-Shared helpers: ``_timing`` (interleaved medians and ratios), ``hlo``
-(collectives in compiled HLO / lowered StableHLO), ``_common`` (the MLP and
-the pmap / shard_map steps), ``_plots``.
+* :mod:`benchmarks.perf`: what a step costs (overhead, groups, bytes on the
+  wire, memory, the projection to real links, powersgd's cost, the cost of
+  every new path, the quantized wire's cost, accumulate's copies, elastic
+  timing). ``python -m benchmarks.perf [--quick] [--only NAME]``.
+* :mod:`benchmarks.studies`: what training reaches (convergence on digits,
+  the sync schedules, quality per byte on a byte-level LM, the outer-step
+  sweeps, the quantized wire's quality). ``python -m benchmarks.studies
+  [--quick] [--only NAME]``.
+
+Each package has one harness module (its CLI; timing or seeding) and one
+workload module (perf: the MLP's training steps; studies: the digits data
+and MLP, and the byte-level LM). ``python -m benchmarks.run`` runs both
+packages' sections into one report (``benchmarks/results/latest.{json,md}``,
+written by :mod:`benchmarks._report`). Shared helpers at this level:
+``_report``, ``_plots``, ``_xla_flags``, ``methods`` (the data-parallel
+methods both sides compare) and ``hlo`` (a re-export of
+:mod:`shardopt._hlo` for the notebooks).
 """
+
+import os
+
+# Where every script writes its results (committed: what the READMEs quote).
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -1,11 +1,14 @@
-"""The data-parallel methods the benchmarks compare, built only where shardopt has them.
+"""The data-parallel methods the benchmarks compare (both sides: the bytes of
+:mod:`benchmarks.perf.communication` and :mod:`benchmarks.perf.cost`, the
+quality of :mod:`benchmarks.studies.quality_per_byte` and
+:mod:`benchmarks.studies.schedule_convergence`).
 
 Each :class:`Method` names the shardopt functions it needs and builds its
-transform around an optimizer factory (``lambda: optax.adamw(lr)``). Some
-transforms are written in parallel with these benchmarks; :func:`build`
-returns ``(None, reason)`` when a name is missing from ``shardopt`` or a
-keyword is rejected (``TypeError``), so a section records "not available"
-for that method instead of failing, and measures it once it lands.
+transform around an optimizer factory (``lambda: optax.adamw(lr)``).
+:func:`build` returns ``(None, reason)`` only when one of those names is not
+in the installed ``shardopt`` (checked by name, before building); any error
+of the build itself (a ``TypeError`` from a renamed keyword) propagates, so
+a section fails loudly instead of recording a "not available" row.
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ import jax.numpy as jnp
 import optax
 
 import shardopt
-from benchmarks import _common
+from benchmarks.studies import workload
 from shardopt import _hlo
 from shardopt.periodic import schedules
 
 Factory = Callable[[], optax.GradientTransformation]
-AXIS = _common.AXIS
+AXIS = workload.AXIS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +77,8 @@ def _suffix(*parts: str) -> str:
 def build(
   method: Method, optimizer: Factory
 ) -> tuple[optax.GradientTransformation | None, str]:
-  """``(transform, "")``, or ``(None, why)`` if this shardopt lacks it."""
+  """``(transform, "")``, or ``(None, why)`` if this shardopt lacks one of
+  ``method.requires`` by name. Errors of the build itself propagate."""
   missing = [name for name in method.requires if not hasattr(shardopt, name)]
   if missing:
     return None, (
@@ -82,10 +86,7 @@ def build(
       + ", shardopt.".join(missing)
       + " is not in this version"
     )
-  try:
-    return method.build(optimizer), ""
-  except TypeError as error:  # a keyword this version does not take
-    return None, f"not available: {error}"
+  return method.build(optimizer), ""
 
 
 def sync(name: str = "adamw") -> Method:

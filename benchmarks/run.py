@@ -1,11 +1,15 @@
-"""Run the benchmark suite: ``python -m benchmarks.run [--quick] [--only NAME]``.
+"""Run every benchmark: ``python -m benchmarks.run [--quick] [--only NAME]``.
 
-Writes ``benchmarks/results/latest.json`` (every number, plus the machine it
-came from), ``benchmarks/results/latest.md`` (the tables) and one PNG per
-section, and prints the tables. ``--quick`` is the CI smoke run: tiny sizes,
-written to ``benchmarks/results/quick/`` so it never overwrites the committed
-full results. ``--only NAME`` (repeatable) runs some sections and merges them
-into the existing ``latest.json``.
+The performance sections (:mod:`benchmarks.perf.harness`) and the quality
+studies (:mod:`benchmarks.studies.harness`) in one report: writes
+``benchmarks/results/latest.json`` (every number, plus the machine it came
+from), ``benchmarks/results/latest.md`` (the tables) and one PNG per
+section, and prints the tables. ``--quick`` is the CI smoke run: tiny
+sizes, written to ``benchmarks/results/quick/`` so it never overwrites the
+committed full results. ``--only NAME`` (repeatable) runs some sections and
+merges them into the existing ``latest.json``; ``python -m benchmarks.perf``
+and ``python -m benchmarks.studies`` run one package's sections the same
+way.
 
 All timings run on 8 forced CPU devices (``XLA_FLAGS`` is set here before jax
 is imported, unless it already forces a device count). ``--quick`` also turns
@@ -14,271 +18,39 @@ XLA's backend optimisation off to compile faster: its timings mean nothing.
 
 from __future__ import annotations
 
-import os
 import sys
 
 from benchmarks._xla_flags import force_cpu_devices
 
 force_cpu_devices(quick="--quick" in sys.argv[1:])
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import importlib  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
+from benchmarks import _report  # noqa: E402
+from benchmarks.perf import harness as perf  # noqa: E402
+from benchmarks.studies import harness as studies  # noqa: E402
 
-import jax  # noqa: E402
-
-SECTIONS = (
-  "overhead",
-  "groups",
-  "communication",
-  "memory",
-  "convergence",
-  "schedule_convergence",
-  "projection",
-  "powersgd",
-  "quality_per_byte",
-  "cost",
-)
-HERE = os.path.dirname(os.path.abspath(__file__))
-GPU_NOTE = (
-  "No GPU figure exists yet: no accelerator was available to this run,"
-  " so sections 1 and 3 have not been repeated as a single-device GPU"
-  " sanity run."
-)
+SECTIONS = _report.ORDER
+if sorted(SECTIONS) != sorted(perf.SECTIONS + studies.SECTIONS):
+  raise RuntimeError(
+    f"benchmarks.run: the report's sections {SECTIONS} are not the"
+    f" performance sections {perf.SECTIONS} and the studies' sections"
+    f" {studies.SECTIONS}; add a new section to both _report.ORDER and its"
+    " harness's SECTIONS."
+  )
 
 
-def _cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
-
-
-def _git_commit() -> str:
-  try:
-    return (
-      subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=10,
-      ).stdout.strip()
-      or "unknown"
-    )
-  except (OSError, subprocess.SubprocessError):
-    return "unknown"
-
-
-def machine() -> dict:
-  """The device and software every number in this run came from."""
-  import jaxlib
-  import numpy
-  import optax
-
-  devices = jax.devices()
-  return {
-    "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-      timespec="seconds"
-    ),
-    "platform": devices[0].platform,
-    "device_kind": devices[0].device_kind,
-    "device_count": len(devices),
-    "devices": [str(d) for d in devices],
-    "cpu_model": _cpu_model(),
-    "cpu_count": os.cpu_count(),
-    "load_average_at_start": list(os.getloadavg()),
-    "python": platform.python_version(),
-    "os": platform.platform(),
-    "jax": jax.__version__,
-    "jaxlib": jaxlib.__version__,
-    "optax": optax.__version__,
-    "numpy": numpy.__version__,
-    "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    "git_commit": _git_commit(),
-    "gpu": None,
-    "gpu_note": GPU_NOTE,
-  }
-
-
-def _cell(value) -> str:
-  return str(value).replace("|", "\\|")
-
-
-def markdown(
-  results: dict, *, image_prefix: str = "", heading: str = "#"
-) -> str:
-  """The whole report as Markdown: machine line, then one table per section."""
-  m = results["machine"]
-  lines = [
-    f"{heading} shardopt benchmarks"
-    + (" (quick smoke run)" if results["quick"] else ""),
-    "",
-    f"Ran {m['date_utc']} on {m['device_count']} forced {m['platform']} devices"
-    f" ({m['cpu_model']}, {m['cpu_count']} cores, load average at start"
-    f" {m['load_average_at_start'][0]:.1f}); jax {m['jax']}, optax"
-    f" {m['optax']}, commit {m['git_commit']}. Command: `{results['command']}`.",
-    "",
-    m["gpu_note"],
-  ]
-  for name in SECTIONS:
-    section = results["sections"].get(name)
-    if section is None:
-      continue
-    lines += ["", f"{heading}# {section.get('title', name)}", ""]
-    if "error" in section:
-      lines += ["```text", section["error"].rstrip(), "```"]
-      continue
-    table = section["table"]
-    lines.append("| " + " | ".join(_cell(c) for c in table["columns"]) + " |")
-    lines.append("|" + "---|" * len(table["columns"]))
-    for row in table["rows"]:
-      lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
-    lines.append("")
-    lines += [f"- {note}" for note in section["notes"]]
-    for path in section.get("plots", []):
-      lines += ["", f"![{name}]({image_prefix}{os.path.basename(path)})"]
-    lines.append("")
-    ran = section.get("ran_on", m)
-    lines.append(
-      f"_Ran on {ran['device_count']} {ran['platform']} devices"
-      f" ({ran['cpu_model']}), {ran['date_utc']}, commit {ran['git_commit']};"
-      f" wall time {section['seconds']:.0f} s._"
-    )
-  return "\n".join(lines).rstrip() + "\n"
-
-
-README_BEGIN = "<!-- RESULTS:BEGIN (written by python -m benchmarks.run) -->"
-README_END = "<!-- RESULTS:END -->"
-
-
-def update_readme(results: dict) -> bool:
-  """Replaces the results block of ``benchmarks/README.md``; False if absent."""
-  path = os.path.join(HERE, "README.md")
-  if not os.path.exists(path):
-    return False
-  with open(path) as f:
-    text = f.read()
-  if README_BEGIN not in text or README_END not in text:
-    return False
-  head, rest = text.split(README_BEGIN, 1)
-  _, tail = rest.split(README_END, 1)
-  block = markdown(results, image_prefix="results/", heading="##")
-  with open(path, "w") as f:
-    f.write(head + README_BEGIN + "\n\n" + block + "\n" + README_END + tail)
-  return True
+def run_section(name: str, quick: bool, results: dict, out: str) -> dict:
+  harness = perf if name in perf.SECTIONS else studies
+  return harness.run_section(name, quick, results, out)
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument(
-    "--quick",
-    action="store_true",
-    help="tiny sizes for the CI smoke run (writes results/quick/)",
+  return _report.main(
+    argv,
+    prog="benchmarks.run",
+    sections=SECTIONS,
+    run_section=run_section,
+    description=__doc__.split("\n\n")[0],
   )
-  parser.add_argument(
-    "--only",
-    action="append",
-    choices=SECTIONS,
-    metavar="NAME",
-    help=f"run only NAME (one of {SECTIONS})",
-  )
-  parser.add_argument("--out", default=None, help="output directory")
-  args = parser.parse_args(argv)
-  out = args.out or os.path.join(HERE, "results", "quick" if args.quick else "")
-  out = os.path.normpath(out)
-  os.makedirs(out, exist_ok=True)
-  json_path = os.path.join(out, "latest.json")
-
-  names = args.only or list(SECTIONS)
-  results = {"sections": {}}
-  if args.only and os.path.exists(json_path):
-    with open(json_path) as f:
-      results = json.load(f)
-  command = (
-    "python -m benchmarks.run"
-    + (" --quick" if args.quick else "")
-    + "".join(f" --only {n}" for n in args.only or [])
-  )
-  results.update(quick=args.quick, command=command, machine=machine())
-
-  failed = []
-  start = time.perf_counter()
-  for name in SECTIONS:
-    if name not in names:
-      continue
-    print(f"[benchmarks] {name} ...", flush=True)
-    t0 = time.perf_counter()
-    module = importlib.import_module(f"benchmarks.{name}")
-    try:
-      if name == "projection":
-        measured = results["sections"].get("communication", {}).get("data")
-        fresh = "communication" in names and measured is not None
-        section = module.run(
-          args.quick, measured if fresh or args.only else None
-        )
-      else:
-        section = module.run(args.quick)
-      if hasattr(module, "plot"):
-        section["plots"] = [
-          os.path.relpath(p, out) for p in module.plot(section, out)
-        ]
-    except Exception:  # noqa: BLE001  (recorded, and the run exits non-zero)
-      failed.append(name)
-      section = {"title": name, "error": traceback.format_exc()}
-    section["seconds"] = time.perf_counter() - t0
-    section["ran_on"] = {
-      k: results["machine"][k]
-      for k in (
-        "date_utc",
-        "platform",
-        "device_kind",
-        "device_count",
-        "cpu_model",
-        "cpu_count",
-        "git_commit",
-      )
-    }
-    section["ran_on"]["load_average_at_end"] = list(os.getloadavg())
-    results["sections"][name] = section
-    print(f"[benchmarks] {name} done in {section['seconds']:.0f} s", flush=True)
-  results["machine"]["load_average_at_end"] = list(os.getloadavg())
-  results["total_seconds"] = time.perf_counter() - start
-
-  if args.only and os.path.exists(json_path):
-    # Another --only run may have written its sections while this one ran
-    # (a section can take an hour): keep them, replace only ours.
-    with open(json_path) as f:
-      latest = json.load(f)
-    for name, section in latest.get("sections", {}).items():
-      if name not in names:
-        results["sections"][name] = section
-  with open(json_path, "w") as f:
-    json.dump(results, f, indent=1, default=str)
-  text = markdown(results)
-  with open(os.path.join(out, "latest.md"), "w") as f:
-    f.write(text)
-  print(text)
-  print(
-    f"[benchmarks] wrote {json_path} and latest.md in"
-    f" {results['total_seconds']:.0f} s"
-  )
-  if not args.quick and out == os.path.join(HERE, "results"):
-    if update_readme(results):
-      print("[benchmarks] updated the results block of benchmarks/README.md")
-  if failed:
-    print(f"[benchmarks] FAILED sections: {', '.join(failed)}", file=sys.stderr)
-    return 1
-  return 0
 
 
 if __name__ == "__main__":

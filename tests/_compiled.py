@@ -9,6 +9,7 @@ and the bytes a whole training step copies when it does not sync.
 
 from __future__ import annotations
 
+import _mlp
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -85,21 +86,18 @@ def non_sync_copied_bytes(tx, sizes, donate):
   and in the branch each cond takes without a sync (its false branch).
 
   The step is a training loop's, ``jax.jit`` over ``shard_map`` with params
-  and state donated or not (pmap on CPU copies every donated output), on the
-  benchmarks' MLP workload (imported here, so that only the tests that call
-  this depend on the benchmarks).
+  and state donated or not (pmap on CPU copies every donated output), on
+  tests/_mlp.py's MLP.
   """
-  from benchmarks import _common
-
   mesh = jax.make_mesh((R,), (AXIS,))
 
-  on_mesh = lambda tree: _common.on_mesh(tree, mesh)
-  stacked = _common.replicate(_common.mlp_init(jax.random.key(0), sizes), R)
+  on_mesh = lambda tree: _mlp.on_mesh(tree, mesh)
+  stacked = _mlp.replicate(_mlp.mlp_init(jax.random.key(0), sizes), R)
   state = on_mesh(jax.pmap(tx.init, axis_name=AXIS)(stacked))
-  step = _common.concat_shard_map_step(
-    tx, mesh, _common.concat_specs(state), donate=donate
+  step = _mlp.concat_shard_map_step(
+    tx, mesh, _mlp.concat_specs(state), donate=donate
   )
-  batch = on_mesh(_common.batch(jax.random.key(1), R, 4, *sizes[::2]))
+  batch = on_mesh(_mlp.batch(jax.random.key(1), R, 4, *sizes[::2]))
   text = step.lower(on_mesh(stacked), state, *batch).compile().as_text()
   copies = hlo.copied_bytes(text)
   return copies["top"] + sum(

@@ -654,7 +654,7 @@ def test_every_k_steps_must_be_a_positive_integer_or_a_schedule(bad):
 
 
 def test_bytes_per_mini_step_are_one_kth_of_cross_shard():
-  from benchmarks import accumulate_bytes
+  from benchmarks.perf import accumulate_bytes
 
   rows = accumulate_bytes.bytes_per_mini_step(sizes=(1 << 14,), ks=(4,))
   for row in rows:

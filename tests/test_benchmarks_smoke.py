@@ -2,10 +2,14 @@
 
 Benchmarks are scripts, not tests: CI only checks that ``python -m
 benchmarks.run --quick`` finishes, writes its JSON, Markdown and plots with
-every section, and that the two pieces of arithmetic the report rests on (the
-HLO byte count and the ring all-reduce formula) agree with hand computation.
+every section (the performance sections and the quality studies), that the
+two pieces of arithmetic the report rests on (the HLO byte count and the
+ring all-reduce formula) agree with hand computation, and that the two
+packages import without a cycle, the studies never importing the
+performance side.
 """
 
+import ast
 import json
 import os
 import pathlib
@@ -17,22 +21,21 @@ import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SECTIONS = (
+PERF = (
   "overhead",
   "groups",
   "communication",
   "memory",
-  "convergence",
-  "schedule_convergence",
   "projection",
   "powersgd",
-  "quality_per_byte",
   "cost",
 )
+STUDIES = ("convergence", "schedule_convergence", "quality_per_byte")
+SECTIONS = PERF + STUDIES
 
 
 def test_hlo_reader_counts_bytes_and_finds_collectives_inside_cond():
-  from benchmarks import hlo
+  from shardopt import _hlo as hlo
 
   def step(count, x):
     x = jax.lax.psum(x, "i")  # every step: 8 x 256 float32 = 8192 bytes
@@ -59,7 +62,7 @@ def test_hlo_reader_counts_reduce_scatter_and_bf16_wire_bytes(mesh):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from benchmarks import hlo
+  from shardopt import _hlo as hlo
 
   def f(x):  # per device: 1000 elements, bf16 on the wire = 2000 bytes
     y = jax.lax.psum_scatter(x.astype(jnp.bfloat16), "batch", tiled=True)
@@ -80,7 +83,7 @@ def test_hlo_reader_counts_reduce_scatter_and_bf16_wire_bytes(mesh):
 
 
 def test_projection_uses_ring_allreduce_formula():
-  from benchmarks import projection
+  from benchmarks.perf import projection
 
   # 2 (n - 1) / n * bytes / bandwidth: 2 * 7 / 8 * 4e9 / 12.5e9 = 0.56 s.
   assert projection.ring_allreduce_seconds(4e9, 12.5e9, 8) == pytest.approx(
@@ -114,3 +117,62 @@ def test_quick_run_writes_every_section(tmp_path):
     for plot in section.get("plots", []):
       assert (tmp_path / plot).stat().st_size > 0
   assert len(list(tmp_path.glob("*.png"))) == len(SECTIONS)
+
+
+def test_each_harness_runs_its_own_sections():
+  from benchmarks.perf import harness as perf
+  from benchmarks.studies import harness as studies
+
+  assert set(perf.SECTIONS) == set(PERF)
+  assert set(studies.SECTIONS) == set(STUDIES)
+  for package, names in (("perf", PERF), ("studies", STUDIES)):
+    for name in names:
+      assert (ROOT / "benchmarks" / package / f"{name}.py").exists(), name
+
+
+def _benchmark_imports() -> dict:
+  """Module name -> the benchmarks modules it imports (read with ast)."""
+  graph = {}
+  for path in (ROOT / "benchmarks").rglob("*.py"):
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module:
+        if node.module.split(".")[0] == "benchmarks":
+          for alias in node.names:
+            full = f"{node.module}.{alias.name}"
+            as_file = ROOT / (full.replace(".", "/") + ".py")
+            deps.add(full if as_file.exists() else node.module)
+      elif isinstance(node, ast.Import):
+        deps |= {a.name for a in node.names if a.name.startswith("benchmarks")}
+    graph[name] = deps
+  return graph
+
+
+def test_benchmarks_import_without_a_cycle_studies_never_import_perf():
+  graph = _benchmark_imports()
+  assert "benchmarks.perf.workload" in graph  # the walk found the packages
+  state, cycles = {}, []
+
+  def visit(name, stack):
+    state[name] = "open"
+    for dep in sorted(graph[name] & graph.keys()):
+      if state.get(dep) == "open":
+        cycles.append(stack[stack.index(dep) :] + [dep])
+      elif dep not in state:
+        visit(dep, stack + [dep])
+    state[name] = "done"
+
+  for name in sorted(graph):
+    if name not in state:
+      visit(name, [name])
+  assert not cycles
+  upward = {
+    (name, dep)
+    for name, deps in graph.items()
+    if name.startswith("benchmarks.studies")
+    for dep in deps
+    if dep.startswith("benchmarks.perf")
+  }
+  assert not upward

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+import shardopt
 from benchmarks import methods
-from benchmarks import quality_per_byte as qpb
+from benchmarks.studies import quality_per_byte as qpb
 
 
 def _entry(final, total_bytes, std=0.0, per_step=None, curve=None):
@@ -134,3 +135,28 @@ def test_the_full_frontier_has_issue_24s_methods():
   for method in methods.quality_per_byte(1536):  # each builds here
     tx, why = methods.build(method, lambda: optax.sgd(0.1))
     assert tx is not None, (method.label, why)
+
+
+def test_build_lets_an_error_of_the_build_propagate():
+  # A keyword the transform does not take is a bug in the recipe, not a
+  # "not available" row: methods.build must raise it.
+  broken = methods.Method(
+    "diloco(sgd, wrong keyword)",
+    ("diloco",),
+    lambda opt: shardopt.diloco(opt(), methods.AXIS, no_such_keyword=1),
+    methods.diloco(16).schedule,
+  )
+  with pytest.raises(TypeError, match="no_such_keyword"):
+    methods.build(broken, lambda: optax.sgd(0.1))
+
+
+def test_build_filters_a_missing_function_by_name_only():
+  absent = methods.Method(
+    "not_in_shardopt(sgd)",
+    ("not_in_shardopt",),
+    lambda opt: pytest.fail("a method whose name is missing is not built"),
+    methods.diloco(16).schedule,
+  )
+  tx, why = methods.build(absent, lambda: optax.sgd(0.1))
+  assert tx is None
+  assert "shardopt.not_in_shardopt is not in this version" in why

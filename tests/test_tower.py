@@ -9,6 +9,7 @@ property the issue asks for: ``tower(inner) == cross_shard(inner)``).
 import math
 import re
 
+import _mlp
 import chex
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from benchmarks import _common
 from shardopt import _hlo as hlo
 
 N = 8
@@ -517,15 +517,13 @@ def _copies(text):
 def _per_replica_step_text(tx, mesh):
   """A training loop's donated jit + shard_map step: every replica's params,
   state and batch are P(AXIS) blocks of global arrays."""
-  stacked = _common.replicate(
-    _common.mlp_init(jax.random.key(0), COPY_SIZES), N
+  stacked = _mlp.replicate(_mlp.mlp_init(jax.random.key(0), COPY_SIZES), N)
+  state = _mlp.on_mesh(jax.pmap(tx.init, axis_name=AXIS)(stacked), mesh)
+  step = _mlp.concat_shard_map_step(
+    tx, mesh, _mlp.concat_specs(state), donate=True
   )
-  state = _common.on_mesh(jax.pmap(tx.init, axis_name=AXIS)(stacked), mesh)
-  step = _common.concat_shard_map_step(
-    tx, mesh, _common.concat_specs(state), donate=True
-  )
-  batch = _common.batch(jax.random.key(1), N, 4, COPY_SIZES[0], COPY_SIZES[-1])
-  args = _common.on_mesh(stacked, mesh), state, *_common.on_mesh(batch, mesh)
+  batch = _mlp.batch(jax.random.key(1), N, 4, COPY_SIZES[0], COPY_SIZES[-1])
+  args = _mlp.on_mesh(stacked, mesh), state, *_mlp.on_mesh(batch, mesh)
   return step.lower(*args).compile().as_text()
 
 
@@ -533,19 +531,17 @@ def _replicated_step_text(tx, mesh, sharded_state):
   """A donated jit + checking shard_map step over replicated P() params (the
   gradients arrive summed: tower only all-gathers); the state is P() or, for
   tower, as ``shardopt.state_specs`` says."""
-  params = _put(mesh, _common.mlp_init(jax.random.key(0), COPY_SIZES), P())
+  params = _put(mesh, _mlp.mlp_init(jax.random.key(0), COPY_SIZES), P())
   state_specs = (
     shardopt.state_specs(tx, params, AXIS, mesh=mesh) if sharded_state else P()
   )
   state = jax.jit(
     jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs)
   )(params)
-  x, y = _common.batch(
-    jax.random.key(1), 1, 4 * N, COPY_SIZES[0], COPY_SIZES[-1]
-  )
+  x, y = _mlp.batch(jax.random.key(1), 1, 4 * N, COPY_SIZES[0], COPY_SIZES[-1])
 
   def step(p, state, x, y):
-    grads = jax.grad(_common.mlp_loss)(p, x, y)
+    grads = jax.grad(_mlp.mlp_loss)(p, x, y)
     updates, state = tx.update(grads, state, p)
     return optax.apply_updates(p, updates), state
 

@@ -7,25 +7,22 @@ the emit branch of its ``lax.cond`` (``conditional``), which runs once every
 ``k`` mini-steps. Bytes per mini-step = ``top + conditional / k``, in
 all-reduce-equivalent bytes.
 
-Run: ``python -m benchmarks.accumulate_bytes`` (prints one row per size/k).
+Run: ``python -m benchmarks.perf.accumulate_bytes`` (prints one row per size/k).
 """
 
 from __future__ import annotations
 
-import os
-
 if __name__ == "__main__":  # before jax is imported
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-  )
+  from benchmarks._xla_flags import force_cpu_devices
 
-import jax
-import jax.numpy as jnp
-import optax
+  force_cpu_devices(quick=False)
 
-import shardopt
-from shardopt import _hlo as hlo
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import shardopt  # noqa: E402
+from shardopt import _hlo as hlo  # noqa: E402
 
 AXIS = "batch"
 

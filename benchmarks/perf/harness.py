@@ -1,6 +1,14 @@
-"""Timing helper: warm-up excluded, candidates interleaved, medians, ratios.
+"""The performance benchmarks' harness: their sections, CLI and timing.
 
-On a shared, noisy machine absolute times mean little; what survives is the
+``python -m benchmarks.perf [--quick] [--only NAME]`` runs :data:`SECTIONS`
+(each a module of this package with ``run(quick)`` and ``plot``) into
+``benchmarks/results/latest.{json,md}`` (:func:`benchmarks._report.main`),
+merged with the studies' sections already there. ``quantized``,
+``accumulate_bytes`` and ``elastic`` run on their own (``python -m
+benchmarks.perf.NAME``); ``quantized`` times with :func:`compare` too.
+
+Timing: warm-up excluded, candidates interleaved, medians, ratios. On a
+shared, noisy machine absolute times mean little; what survives is the
 ratio of two candidates timed side by side. :func:`compare` therefore
 
 * calls every candidate ``warmup`` times first (compilation and first-touch
@@ -15,13 +23,25 @@ ratio of two candidates timed side by side. :func:`compare` therefore
 
 from __future__ import annotations
 
+import importlib
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 
+from benchmarks import _report
+
+SECTIONS = (
+  "overhead",
+  "groups",
+  "communication",
+  "memory",
+  "projection",
+  "powersgd",
+  "cost",
+)
 MIN_REPEATS = 7
 
 
@@ -109,3 +129,24 @@ def ratio(result: dict, numerator: str, denominator: str) -> dict:
       x / y for x, y in zip(a["times_s"], b["times_s"])
     ),
   }
+
+
+def run_section(name: str, quick: bool, results: dict, out: str) -> dict:
+  """Runs section ``name`` of this package; projection reads section 3's
+  bytes from ``results`` when it is there (else measures them itself)."""
+  module = importlib.import_module(f"benchmarks.perf.{name}")
+  if name == "projection":
+    measured = results["sections"].get("communication", {}).get("data")
+    return _report.run_module(module, quick, out, measured)
+  return _report.run_module(module, quick, out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  return _report.main(
+    argv,
+    prog="benchmarks.perf",
+    sections=SECTIONS,
+    run_section=run_section,
+    description="Run the performance benchmarks (step cost, overhead,"
+    " memory, wire cost).",
+  )

@@ -1,6 +1,6 @@
 """Elastic islands: how fast a death is noticed, and what a round costs.
 
-    python -m benchmarks.elastic [--rounds 200] [--kills 2]
+    python -m benchmarks.perf.elastic [--rounds 200] [--kills 2]
 
 Two parts, 3 processes x 2 CPU devices on localhost (gloo, heartbeat 5 s,
 CPU collective timeout 10 s), printed as tables and saved to
@@ -11,7 +11,7 @@ CPU collective timeout 10 s), printed as tables and saved to
    ``live_devices`` block, one all_gather, the commit) with today's sync
    (``shardopt.diloco`` inside one jit + shard_map over every island's
    devices) at a step that syncs and one that does not
-   (``benchmarks/_elastic_worker.py``).
+   (``benchmarks/perf/_elastic_worker.py``).
 2. **Detection latency**: ``examples/elastic_diloco.py`` runs (H=4, 0.15 s
    per inner step); island 2 is SIGKILLed between syncs (``--kills`` runs)
    and once inside a round (before its collective). Latency: from the kill
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "elastic.json"
 _spec = importlib.util.spec_from_file_location(
   "elastic_launch", ROOT / "examples" / "elastic_launch.py"
@@ -50,7 +50,7 @@ def round_costs(rounds: int) -> dict:
   """Part 1: per-process medians, then the median over processes."""
   out = Path(tempfile.mkdtemp(prefix="elastic_bench_"))
   port = launch.free_port()
-  worker = ROOT / "benchmarks" / "_elastic_worker.py"
+  worker = ROOT / "benchmarks" / "perf" / "_elastic_worker.py"
   procs = [
     subprocess.Popen(
       [
@@ -192,7 +192,8 @@ def main() -> None:
   RESULTS.write_text(
     json.dumps(
       {
-        "command": "python -m benchmarks.elastic " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.perf.elastic "
+        + " ".join(sys.argv[1:]),
         "started_utc": started.isoformat(timespec="seconds"),
         "round_costs": costs,
         "detection": runs,

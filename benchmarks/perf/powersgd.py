@@ -8,10 +8,10 @@ adam)`` (the synchronous all-reduce it replaces):
   (:mod:`shardopt._hlo`, all-reduce buffers), on section 3's MLP
   (256-512-10) and on section 1's ~5M-parameter MLP (1024-2048-1536-10).
 * **Convergence**: section 5's digits run (same data split, 64-64-10 MLP,
-  Adam 1e-3, 8 replicas, 1024 steps, 3 seeds: :func:`convergence.train`).
+  Adam 1e-3, 8 replicas, 1024 steps, 3 seeds: :func:`benchmarks.studies.workload.train_digits`).
   Goal: rank 4 within 1% of sync's final accuracy with >= 10x fewer bytes.
 * **Step time** of the 5M MLP's ``pmap`` step, interleaved medians
-  (:func:`_timing.compare`): the extra matmuls, QR and error update cost.
+  (:func:`benchmarks.perf.harness.compare`): the extra matmuls, QR and error update cost.
 * **Where it pays off**, with section 6's link model (ring all-reduce,
   ``t = 2 (n - 1) / n * bytes / bandwidth``): the communication time saved
   per step against the extra time measured here; the break-even bandwidth
@@ -30,10 +30,10 @@ import numpy as np
 import optax
 
 import shardopt
-from benchmarks import _common
-from benchmarks import _timing
-from benchmarks import convergence
-from benchmarks import projection
+from benchmarks.perf import harness
+from benchmarks.perf import projection
+from benchmarks.perf import workload
+from benchmarks.studies import workload as studies
 from shardopt import _hlo as hlo
 
 NAME = "powersgd"
@@ -52,13 +52,13 @@ def _label(rank: int) -> str:
 
 
 def _transforms(ranks) -> dict:
-  adam = lambda: optax.adam(convergence.LEARNING_RATE)
+  adam = lambda: optax.adam(studies.LEARNING_RATE)
   methods = {
-    SYNC: lambda: optax.chain(shardopt.cross_shard_mean(_common.AXIS), adam())
+    SYNC: lambda: optax.chain(shardopt.cross_shard_mean(workload.AXIS), adam())
   }
   for rank in ranks:
     methods[_label(rank)] = lambda r=rank: optax.chain(
-      shardopt.powersgd(_common.AXIS, rank=r), adam()
+      shardopt.powersgd(workload.AXIS, rank=r), adam()
     )
   return methods
 
@@ -67,7 +67,7 @@ def measure_bytes(sizes, ranks) -> dict:
   """All-reduce bytes per step from the compiled HLO, per method."""
   out = {}
   for name, make_tx in _transforms(ranks).items():
-    step, args = _common.pmap_setup(make_tx(), sizes, per_replica=4)
+    step, args = workload.pmap_setup(make_tx(), sizes, per_replica=4)
     ops = hlo.compiled_collectives(
       step.lower(*args).compile().as_text(), num_devices=jax.device_count()
     )
@@ -86,7 +86,7 @@ def measure_convergence(ranks, seeds, total_steps: int) -> dict:
   """Final digits test accuracy per method (mean and std over seeds)."""
   out = {}
   for name, make_tx in _transforms(ranks).items():
-    per_seed, divergence = convergence.train(make_tx(), seeds, total_steps)
+    per_seed, divergence = studies.train_digits(make_tx(), seeds, total_steps)
     final = [acc[-1] for acc in per_seed]
     out[name] = {
       "final_accuracy": float(np.mean(final)),
@@ -101,9 +101,9 @@ def measure_time(sizes, ranks, repeats: int, inner: int) -> dict:
   """Interleaved step times of every method; ratios to sync."""
   candidates = {}
   for name, make_tx in _transforms(ranks).items():
-    step, args = _common.pmap_setup(make_tx(), sizes, per_replica=16)
+    step, args = workload.pmap_setup(make_tx(), sizes, per_replica=16)
     candidates[name] = lambda s=step, a=args: s(*a)
-  result = _timing.compare(
+  result = harness.compare(
     candidates, baseline=SYNC, repeats=repeats, inner=inner
   )
   return {
@@ -140,27 +140,17 @@ def pays_off(
 
 def run(quick: bool) -> dict:
   """Measures bytes, accuracy and time; returns the section's result."""
-  if not _common.has("powersgd"):
-    return {
-      "title": TITLE,
-      "table": {
-        "columns": ["method", "status"],
-        "rows": [["powersgd", "not yet in shardopt"]],
-      },
-      "notes": ["Not yet in shardopt when this ran: powersgd."],
-      "data": {},
-    }
   # The smoke run (--quick) compiles each code path once, on tiny MLPs: one
   # rank, one MLP for all three byte columns, one short training run.
   ranks = (1,) if quick else RANKS
   bytes_mlp = (32, 64, 10) if quick else BYTES_MLP
   timing_mlp = bytes_mlp if quick else TIMING_MLP
-  seeds = (0,) if quick else (0, 1, 2)
+  seeds = (0,) if quick else (0, 1, 2)  # as section 5's
   total_steps = 16 if quick else 1024
 
   small = measure_bytes(bytes_mlp, ranks)
   large = small if quick else measure_bytes(timing_mlp, ranks)
-  digits_mlp = bytes_mlp if quick else convergence.SIZES
+  digits_mlp = bytes_mlp if quick else studies.SIZES
   digits_bytes = small if quick else measure_bytes(digits_mlp, ranks)
   accuracy = measure_convergence(ranks, seeds, total_steps)
   timing = measure_time(
@@ -224,7 +214,7 @@ def run(quick: bool) -> dict:
     " formula in powersgd's docstring predicts every one of these exactly"
     " (tests/test_powersgd.py checks it).",
     f"Accuracy: digits, 8 replicas, {total_steps} steps of 16 examples per"
-    f" replica, Adam lr {convergence.LEARNING_RATE}, mean ± std over"
+    f" replica, Adam lr {studies.LEARNING_RATE}, mean ± std over"
     f" {len(seeds)} seed(s); largest final replica divergence of the params:"
     f" {max(a['final_replica_divergence'] for a in accuracy.values()):g}"
     " (0 = bit-identical).",
@@ -322,7 +312,7 @@ def plot(result: dict, directory: str) -> list[str]:
     plt.close(fig)
     return [path]
   for name, acc in data["accuracy"].items():
-    steps = np.arange(len(acc["accuracy_mean"])) * convergence.EVAL_EVERY
+    steps = np.arange(len(acc["accuracy_mean"])) * studies.EVAL_EVERY
     left.plot(steps, acc["accuracy_mean"], label=name)
   left.set(
     xlabel="training steps",

@@ -1,11 +1,11 @@
 """Quantized wire: bytes per step and step time of ``cross_shard(adam)``.
 
-``python -m benchmarks.quantized [--quick] [--repeats R]`` times the ``pmap``
+``python -m benchmarks.perf.quantized [--quick] [--repeats R]`` times the ``pmap``
 training step of ``shardopt.cross_shard(optax.adam(1e-3), axis,
 comm_dtype=...)`` on the ~5M-parameter MLP (1024-2048-1536-10, 8 replicas,
 16 examples each) with a float32 wire (the baseline), a bfloat16 wire, and
 int8 / int8 with error feedback / float8 (e4m3fn) / int4 quantized wires,
-interleaved (:func:`benchmarks._timing.compare`, warm-up excluded, median of
+interleaved (:func:`benchmarks.perf.harness.compare`, warm-up excluded, median of
 ``R`` rounds). Bytes per replica per step come from the lowered StableHLO
 (every collective's operand: a ring all-reduce moves ``2 (n - 1) / n`` of its
 buffer, an all-to-all ``(n - 1) / n`` of its operand, an all-gather ``n - 1``
@@ -16,34 +16,29 @@ the extra time is mostly the quantize / dequantize passes, 8 virtual devices
 sharing the cores: an upper bound of what one accelerator per replica pays).
 
 Prints a table and writes ``benchmarks/results/quantized.json``
-(``quantized_quick.json`` with ``--quick``).
+(``benchmarks/results/quick/quantized.json`` with ``--quick``).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-if "xla_force_host_platform_device_count" not in os.environ.get(
-  "XLA_FLAGS", ""
-):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-  ).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if __name__ == "__main__":
+  from benchmarks._xla_flags import force_cpu_devices
+
+  force_cpu_devices(quick="--quick" in sys.argv[1:])
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import shardopt  # noqa: E402
-from benchmarks import _common  # noqa: E402
-from benchmarks import _timing  # noqa: E402
+from benchmarks import _report  # noqa: E402
+from benchmarks.perf import harness  # noqa: E402
+from benchmarks.perf import workload  # noqa: E402
 from shardopt import _hlo as hlo  # noqa: E402
 
 MLP = (1024, 2048, 1536, 10)
@@ -81,11 +76,11 @@ def wire_bytes(stablehlo: str, n: int) -> dict:
 def _setup(comm_dtype, error_feedback, sizes, per_replica):
   tx = shardopt.cross_shard(
     optax.adam(1e-3),
-    _common.AXIS,
+    workload.AXIS,
     comm_dtype=comm_dtype,
     error_feedback=error_feedback,
   )
-  return _common.pmap_setup(tx, sizes, per_replica)
+  return workload.pmap_setup(tx, sizes, per_replica)
 
 
 def run(quick: bool, repeats: int) -> dict:
@@ -97,7 +92,7 @@ def run(quick: bool, repeats: int) -> dict:
     sent = wire_bytes(step.lower(*args).as_text(), n)
     rows[name] = {"bytes_per_replica": sum(sent.values()), "by_op": sent}
     candidates[name] = lambda s=step, a=args: s(*a)
-  timing = _timing.compare(
+  timing = harness.compare(
     candidates, baseline=BASELINE, repeats=repeats, inner=1 if quick else 3
   )
   base = rows[BASELINE]["bytes_per_replica"]
@@ -117,12 +112,14 @@ def run(quick: bool, repeats: int) -> dict:
   return {
     "title": "Quantized wire: cross_shard(adam) step, bytes and time",
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-    "command": "python -m benchmarks.quantized"
+    "command": "python -m benchmarks.perf.quantized"
     + (" --quick" if quick else "")
     + f" --repeats {repeats}",
     "devices": n,
     "mlp": list(sizes),
-    "params": _common.count_params(_common.mlp_init(jax.random.key(0), sizes)),
+    "params": workload.count_params(
+      workload.mlp_init(jax.random.key(0), sizes)
+    ),
     "repeats": repeats,
     "rows": rows,
   }
@@ -159,13 +156,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   result = run(args.quick, args.repeats)
   print(table(result))
-  directory = os.path.join(os.path.dirname(__file__), "results")
-  os.makedirs(directory, exist_ok=True)
-  path = os.path.join(
-    directory, "quantized_quick.json" if args.quick else "quantized.json"
-  )
-  with open(path, "w") as f:
-    json.dump(result, f, indent=2)
+  path = _report.write_json("quantized.json", result, quick=args.quick)
   print(f"wrote {path}")
   return 0
 

@@ -14,8 +14,8 @@ import jax
 import optax
 
 import shardopt
-from benchmarks import _common
-from benchmarks import _timing
+from benchmarks.perf import harness
+from benchmarks.perf import workload
 
 NAME = "memory"
 
@@ -34,31 +34,31 @@ def run(quick: bool) -> dict:
   per_replica = 8 if quick else 16
   repeats = 7 if quick else 9
   inner = 3 if quick else 1
-  params = _common.mlp_init(jax.random.key(0), sizes)
-  param_bytes = _common.tree_bytes(params)
-  have_tower = _common.has("tower")
+  params = workload.mlp_init(jax.random.key(0), sizes)
+  param_bytes = workload.tree_bytes(params)
   rows, data = [], {}
   for n in (2, 8) if quick else (2, 4, 8):
     devices = jax.devices()[:n]
     identity = jax.pmap(lambda t: t, devices=devices)
-    p_params = identity(_common.replicate(params, n))
+    p_params = identity(workload.replicate(params, n))
     x, y = identity(
-      _common.batch(jax.random.key(n), n, per_replica, sizes[0], sizes[-1])
+      workload.batch(jax.random.key(n), n, per_replica, sizes[0], sizes[-1])
     )
     transforms = {
-      "cross_shard(adam)": shardopt.cross_shard(optax.adam(1e-3), _common.AXIS)
+      "cross_shard(adam)": shardopt.cross_shard(
+        optax.adam(1e-3), workload.AXIS
+      ),
+      "tower(adam)": shardopt.tower(optax.adam(1e-3), workload.AXIS),
     }
-    if have_tower:
-      transforms["tower(adam)"] = shardopt.tower(optax.adam(1e-3), _common.AXIS)
     candidates, state_bytes = {}, {}
     for name, tx in transforms.items():
-      state = jax.pmap(tx.init, axis_name=_common.AXIS, devices=devices)(
+      state = jax.pmap(tx.init, axis_name=workload.AXIS, devices=devices)(
         p_params
       )
       state_bytes[name] = _state_bytes_on_first_device(state)
-      step = _common.pmap_step(tx, devices=devices)
+      step = workload.pmap_step(tx, devices=devices)
       candidates[name] = lambda s=step, st=state: s(p_params, st, x, y)
-    timing = _timing.compare(
+    timing = harness.compare(
       candidates, baseline="cross_shard(adam)", repeats=repeats, inner=inner
     )
     entry = {
@@ -67,28 +67,21 @@ def run(quick: bool) -> dict:
         k: v / param_bytes for k, v in state_bytes.items()
       },
     }
-    if have_tower:
-      ratio = timing["candidates"]["tower(adam)"]
-      entry["tower_over_cross_shard_step_time"] = ratio["ratio"]
-      entry["tower_over_cross_shard_paired"] = ratio["paired_ratio"]
-      entry["tower_over_cross_shard_state"] = (
-        state_bytes["tower(adam)"] / state_bytes["cross_shard(adam)"]
-      )
+    ratio = timing["candidates"]["tower(adam)"]
+    entry["tower_over_cross_shard_step_time"] = ratio["ratio"]
+    entry["tower_over_cross_shard_paired"] = ratio["paired_ratio"]
+    entry["tower_over_cross_shard_state"] = (
+      state_bytes["tower(adam)"] / state_bytes["cross_shard(adam)"]
+    )
     data[n] = entry
     rows.append(
       [
         f"{n}",
         f"{state_bytes['cross_shard(adam)'] / 1e6:,.3f}",
-        f"{state_bytes['tower(adam)'] / 1e6:,.3f}"
-        if have_tower
-        else "not yet landed",
-        f"{entry['tower_over_cross_shard_state']:.3f} (ideal {1 / n:.3f})"
-        if have_tower
-        else "-",
+        f"{state_bytes['tower(adam)'] / 1e6:,.3f}",
+        f"{entry['tower_over_cross_shard_state']:.3f} (ideal {1 / n:.3f})",
         f"{entry['tower_over_cross_shard_step_time']:.3f}"
-        f" (paired {entry['tower_over_cross_shard_paired']:.3f})"
-        if have_tower
-        else "-",
+        f" (paired {entry['tower_over_cross_shard_paired']:.3f})",
       ]
     )
   notes = [
@@ -97,10 +90,6 @@ def run(quick: bool) -> dict:
     f" (Adam: count + mu + nu). Step-time ratio: median of {repeats}"
     " interleaved rounds, warm-up excluded, pmap over the first n devices.",
   ]
-  if not have_tower:
-    notes.append(
-      "shardopt.tower is not in shardopt yet: only cross_shard measured."
-    )
   return {
     "title": "4. Memory: optimizer state per replica, tower vs cross_shard",
     "table": {

@@ -1,6 +1,6 @@
 """Quality of the quantized wire: digits, 8 replicas, every wire side by side.
 
-``python -m benchmarks.quantized_quality [--quick] [--seeds S] [--steps N]``
+``python -m benchmarks.studies.quantized_quality [--quick] [--seeds S] [--steps N]``
 trains :mod:`shardopt.demo`'s workload (scikit-learn's digits, a 64-64-10
 MLP, Adam lr 3e-3, 32 examples per replica per step, 8 replicas under
 ``pmap``; its data, model and HLO byte reader are imported from the demo)
@@ -31,7 +31,7 @@ quantized row against the float32 row of the same method.
 
 Prints the table and writes ``benchmarks/results/quantized_quality.json``
 and ``quantized_quality.png`` (under ``results/quick/`` with ``--quick``,
-git-ignored). Run on its own, like section 10 (``benchmarks/quantized.py``):
+git-ignored). Run on its own, like section 10 (``benchmarks/perf/quantized.py``):
 the module has ``benchmarks.run``'s section interface (``run(quick)``,
 ``plot(section, directory)``), but its ``--quick`` pass (5 compiles) takes
 about a minute on a shared 2-core machine, too long to add to the smoke run.
@@ -49,7 +49,6 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 from typing import Any, NamedTuple  # noqa: E402
@@ -60,6 +59,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import shardopt  # noqa: E402
+from benchmarks import RESULTS  # noqa: E402
+from benchmarks import _report  # noqa: E402
 from shardopt import demo  # noqa: E402
 
 NAME = "quantized_quality"
@@ -390,7 +391,7 @@ def run(quick: bool, seeds: int | None = None, steps: int | None = None):
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds"
     ),
-    "command": "python -m benchmarks.quantized_quality"
+    "command": "python -m benchmarks.studies.quantized_quality"
     + (" --quick" if quick else "")
     + ("" if quick or n == SEEDS else f" --seeds {n}")
     + ("" if steps in (STEPS, QUICK_STEPS) else f" --steps {steps}"),
@@ -475,13 +476,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   section = run(args.quick, args.seeds, args.steps)
   print(table(section))
-  directory = os.path.join(
-    os.path.dirname(__file__), "results", "quick" if args.quick else ""
-  )
+  directory = os.path.join(RESULTS, "quick" if args.quick else "")
   section["plots"] = [os.path.basename(p) for p in plot(section, directory)]
-  path = os.path.join(directory, f"{NAME}.json")
-  with open(path, "w") as f:
-    json.dump(section, f, indent=1)
+  path = _report.write_json(f"{NAME}.json", section, quick=args.quick)
   print(f"wrote {path} and {os.path.join(directory, section['plots'][0])}")
   return 0
 

@@ -15,7 +15,7 @@ sync). Three links: a TPU-class interconnect at 100 GB/s, 100 Gb/s Ethernet
 
 from __future__ import annotations
 
-from benchmarks import communication
+from benchmarks.perf import communication
 
 NAME = "projection"
 PARAMS = 1_000_000_000

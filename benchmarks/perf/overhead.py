@@ -20,8 +20,8 @@ import numpy as np
 import optax
 
 import shardopt
-from benchmarks import _common
-from benchmarks import _timing
+from benchmarks.perf import harness
+from benchmarks.perf import workload
 from shardopt import _hlo as hlo
 
 NAME = "overhead"
@@ -35,38 +35,38 @@ def run(quick: bool) -> dict:
   repeats = 7 if quick else 21
   inner = 3 if quick else 2
   n = jax.device_count()
-  mesh = jax.make_mesh((n,), (_common.AXIS,))
-  params = _common.mlp_init(jax.random.key(0), sizes)
-  x, y = _common.batch(jax.random.key(1), n, per_replica, sizes[0], sizes[-1])
+  mesh = jax.make_mesh((n,), (workload.AXIS,))
+  params = workload.mlp_init(jax.random.key(0), sizes)
+  x, y = workload.batch(jax.random.key(1), n, per_replica, sizes[0], sizes[-1])
   adam = optax.adam(1e-3)
 
   transforms = {"hand-written pmean + adam": (adam, True)}
   if not quick:  # the smoke run compiles one shardopt variant per mapping
     transforms["chain(cross_shard_mean, adam)"] = (
-      optax.chain(shardopt.cross_shard_mean(_common.AXIS), adam),
+      optax.chain(shardopt.cross_shard_mean(workload.AXIS), adam),
       False,
     )
   transforms["cross_shard(adam)"] = (
-    shardopt.cross_shard(adam, _common.AXIS),
+    shardopt.cross_shard(adam, workload.AXIS),
     False,
   )
   steps, args, texts = {}, {}, {}
   identity = jax.pmap(lambda t: t)
-  p_params = identity(_common.replicate(params, n))
+  p_params = identity(workload.replicate(params, n))
   p_batch = identity((x, y))
-  s_params = _common.place(params, mesh)
-  s_x = _common.place(
-    x.reshape(n * per_replica, -1), mesh, _common.P(_common.AXIS)
+  s_params = workload.place(params, mesh)
+  s_x = workload.place(
+    x.reshape(n * per_replica, -1), mesh, workload.P(workload.AXIS)
   )
-  s_y = _common.place(y.reshape(-1), mesh, _common.P(_common.AXIS))
+  s_y = workload.place(y.reshape(-1), mesh, workload.P(workload.AXIS))
   for label, (tx, hand) in transforms.items():
     name = f"pmap · {label}"
-    steps[name] = _common.pmap_step(tx, hand_written=hand)
-    state = jax.pmap(tx.init, axis_name=_common.AXIS)(p_params)
+    steps[name] = workload.pmap_step(tx, hand_written=hand)
+    state = jax.pmap(tx.init, axis_name=workload.AXIS)(p_params)
     args[name] = (p_params, state) + p_batch
     name = f"shard_map · {label}"
-    steps[name] = _common.shard_map_step(tx, mesh, hand_written=hand)
-    args[name] = (s_params, _common.place(tx.init(params), mesh), s_x, s_y)
+    steps[name] = workload.shard_map_step(tx, mesh, hand_written=hand)
+    args[name] = (s_params, workload.place(tx.init(params), mesh), s_x, s_y)
   for name, step in steps.items():
     texts[name] = step.lower(*args[name]).compile().as_text()
 
@@ -82,7 +82,7 @@ def run(quick: bool) -> dict:
     leaf = leaf[0] if name.startswith("pmap") else leaf
     max_diff[name] = float(np.max(np.abs(leaf - reference)))
 
-  timing = _timing.compare(
+  timing = harness.compare(
     {
       name: (lambda s=step, a=args[name]: s(*a)) for name, step in steps.items()
     },
@@ -95,7 +95,7 @@ def run(quick: bool) -> dict:
   rows, data = [], {}
   for name in steps:
     own = baseline if name.startswith("pmap") else shard_baseline
-    vs_own = _timing.ratio(timing, name, own)
+    vs_own = harness.ratio(timing, name, own)
     collectives = hlo.summarize(
       hlo.compiled_collectives(texts[name], num_devices=n)
     )
@@ -137,7 +137,7 @@ def run(quick: bool) -> dict:
     v["instruction_mix_difference_vs_hand"] == 0 for v in shardopt_rows.values()
   )
   notes = [
-    f"MLP {list(sizes)} = {_common.count_params(params):,} params, Adam,"
+    f"MLP {list(sizes)} = {workload.count_params(params):,} params, Adam,"
     f" {per_replica} examples per replica, {n} replicas; median of {repeats}"
     f" interleaved rounds ({inner} step(s) per sample), warm-up excluded.",
     "Ratio columns: median time / median time of the hand-written"
@@ -173,7 +173,7 @@ def run(quick: bool) -> dict:
     },
     "notes": notes,
     "data": {
-      "params": _common.count_params(params),
+      "params": workload.count_params(params),
       "sizes": list(sizes),
       "per_replica_batch": per_replica,
       "repeats": repeats,

@@ -1,6 +1,9 @@
-"""Shared pieces: the MLP, training steps under pmap and shard_map, placement.
+"""The performance benchmarks' workload: MLP training steps under pmap and
+shard_map, their arguments and placement.
 
-Every benchmark builds the same kind of step, written the way a user would:
+The MLP itself is :mod:`benchmarks.studies.workload`'s (one copy for all
+benchmarks). Every benchmark builds the same kind of step, written the way a
+user would:
 
 * ``pmap``: params carry a leading device axis; the step computes this
   replica's gradient and hands it to the transform.
@@ -11,7 +14,6 @@ Every benchmark builds the same kind of step, written the way a user would:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,54 +24,17 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import shardopt
+from benchmarks.studies import workload as studies
 
-AXIS = "batch"
-
-
-def has(*names: str) -> bool:
-  """Whether every public name is importable from shardopt yet."""
-  return all(hasattr(shardopt, name) for name in names)
-
-
-def mlp_init(key: jax.Array, sizes: Sequence[int]) -> dict:
-  """Params of an MLP with layer ``sizes`` (input, hidden..., output)."""
-  params = {}
-  keys = jax.random.split(key, len(sizes) - 1)
-  for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-    params[f"layer{i}"] = {
-      "w": jax.random.normal(keys[i], (fan_in, fan_out), jnp.float32)
-      / math.sqrt(fan_in),
-      "b": jnp.zeros((fan_out,), jnp.float32),
-    }
-  return params
-
-
-def mlp_apply(params: dict, x: jax.Array) -> jax.Array:
-  """Logits of the MLP (ReLU between layers)."""
-  layers = [params[f"layer{i}"] for i in range(len(params))]
-  for layer in layers[:-1]:
-    x = jax.nn.relu(x @ layer["w"] + layer["b"])
-  return x @ layers[-1]["w"] + layers[-1]["b"]
-
-
-def mlp_loss(params: dict, x: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean softmax cross-entropy of this replica's batch."""
-  logits = mlp_apply(params, x)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
-def count_params(tree: Any) -> int:
-  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
-
-
-def tree_bytes(tree: Any) -> int:
-  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
-
-
-def replicate(tree: Any, n: int) -> Any:
-  """A leading axis of ``n`` copies (the pmap layout)."""
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree)
+AXIS = studies.AXIS
+# The one MLP of the benchmarks (the studies' workload), re-exported for the
+# step builders below and the sections that build their own steps.
+mlp_init = studies.mlp_init
+mlp_apply = studies.mlp_apply
+mlp_loss = studies.mlp_loss
+count_params = studies.count_params
+tree_bytes = studies.tree_bytes
+replicate = studies.replicate
 
 
 def pmap_step(

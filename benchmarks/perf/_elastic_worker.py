@@ -1,6 +1,6 @@
-"""One process of ``python -m benchmarks.elastic``'s round-cost part.
+"""One process of ``python -m benchmarks.perf.elastic``'s round-cost part.
 
-    python benchmarks/_elastic_worker.py PROCESS_ID NUM_PROCESSES PORT OUT ROUNDS
+    python benchmarks/perf/_elastic_worker.py PROCESS_ID NUM_PROCESSES PORT OUT ROUNDS
 
 Each process is an island of 2 CPU devices training examples/elastic_diloco.py's
 MLP. Interleaved, ROUNDS times, every process runs (in the same order):
@@ -31,7 +31,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import numpy as np  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 _spec = importlib.util.spec_from_file_location(
   "elastic_diloco", ROOT / "examples" / "elastic_diloco.py"

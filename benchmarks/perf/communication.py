@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import optax
 
 import shardopt
-from benchmarks import _common
 from benchmarks import methods
+from benchmarks.perf import workload
 from shardopt import _hlo as hlo
 from shardopt.periodic import schedules
 
@@ -42,7 +42,7 @@ NAME = "communication"
 
 def _cases(n: int) -> list[dict]:
   """label, mapping, transform factory, period, minimum (x P), quick subset."""
-  axis = _common.AXIS
+  axis = workload.AXIS
   adam = lambda: optax.adam(1e-3)
   half = [list(range(0, n // 2)), list(range(n // 2, n))]
   cases = [
@@ -109,59 +109,55 @@ def _cases(n: int) -> list[dict]:
       quick=True,
     ),
   ]
-  if _common.has("tower"):
+  cases.append(
+    dict(
+      label="tower(adam)",
+      mapping="pmap",
+      tx=lambda: shardopt.tower(adam(), axis),
+      period=1,
+      minimum=1.0,
+      quick=True,
+    )
+  )
+  cases.append(
+    dict(
+      label="tower(adam, comm_dtype=bf16)",
+      mapping="pmap",
+      tx=lambda: shardopt.tower(adam(), axis, comm_dtype=jnp.bfloat16),
+      period=1,
+      minimum=0.5,
+    )
+  )
+  for period in (4, 16):
     cases.append(
       dict(
-        label="tower(adam)",
+        label=f"agn(adam, T={period})",
         mapping="pmap",
-        tx=lambda: shardopt.tower(adam(), axis),
-        period=1,
-        minimum=1.0,
-        quick=True,
+        tx=lambda p=period: shardopt.agn(adam(), axis, sync_period=p),
+        period=period,
+        minimum=1.0 / period,
+        quick=period == 16,
       )
     )
-    cases.append(
-      dict(
-        label="tower(adam, comm_dtype=bf16)",
-        mapping="pmap",
-        tx=lambda: shardopt.tower(adam(), axis, comm_dtype=jnp.bfloat16),
-        period=1,
-        minimum=0.5,
-      )
+  cases.append(
+    dict(
+      label="local_sgd(adam, period=16)",
+      mapping="pmap",
+      tx=lambda: shardopt.local_sgd(adam(), axis, sync_period=16),
+      period=16,
+      minimum=1.0 / 16,
     )
-  if _common.has("agn"):
-    for period in (4, 16):
-      cases.append(
-        dict(
-          label=f"agn(adam, T={period})",
-          mapping="pmap",
-          tx=lambda p=period: shardopt.agn(adam(), axis, sync_period=p),
-          period=period,
-          minimum=1.0 / period,
-          quick=period == 16,
-        )
-      )
-  if _common.has("local_sgd"):
-    cases.append(
-      dict(
-        label="local_sgd(adam, period=16)",
-        mapping="pmap",
-        tx=lambda: shardopt.local_sgd(adam(), axis, sync_period=16),
-        period=16,
-        minimum=1.0 / 16,
-      )
+  )
+  cases.append(
+    dict(
+      label="diloco(adam, H=500)",
+      mapping="pmap",
+      tx=lambda: shardopt.diloco(adam(), axis, sync_period=500),
+      period=500,
+      minimum=1.0 / 500,
+      quick=True,
     )
-  if _common.has("diloco"):
-    cases.append(
-      dict(
-        label="diloco(adam, H=500)",
-        mapping="pmap",
-        tx=lambda: shardopt.diloco(adam(), axis, sync_period=500),
-        period=500,
-        minimum=1.0 / 500,
-        quick=True,
-      )
-    )
+  )
   return cases + _new_cases()
 
 
@@ -205,9 +201,9 @@ def _new_cases() -> list[dict]:
         "apply_if_finite(cross_shard(adam))",
         ("apply_if_finite",),
         lambda opt: shardopt.apply_if_finite(
-          shardopt.cross_shard(opt(), _common.AXIS),
+          shardopt.cross_shard(opt(), workload.AXIS),
           5,
-          axis_name=_common.AXIS,
+          axis_name=workload.AXIS,
         ),
         hlo.Schedule(taken="max"),
         quick=True,
@@ -244,7 +240,7 @@ def _invariant_step(tx, mesh) -> Callable:
   """shard_map step WITHOUT the pcast: autodiff psums the gradient itself."""
 
   def step(params, opt_state, x, y):
-    grads = jax.grad(_common.mlp_loss)(params, x, y)
+    grads = jax.grad(workload.mlp_loss)(params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -252,8 +248,8 @@ def _invariant_step(tx, mesh) -> Callable:
     jax.shard_map(
       step,
       mesh=mesh,
-      in_specs=(_common.P(),) * 2 + (_common.P(_common.AXIS),) * 2,
-      out_specs=(_common.P(), _common.P()),
+      in_specs=(workload.P(),) * 2 + (workload.P(workload.AXIS),) * 2,
+      out_specs=(workload.P(), workload.P()),
     )
   )
 
@@ -263,16 +259,16 @@ def measure(quick: bool) -> dict:
   sizes = (32, 64, 10) if quick else (256, 512, 10)
   per_replica = 4
   n = jax.device_count()
-  mesh = jax.make_mesh((n,), (_common.AXIS,))
-  params = _common.mlp_init(jax.random.key(0), sizes)
-  param_bytes = _common.tree_bytes(params)
-  x, y = _common.batch(jax.random.key(1), n, per_replica, sizes[0], sizes[-1])
-  p_params = _common.replicate(params, n)
-  s_params = _common.place(params, mesh)
-  s_x = _common.place(
-    x.reshape(n * per_replica, -1), mesh, _common.P(_common.AXIS)
+  mesh = jax.make_mesh((n,), (workload.AXIS,))
+  params = workload.mlp_init(jax.random.key(0), sizes)
+  param_bytes = workload.tree_bytes(params)
+  x, y = workload.batch(jax.random.key(1), n, per_replica, sizes[0], sizes[-1])
+  p_params = workload.replicate(params, n)
+  s_params = workload.place(params, mesh)
+  s_x = workload.place(
+    x.reshape(n * per_replica, -1), mesh, workload.P(workload.AXIS)
   )
-  s_y = _common.place(y.reshape(-1), mesh, _common.P(_common.AXIS))
+  s_y = workload.place(y.reshape(-1), mesh, workload.P(workload.AXIS))
 
   results, unavailable = {}, {}
   for case in _cases(n):
@@ -284,24 +280,24 @@ def measure(quick: bool) -> dict:
     tx = case["tx"]()
     hand = case.get("hand", False)
     if case["mapping"] == "pmap":
-      step = _common.pmap_step(tx, hand_written=hand)
+      step = workload.pmap_step(tx, hand_written=hand)
       args = (
         p_params,
-        jax.pmap(tx.init, axis_name=_common.AXIS)(p_params),
+        jax.pmap(tx.init, axis_name=workload.AXIS)(p_params),
         x,
         y,
       )
     elif case["mapping"] == "shard_map":
-      step = _common.shard_map_step(
+      step = workload.shard_map_step(
         tx,
         mesh,
         hand_written=hand,
         per_replica_out=case.get("per_replica_out", False),
       )
-      args = (s_params, _common.place(tx.init(params), mesh), s_x, s_y)
+      args = (s_params, workload.place(tx.init(params), mesh), s_x, s_y)
     else:
       step = _invariant_step(tx, mesh)
-      args = (s_params, _common.place(tx.init(params), mesh), s_x, s_y)
+      args = (s_params, workload.place(tx.init(params), mesh), s_x, s_y)
     lowered = step.lower(*args)
     compiled_ops = hlo.compiled_collectives(
       lowered.compile().as_text(), num_devices=n
@@ -374,12 +370,7 @@ def run(quick: bool) -> dict:
         f"{m['wire_over_minimum']:.3f}" + ("" if ok else " (above)"),
       ]
     )
-  missing = [
-    name
-    for name in ("tower", "agn", "local_sgd", "diloco")
-    if not _common.has(name)
-  ]
-  missing += list(measured.get("unavailable", {}))
+  missing = list(measured.get("unavailable", {}))
   notes = [
     f"MLP {measured['sizes']}: parameter bytes P = {measured['param_bytes']:,}"
     f" (float32), {jax.device_count()} replicas; one training step compiled"

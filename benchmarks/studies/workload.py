@@ -1,4 +1,17 @@
-"""A language-model workload: a byte-level transformer on the Python stdlib's sources.
+"""The studies' two workloads: the digits MLP and a byte-level transformer.
+
+**Digits** (sections 5, 5b, 7's accuracy column, ``outer_defaults``):
+scikit-learn's bundled digits data set (1,797 8x8 images, no download), split
+80/20 with a fixed seed; the training part is dealt out to the replicas, each
+of which draws its own minibatches of its own share. A 64-64-10 MLP
+(:data:`SIZES`) trained by ``tx`` under ``jax.pmap`` (:func:`train_digits`),
+test accuracy every :data:`EVAL_EVERY` steps. The MLP (:func:`mlp_init`,
+:func:`mlp_apply`, :func:`mlp_loss`) is also the model of every performance
+benchmark (:mod:`benchmarks.perf.workload` builds its steps on it); the
+library's demo (:mod:`shardopt.demo`) keeps its own copy.
+
+**Language model** (sections 8 and 8b): a byte-level transformer on the
+Python stdlib's sources.
 
 Nothing is downloaded: the text is the running interpreter's own standard
 library (``Lib/*.py`` of ``sysconfig.get_paths()["stdlib"]``, top level only,
@@ -25,43 +38,166 @@ host for evaluation only; it is not part of training and not counted as
 communication). At multiples of every method's period, except streaming
 DiLoCo's fragments, all replicas already hold the same params.
 
-``python -m benchmarks.lm [--quick] [--steps N] [--seed S] [--set
-FIELD=VALUE ...]`` trains the synchronous baseline and prints its curve and
-how much its last 20% of steps improved it (a calibration aid; the
-comparison is :mod:`benchmarks.quality_per_byte`).
+``python -m benchmarks.studies.quality_per_byte --calibrate [--steps N]
+[--set FIELD=VALUE ...]`` trains the LM's synchronous baseline alone and
+prints its curve and how much its last 20% of steps improved it (a
+calibration aid).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import glob
+import math
 import os
+import sysconfig
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
 
-if __name__ == "__main__":  # standalone: 8 CPU devices before jax is imported
-  if "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""
-  ):
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "")
-      + " --xla_force_host_platform_device_count=8"
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import shardopt
+
+AXIS = "batch"
+
+
+# ----------------------------------------------------------------- the MLP
+
+
+def mlp_init(key: jax.Array, sizes: Sequence[int]) -> dict:
+  """Params of an MLP with layer ``sizes`` (input, hidden..., output)."""
+  params = {}
+  keys = jax.random.split(key, len(sizes) - 1)
+  for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+    params[f"layer{i}"] = {
+      "w": jax.random.normal(keys[i], (fan_in, fan_out), jnp.float32)
+      / math.sqrt(fan_in),
+      "b": jnp.zeros((fan_out,), jnp.float32),
+    }
+  return params
+
+
+def mlp_apply(params: dict, x: jax.Array) -> jax.Array:
+  """Logits of the MLP (ReLU between layers)."""
+  layers = [params[f"layer{i}"] for i in range(len(params))]
+  for layer in layers[:-1]:
+    x = jax.nn.relu(x @ layer["w"] + layer["b"])
+  return x @ layers[-1]["w"] + layers[-1]["b"]
+
+
+def mlp_loss(params: dict, x: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean softmax cross-entropy of this replica's batch."""
+  logits = mlp_apply(params, x)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def count_params(tree: Any) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def tree_bytes(tree: Any) -> int:
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def replicate(tree: Any, n: int) -> Any:
+  """A leading axis of ``n`` copies (the pmap layout)."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree)
+
+
+# ----------------------------------------------------------------- digits
+
+SIZES = (64, 64, 10)
+LEARNING_RATE = 1e-3
+EVAL_EVERY = 16
+
+
+def digits(replicas: int):
+  """``(train_x, train_y, test_x, test_y)``: the training part dealt out to
+  ``replicas`` (a leading replica axis), the held-out 20% whole."""
+  from sklearn.datasets import load_digits  # bundled with scikit-learn
+
+  data = load_digits()
+  x = (data.data / 16.0).astype(np.float32)
+  y = data.target.astype(np.int32)
+  order = np.random.default_rng(0).permutation(len(x))
+  test_count = len(x) // 5
+  test, train = order[:test_count], order[test_count:]
+  per_replica = len(train) // replicas
+  train = train[: per_replica * replicas]
+  return (
+    x[train].reshape(replicas, per_replica, -1),
+    y[train].reshape(replicas, per_replica),
+    x[test],
+    y[test],
+  )
+
+
+def digits_chunk(tx, steps: int, batch_size: int):
+  """pmap-ed: ``steps`` local steps from ``first_step``; returns params,
+  state and the params' ``replica_divergence``."""
+
+  def chunk(params, state, x, y, key, first_step):
+    replica = jax.lax.axis_index(AXIS)
+
+    def one(carry, step):
+      params, state = carry
+      k = jax.random.fold_in(jax.random.fold_in(key, step), replica)
+      idx = jax.random.randint(k, (batch_size,), 0, x.shape[0])
+      grads = jax.grad(mlp_loss)(params, x[idx], y[idx])
+      updates, state = tx.update(grads, state, params)
+      return (optax.apply_updates(params, updates), state), None
+
+    (params, state), _ = jax.lax.scan(
+      one, (params, state), first_step + jnp.arange(steps)
     )
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    divergence = shardopt.replica_divergence(params, AXIS)
+    return params, state, divergence
 
-import dataclasses  # noqa: E402
-import glob  # noqa: E402
-import math  # noqa: E402
-import sysconfig  # noqa: E402
-import time  # noqa: E402
-import zlib  # noqa: E402
-from typing import Any  # noqa: E402
+  return jax.pmap(chunk, axis_name=AXIS, in_axes=(0, 0, 0, 0, None, None))
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
-from benchmarks import _common  # noqa: E402
+def train_digits(tx, seeds, total_steps: int, batch_size: int = 16):
+  """Trains the digits MLP with ``tx`` on every device, once per seed
+  (params init ``100 + seed``, data order ``seed``).
 
-AXIS = _common.AXIS
+  Returns:
+    ``(per_seed, divergence)``: test accuracy every ``EVAL_EVERY`` steps
+    (step 0 first) for each seed, and the largest final
+    ``replica_divergence`` of the params over the seeds.
+  """
+  n = jax.device_count()
+  train_x, train_y, test_x, test_y = digits(n)
+  identity = jax.pmap(lambda t: t)
+  train_x, train_y = identity((train_x, train_y))
+  accuracy = jax.jit(
+    lambda p: jnp.mean(jnp.argmax(mlp_apply(p, test_x), -1) == test_y)
+  )
+  chunk = digits_chunk(tx, EVAL_EVERY, batch_size)
+  per_seed, final_divergence = [], 0.0
+  for seed in seeds:
+    params = mlp_init(jax.random.key(100 + seed), SIZES)
+    p_params = identity(replicate(params, n))
+    state = jax.pmap(tx.init, axis_name=AXIS)(p_params)
+    key = jax.random.key(seed)
+    acc = [float(accuracy(params))]
+    for first in range(0, total_steps, EVAL_EVERY):
+      p_params, state, divergence = chunk(  # first as an array: no retrace
+        p_params, state, train_x, train_y, key, jnp.int32(first)
+      )
+      acc.append(float(accuracy(jax.tree.map(lambda a: a[0], p_params))))
+    final_divergence = max(final_divergence, float(divergence[0]))
+    per_seed.append(acc)
+  return per_seed, final_divergence
+
+
+# ----------------------------------------------------------------- the LM
+
 VOCAB = 256
 
 
@@ -332,7 +468,7 @@ class Workload:
   def initial(self, tx: optax.GradientTransformation, seed: int):
     """Replicated params (``init_params(1000 + seed)``) and ``tx``'s state."""
     params = init_params(self.config, 1000 + seed)
-    p_params = self._place(_common.replicate(params, self.replicas))
+    p_params = self._place(replicate(params, self.replicas))
     if id(tx) not in self._inits:
       self._inits = {id(tx): (tx, jax.pmap(tx.init, axis_name=AXIS))}
     return p_params, self._inits[id(tx)][1](p_params)
@@ -397,60 +533,3 @@ class Workload:
       "divergence": divergence,
       "seconds": time.perf_counter() - start,
     }
-
-
-def main(argv=None) -> int:
-  import argparse
-
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--steps", type=int, default=None)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument(
-    "--set",
-    action="append",
-    default=[],
-    metavar="FIELD=VALUE",
-    help="change a Config field (repeatable): --set end_fraction=0.1",
-  )
-  args = parser.parse_args(argv)
-  import shardopt
-  from benchmarks import quality_per_byte  # it imports this module
-
-  config = QUICK if args.quick else FULL
-  if args.steps:
-    config = dataclasses.replace(config, steps=args.steps)
-  for item in args.set:
-    field, _, value = item.partition("=")
-    if field not in Config.__dataclass_fields__:
-      parser.error(f"--set {item}: Config has no field {field!r}")
-    kind = type(getattr(config, field))
-    config = dataclasses.replace(config, **{field: kind(value)})
-  workload = Workload(config)
-  params = init_params(config, 0)
-  print(
-    f"[lm] {workload.info}; params {_common.count_params(params):,}"
-    f" ({_common.tree_bytes(params):,} bytes); {config}"
-  )
-  tx = shardopt.cross_shard(adamw(config)(), AXIS)
-  t0 = time.perf_counter()
-  chunk = train_chunk(tx, config)
-  result = workload.train(tx, args.seed, chunk=chunk)
-  print(
-    f"[lm] sync: {time.perf_counter() - t0:.1f} s in all,"
-    f" {result['seconds']:.1f} s after the first call"
-  )
-  for s, v in zip(result["steps"], result["val_bpb"]):
-    print(f"  step {s:5d}  val {v:.3f} bits/byte")
-  flat = quality_per_byte.flattening(result["steps"], result["val_bpb"])
-  last = quality_per_byte.FLAT
-  print(
-    f"[lm] the last {last:.0%} of the steps ({flat['from_step']:.0f} ->"
-    f" {config.steps}): {flat['at_from']:.4f} -> {flat['final']:.4f}"
-    f" bits/byte, {100 * flat['relative_gain']:.2f}% better"
-  )
-  return 0
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Cost of every new path: each new step timed side by side with what it replaces.
 
 All steps train the same MLP under ``jax.pmap`` on 8 replicas, and every
-timing is :func:`benchmarks._timing.compare`'s interleaved median (warm-up
+timing is :func:`benchmarks.perf.harness.compare`'s interleaved median (warm-up
 excluded). Every comparison runs twice, with the same donation setting for a
 step and its baseline each time:
 
@@ -11,7 +11,7 @@ step and its baseline each time:
   loop does): every call continues from the previous one's outputs. These
   steps run on ``jax.jit`` + ``shard_map(check_vma=False)`` (pmap's
   semantics), per-replica params as ``P(axis)`` blocks
-  (:func:`benchmarks._common.concat_shard_map_step`): jit's donation aliases
+  (:func:`benchmarks.perf.workload.concat_shard_map_step`): jit's donation aliases
   buffers, where pmap's (jax 0.10, CPU) copies every donated output, so a
   donated pmap step would pay copies no jit training loop pays. To time
   only non-sync steps, the periodic methods run with a period of 1,000,000
@@ -36,7 +36,7 @@ step and its baseline each time:
 3. ``apply_if_finite(cross_shard(adam))`` vs ``cross_shard(adam)``. Goal <= 1.02.
 4. ``chain(powersgd(rank r), adam)`` for r = 1, 2, 4 vs
    ``chain(cross_shard_mean, adam)``, with the projection of when it pays off
-   on 100 Gb/s and 1 Gb/s links (:mod:`benchmarks.projection`'s ring formula):
+   on 100 Gb/s and 1 Gb/s links (:mod:`benchmarks.perf.projection`'s ring formula):
    PowerSGD saves ``ring(P) - ring(B)`` seconds of communication per step (B
    its bytes per step, from the HLO) and costs ``t_powersgd - t_cross_shard``
    of compute (measured here, on CPU, where the all-reduce itself is a
@@ -72,10 +72,10 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from benchmarks import _common
-from benchmarks import _timing
 from benchmarks import methods
-from benchmarks import projection
+from benchmarks.perf import harness
+from benchmarks.perf import projection
+from benchmarks.perf import workload
 from shardopt import _hlo as hlo
 from shardopt.periodic import schedules
 
@@ -158,17 +158,17 @@ def _bare_add_step(mesh, donate: bool):
   """Hand-written accumulation: ``acc += grads``, params untouched."""
 
   def step(params, acc, x, y):
-    grads = jax.grad(_common.mlp_loss)(params, x, y)
+    grads = jax.grad(workload.mlp_loss)(params, x, y)
     return params, jax.tree.map(lambda a, g: a + g, acc, grads)
 
   if not donate:
-    return jax.pmap(step, axis_name=_common.AXIS)
+    return jax.pmap(step, axis_name=workload.AXIS)
   return jax.jit(
     jax.shard_map(
       step,
       mesh=mesh,
-      in_specs=P(_common.AXIS),
-      out_specs=P(_common.AXIS),
+      in_specs=P(workload.AXIS),
+      out_specs=P(workload.AXIS),
       check_vma=False,
     ),
     donate_argnums=(0, 1),
@@ -222,15 +222,15 @@ class _Bench:
     self.sizes = (32, 64, 10) if quick else (512, 1024, 1024, 10)
     self.per_replica = 4 if quick else 16
     self.n = jax.device_count()
-    params = _common.mlp_init(jax.random.key(0), self.sizes)
-    self.param_count = _common.count_params(params)
-    self.param_bytes = _common.tree_bytes(params)
-    self._host = jax.tree.map(np.asarray, _common.replicate(params, self.n))
+    params = workload.mlp_init(jax.random.key(0), self.sizes)
+    self.param_count = workload.count_params(params)
+    self.param_bytes = workload.tree_bytes(params)
+    self._host = jax.tree.map(np.asarray, workload.replicate(params, self.n))
     self._identity = jax.pmap(lambda t: t)
-    self.mesh = jax.make_mesh((self.n,), (_common.AXIS,))
+    self.mesh = jax.make_mesh((self.n,), (workload.AXIS,))
     self.params = self.fresh_params()
     self.batch = self._identity(
-      _common.batch(
+      workload.batch(
         jax.random.key(1),
         self.n,
         self.per_replica,
@@ -244,9 +244,9 @@ class _Bench:
     return self._identity(self._host)
 
   def _donated(self, step, params, state) -> _Runner:
-    """A donated runner on jit + shard_map (:func:`_common.unstack` layout)."""
+    """A donated runner on jit + shard_map (:func:`workload.unstack` layout)."""
 
-    on_mesh = lambda tree: _common.on_mesh(tree, self.mesh)
+    on_mesh = lambda tree: workload.on_mesh(tree, self.mesh)
     return _Runner(
       step,
       on_mesh(params),
@@ -260,22 +260,22 @@ class _Bench:
     """``tx``'s step from ``tx.init``, after ``warm_steps`` untimed steps.
 
     Not donated: ``jax.pmap``. Donated: ``jax.jit`` + ``shard_map`` with the
-    same stacked layout (see :func:`_common.stacked_shard_map_step`).
+    same stacked layout (see :func:`benchmarks.perf.workload.concat_shard_map_step`).
     """
-    state = jax.pmap(tx.init, axis_name=_common.AXIS)(self.fresh_params())
+    state = jax.pmap(tx.init, axis_name=workload.AXIS)(self.fresh_params())
     params = self.fresh_params() if donate else self.params
     for _ in range(warm_steps):  # fixed params: only the state moves
       _, state = jax.block_until_ready(
-        _common.pmap_step(tx)(params, state, *self.batch)
+        workload.pmap_step(tx)(params, state, *self.batch)
       )
     if donate:
-      specs = _common.concat_specs(_common.unstack(state))
+      specs = workload.concat_specs(workload.unstack(state))
       return self._donated(
-        _common.concat_shard_map_step(tx, self.mesh, specs, donate=True),
+        workload.concat_shard_map_step(tx, self.mesh, specs, donate=True),
         params,
         state,
       )
-    return _Runner(_common.pmap_step(tx), params, state, self.batch, donate)
+    return _Runner(workload.pmap_step(tx), params, state, self.batch, donate)
 
   def bare_add(self, donate: bool) -> _Runner:
     acc = self._identity(jax.tree.map(np.zeros_like, self._host))
@@ -285,9 +285,9 @@ class _Bench:
     return _Runner(step, self.params, acc, self.batch, donate)
 
   def hlo_bytes(self, tx, schedule) -> dict:
-    state = jax.pmap(tx.init, axis_name=_common.AXIS)(self.params)
+    state = jax.pmap(tx.init, axis_name=workload.AXIS)(self.params)
     text = (
-      _common.pmap_step(tx)
+      workload.pmap_step(tx)
       .lower(self.params, state, *self.batch)
       .compile()
       .as_text()
@@ -297,7 +297,7 @@ class _Bench:
     )
 
   def compare(self, runners: dict, baseline: str, repeats: int = 21) -> dict:
-    return _timing.compare(
+    return harness.compare(
       runners,
       baseline=baseline,
       repeats=7 if self.quick else repeats,
@@ -319,7 +319,7 @@ def _streaming_variants(period: int, num_layers: int) -> list:
       f"streaming diloco(adam, H={period}, F=4, {label})",
       ("diloco",),
       lambda opt, kwargs=kwargs: shardopt.diloco(
-        opt(), _common.AXIS, sync_period=period, num_fragments=4, **kwargs
+        opt(), workload.AXIS, sync_period=period, num_fragments=4, **kwargs
       ),
       hlo.Schedule(schedules.streaming(period, 4)),
     )
@@ -354,9 +354,9 @@ def _apply_if_finite() -> methods.Method:
     "apply_if_finite(cross_shard(adam))",
     ("apply_if_finite",),
     lambda opt: shardopt.apply_if_finite(
-      shardopt.cross_shard(opt(), _common.AXIS),
+      shardopt.cross_shard(opt(), workload.AXIS),
       5,
-      axis_name=_common.AXIS,
+      axis_name=workload.AXIS,
     ),
     hlo.Schedule(),
   )
@@ -366,7 +366,7 @@ def _guard_rows() -> list:
   """The finite guards, each with its unguarded step and optax's guard in
   the same place: ``(group, name, transform, baseline name)``; the first of
   each pair of baselines is the unguarded step."""
-  axis, adam = _common.AXIS, _adam
+  axis, adam = workload.AXIS, _adam
   mean = "chain(cross_shard_mean, adam)"
   cross = "cross_shard(adam) [guard group]"
   tower = "tower(adam)"
@@ -527,7 +527,7 @@ def run(quick: bool, only_guards: bool = False, only_nonsync=False) -> dict:
   def record(
     group, name, baseline, runners, timing, donate, goal=None, expect_same=False
   ):
-    r = _timing.ratio(timing, name, baseline)
+    r = harness.ratio(timing, name, baseline)
     c = timing["candidates"][name]
     diff = float(
       np.max(
@@ -615,14 +615,14 @@ def run(quick: bool, only_guards: bool = False, only_nonsync=False) -> dict:
           what, base = "adam + the accumulator add the goal allows", floor
         else:
           what, base = "adam + the select onto the center", select
-        over_floor[name] = (what, _timing.ratio(timing, name, base))
+        over_floor[name] = (what, harness.ratio(timing, name, base))
     if only_nonsync:
       continue
 
     # 2-3. accumulate (mid, emit) and apply_if_finite vs their baselines.
     sync = f"cross_shard(adam){tag}"
     runners = {
-      sync: bench.runner(shardopt.cross_shard(_adam(), _common.AXIS), donate)
+      sync: bench.runner(shardopt.cross_shard(_adam(), workload.AXIS), donate)
     }
     pairs = []
     k_mid = HUGE_PERIOD if donate else ACCUMULATE_K
@@ -653,7 +653,7 @@ def run(quick: bool, only_guards: bool = False, only_nonsync=False) -> dict:
     mean = f"chain(cross_shard_mean, adam){tag}"
     runners = {
       mean: bench.runner(
-        optax.chain(shardopt.cross_shard_mean(_common.AXIS), _adam()), donate
+        optax.chain(shardopt.cross_shard_mean(workload.AXIS), _adam()), donate
       )
     }
     ranks = {}

@@ -1,8 +1,8 @@
 """Convergence: digits on 8 replicas, synchronous vs periodic communication.
 
-scikit-learn's bundled digits data set (1,797 8x8 images, no download), split
-80/20 with a fixed seed; the training part is dealt out to 8 replicas, each of
-which draws its own minibatches from its own share. A 64-64-10 MLP is trained
+The digits workload (:mod:`benchmarks.studies.workload`: scikit-learn's
+bundled digits, 80/20 split, the training part dealt out to 8 replicas, each
+drawing its own minibatches from its own share). A 64-64-10 MLP is trained
 with Adam (lr 1e-3) by
 
 * ``cross_shard(adam)``: averages gradients every step (1 round per step);
@@ -22,133 +22,53 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import shardopt
-from benchmarks import _common
+from benchmarks.studies import harness
+from benchmarks.studies import workload
 
 NAME = "convergence"
-SIZES = (64, 64, 10)
-LEARNING_RATE = 1e-3
-EVAL_EVERY = 16
+SIZES = workload.SIZES
+LEARNING_RATE = workload.LEARNING_RATE
+EVAL_EVERY = workload.EVAL_EVERY
 TARGET = 0.95
 
 
-def _digits(replicas: int):
-  from sklearn.datasets import load_digits  # bundled with scikit-learn
-
-  data = load_digits()
-  x = (data.data / 16.0).astype(np.float32)
-  y = data.target.astype(np.int32)
-  order = np.random.default_rng(0).permutation(len(x))
-  test_count = len(x) // 5
-  test, train = order[:test_count], order[test_count:]
-  per_replica = len(train) // replicas
-  train = train[: per_replica * replicas]
-  return (
-    x[train].reshape(replicas, per_replica, -1),
-    y[train].reshape(replicas, per_replica),
-    x[test],
-    y[test],
-  )
-
-
 def _methods(quick: bool = False) -> dict:
-  axis = _common.AXIS
+  axis = workload.AXIS
   adam = lambda: optax.adam(LEARNING_RATE)
   methods = {
     "cross_shard(adam) [sync]": (lambda: shardopt.cross_shard(adam(), axis), 1)
   }
-  if _common.has("agn"):
-    for period in (4,) if quick else (4, 16):  # smoke run: one agn
-      methods[f"agn(adam, T={period})"] = (
-        lambda p=period: shardopt.agn(adam(), axis, sync_period=p),
-        period,
-      )
-  if _common.has("local_sgd"):
-    methods["local_sgd(adam, period=8)"] = (
-      lambda: shardopt.local_sgd(adam(), axis, sync_period=8),
-      8,
+  for period in (4,) if quick else (4, 16):  # smoke run: one agn
+    methods[f"agn(adam, T={period})"] = (
+      lambda p=period: shardopt.agn(adam(), axis, sync_period=p),
+      period,
     )
-  if _common.has("diloco"):
-    methods["diloco(adam, H=16)"] = (
-      lambda: shardopt.diloco(adam(), axis, sync_period=16),
-      16,
-    )
+  methods["local_sgd(adam, period=8)"] = (
+    lambda: shardopt.local_sgd(adam(), axis, sync_period=8),
+    8,
+  )
+  methods["diloco(adam, H=16)"] = (
+    lambda: shardopt.diloco(adam(), axis, sync_period=16),
+    16,
+  )
   return methods
-
-
-def _train_chunk(tx, steps: int, batch_size: int):
-  """pmap-ed: ``steps`` local steps from ``first_step``, returns params/state."""
-
-  def chunk(params, state, x, y, key, first_step):
-    replica = jax.lax.axis_index(_common.AXIS)
-
-    def one(carry, step):
-      params, state = carry
-      k = jax.random.fold_in(jax.random.fold_in(key, step), replica)
-      idx = jax.random.randint(k, (batch_size,), 0, x.shape[0])
-      grads = jax.grad(_common.mlp_loss)(params, x[idx], y[idx])
-      updates, state = tx.update(grads, state, params)
-      return (optax.apply_updates(params, updates), state), None
-
-    (params, state), _ = jax.lax.scan(
-      one, (params, state), first_step + jnp.arange(steps)
-    )
-    divergence = shardopt.replica_divergence(params, _common.AXIS)
-    return params, state, divergence
-
-  return jax.pmap(
-    chunk, axis_name=_common.AXIS, in_axes=(0, 0, 0, 0, None, None)
-  )
-
-
-def train(tx, seeds, total_steps: int, batch_size: int = 16):
-  """Trains the digits MLP with ``tx`` on 8 replicas, once per seed.
-
-  Returns:
-    ``(per_seed, divergence)``: test accuracy every ``EVAL_EVERY`` steps
-    (step 0 first) for each seed, and the largest final
-    ``replica_divergence`` of the params over the seeds.
-  """
-  n = jax.device_count()
-  train_x, train_y, test_x, test_y = _digits(n)
-  identity = jax.pmap(lambda t: t)
-  train_x, train_y = identity((train_x, train_y))
-  accuracy = jax.jit(
-    lambda p: jnp.mean(jnp.argmax(_common.mlp_apply(p, test_x), -1) == test_y)
-  )
-  chunk = _train_chunk(tx, EVAL_EVERY, batch_size)
-  per_seed, final_divergence = [], 0.0
-  for seed in seeds:
-    params = _common.mlp_init(jax.random.key(100 + seed), SIZES)
-    p_params = identity(_common.replicate(params, n))
-    state = jax.pmap(tx.init, axis_name=_common.AXIS)(p_params)
-    key = jax.random.key(seed)
-    acc = [float(accuracy(params))]
-    for first in range(0, total_steps, EVAL_EVERY):
-      p_params, state, divergence = chunk(  # first as an array: no retrace
-        p_params, state, train_x, train_y, key, jnp.int32(first)
-      )
-      acc.append(float(accuracy(jax.tree.map(lambda a: a[0], p_params))))
-    final_divergence = max(final_divergence, float(divergence[0]))
-    per_seed.append(acc)
-  return per_seed, final_divergence
 
 
 def run(quick: bool) -> dict:
   """Trains every method, returns accuracy curves, table and notes."""
   total_steps = 32 if quick else 1024
-  seeds = (0,) if quick else (0, 1, 2)
+  seeds = harness.seeds(quick)
   batch_size = 16
   n = jax.device_count()
-  test_count = len(_digits(n)[3])
+  test_count = len(workload.digits(n)[3])
 
   curves, final_divergence = {}, {}
   for name, (make_tx, period) in _methods(quick).items():
-    per_seed, final_divergence[name] = train(
+    per_seed, final_divergence[name] = workload.train_digits(
       make_tx(), seeds, total_steps, batch_size
     )
     steps = list(range(0, total_steps + 1, EVAL_EVERY))
@@ -234,7 +154,6 @@ def run(quick: bool) -> dict:
       )
     )
     verdicts.append("; ".join(parts) + ".")
-  missing = [m for m in ("agn", "local_sgd", "diloco") if not _common.has(m)]
   notes = [
     f"{n} replicas, {total_steps} steps of {batch_size} examples per replica,"
     f" MLP {list(SIZES)}, Adam lr {LEARNING_RATE}, mean of {len(seeds)}"
@@ -245,10 +164,6 @@ def run(quick: bool) -> dict:
     f" {round_budget} communication rounds (what agn T=16 uses in the whole"
     " run).",
   ] + verdicts
-  if missing:
-    notes.append(
-      "Not yet in shardopt when this ran: " + ", ".join(missing) + "."
-    )
   return {
     "title": "5. Convergence: digits, 8 replicas, accuracy vs steps and rounds",
     "table": {

@@ -40,10 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks import _common
-from benchmarks import convergence
 from benchmarks import methods
+from benchmarks.studies import harness
+from benchmarks.studies import workload
 from shardopt import _hlo as hlo
+from shardopt.periodic import fragments
 
 NAME = "schedule_convergence"
 TITLE = (
@@ -61,7 +62,7 @@ NOISE_RULE = (
 
 
 def _adam():
-  return optax.adam(convergence.LEARNING_RATE)
+  return optax.adam(workload.LEARNING_RATE)
 
 
 def _comparisons(quick: bool) -> list[dict]:
@@ -107,21 +108,19 @@ def _rounds(schedule: hlo.Schedule, steps: int, n: int) -> tuple:
 
 
 def _split(params) -> dict:
-  """How streaming DiLoCo splits these params into fragments (by bytes)."""
-  try:  # the engine's own split (private: may move; the section then says so)
-    from shardopt.periodic.fragments import split_fragments
-  except ImportError:
-    return {}
+  """How streaming DiLoCo splits these params into fragments (by bytes):
+  the periodic engine's own split (:func:`shardopt.periodic.fragments.split`,
+  whole leaves without ``layer_axes``)."""
   paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(params)[0])
   sizes = [leaf.size * leaf.dtype.itemsize for leaf in leaves]
   total = sum(sizes)
-  fragments = split_fragments(sizes, FRAGMENTS)
+  split = fragments.split(params, FRAGMENTS, None, "diloco")
   out = [
     {
-      "leaves": [jax.tree_util.keystr(paths[i]) for i in frag],
-      "bytes": sum(sizes[i] for i in frag),
+      "leaves": [jax.tree_util.keystr(paths[i]) for i in leaf_indices],
+      "bytes": sum(sizes[i] for i in leaf_indices),
     }
-    for frag in fragments
+    for leaf_indices in map(fragments.leaves_of, split)
   ]
   return {
     "leaf_bytes": dict(
@@ -143,20 +142,20 @@ def _train(method: methods.Method, data, seeds, steps: int, eval_every: int):
     return {"available": False, "why": why}
   train_x, train_y, test_x, test_y = data
   accuracy = jax.jit(
-    lambda p: jnp.mean(jnp.argmax(_common.mlp_apply(p, test_x), -1) == test_y)
+    lambda p: jnp.mean(jnp.argmax(workload.mlp_apply(p, test_x), -1) == test_y)
   )
-  loss = jax.jit(lambda p: _common.mlp_loss(p, test_x, test_y))
+  loss = jax.jit(lambda p: workload.mlp_loss(p, test_x, test_y))
   identity = jax.pmap(lambda t: t)
-  init = jax.pmap(tx.init, axis_name=_common.AXIS)
+  init = jax.pmap(tx.init, axis_name=workload.AXIS)
 
   def start(seed):
-    params = _common.mlp_init(jax.random.key(100 + seed), convergence.SIZES)
-    p_params = identity(_common.replicate(params, n))
+    params = workload.mlp_init(jax.random.key(100 + seed), workload.SIZES)
+    p_params = identity(workload.replicate(params, n))
     return params, p_params, init(p_params)
 
   _, p_params, state = start(seeds[0])
   chunk = (
-    convergence._train_chunk(tx, eval_every, BATCH)
+    workload.digits_chunk(tx, eval_every, BATCH)
     .lower(p_params, state, train_x, train_y, jax.random.key(0), jnp.int32(0))
     .compile()
   )
@@ -255,12 +254,12 @@ def _compare(a: dict, b: dict, n: int) -> tuple[str, bool | None]:
 def run(quick: bool) -> dict:
   """Trains both comparisons; returns the table, notes and curves."""
   steps = 32 if quick else 1024
-  seeds = (0,) if quick else (0, 1, 2)
+  seeds = harness.seeds(quick)
   n = jax.device_count()
-  data = convergence._digits(n)
+  data = workload.digits(n)
   identity = jax.pmap(lambda t: t)
   data = (*identity(data[:2]), data[2], data[3])
-  split = _split(_common.mlp_init(jax.random.key(0), convergence.SIZES))
+  split = _split(workload.mlp_init(jax.random.key(0), workload.SIZES))
 
   comparisons = _comparisons(quick)
   results = {}
@@ -333,37 +332,31 @@ def run(quick: bool) -> dict:
       f" {plain['peak_bytes_per_step'] / 1e3:,.2f} kB: ratio {ratio:.3f};"
       f" 1/{FRAGMENTS} of the peak (ratio <= {1 / FRAGMENTS:.2f} x 1.1):"
       f" **{'PASS' if ratio <= 1.1 / FRAGMENTS else 'FAIL'}**"
+      + f"; the split's largest fragment is {split['largest_share']:.3f} of"
+      " the params, and the ratio "
       + (
-        f"; the split's largest fragment is {split['largest_share']:.3f} of"
-        f" the params, and the ratio "
-        + (
-          "matches it"
-          if abs(ratio - split["largest_share"]) < 0.01
-          else "does NOT match it"
-        )
-        if split
-        else ""
+        "matches it"
+        if abs(ratio - split["largest_share"]) < 0.01
+        else "does NOT match it"
       )
       + f". Mean bytes {stream['mean_bytes_per_step'] / 1e3:,.2f} vs"
       f" {plain['mean_bytes_per_step'] / 1e3:,.2f} kB/step; replica 0's own"
       f" accuracy {stream['replica0_acc_final_mean']:.4f} (final divergence"
       f" up to {max(stream['final_divergence']):.3g})."
     )
-  if split:
-    frags = "; ".join(
-      f"{' + '.join(f['leaves'])} = {f['bytes']:,} B"
-      for f in split["fragments"]
-    )
-    verdicts.append(
-      f"Split of the digits MLP's {len(split['leaf_bytes'])} leaves"
-      f" ({split['total_bytes']:,} B) into {FRAGMENTS} fragments"
-      f" (shardopt's split_fragments): {frags}. The largest is"
-      f" {split['largest_share']:.3f} of the params; since fragments are whole"
-      f" leaves and the largest leaf alone (a 64x64 weight) is"
-      f" {split['best_possible_share']:.3f}, no split of this model reaches"
-      f" 1/{FRAGMENTS}: the peak-bytes criterion needs a model whose largest"
-      " leaf is at most ~1/4 of the params (e.g. section 8's LM)."
-    )
+  frags = "; ".join(
+    f"{' + '.join(f['leaves'])} = {f['bytes']:,} B" for f in split["fragments"]
+  )
+  verdicts.append(
+    f"Split of the digits MLP's {len(split['leaf_bytes'])} leaves"
+    f" ({split['total_bytes']:,} B) into {FRAGMENTS} fragments"
+    f" (shardopt's split_fragments): {frags}. The largest is"
+    f" {split['largest_share']:.3f} of the params; since fragments are whole"
+    f" leaves and the largest leaf alone (a 64x64 weight) is"
+    f" {split['best_possible_share']:.3f}, no split of this model reaches"
+    f" 1/{FRAGMENTS}: the peak-bytes criterion needs a model whose largest"
+    " leaf is at most ~1/4 of the params (e.g. section 8's LM)."
+  )
   warnings = [
     f"{label}: {e['bytes_warning']}"
     for group in results.values()
@@ -372,7 +365,7 @@ def run(quick: bool) -> dict:
   ]
   notes = [
     f"{n} replicas, {steps} steps of {BATCH} examples per replica, MLP"
-    f" {list(convergence.SIZES)}, Adam lr {convergence.LEARNING_RATE} inside"
+    f" {list(workload.SIZES)}, Adam lr {workload.LEARNING_RATE} inside"
     f" every method (DiLoCo's outer step: SGD lr 0.7, Nesterov 0.9), mean ±"
     f" std (ddof 1) over {len(seeds)} seed(s), the same seeds and data for"
     " every method.",

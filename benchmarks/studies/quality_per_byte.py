@@ -1,10 +1,10 @@
 """Quality per byte: validation bits per byte vs bytes sent, on a language model.
 
-The workload is :mod:`benchmarks.lm` (a byte-level transformer on the
+The workload is :mod:`benchmarks.studies.workload`'s LM (a byte-level transformer on the
 interpreter's stdlib sources, 8 replicas under ``jax.pmap``), trained long
 enough that synchronous training's validation curve has flattened. Every
 method wraps the same inner optimizer, AdamW with a linear warm-up and a
-cosine decay to zero (:func:`benchmarks.lm.adamw`), and trains from the
+cosine decay to zero (:func:`benchmarks.studies.workload.adamw`), and trains from the
 same seeds on the same data stream (issue 24's list, 22 methods, about an
 hour for 2 seeds on the shared 2-core machine: :func:`benchmarks.methods.
 quality_per_byte`): synchronous ``cross_shard(adamw)`` and
@@ -40,21 +40,11 @@ from __future__ import annotations
 import os
 
 if __name__ == "__main__":  # standalone: 8 CPU devices before jax is imported
-  if "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""
-  ):
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "")
-      + " --xla_force_host_platform_device_count=8"
-    )
-  if "xla_cpu_collective_timeout_seconds" not in os.environ["XLA_FLAGS"]:
-    # As in benchmarks/run.py: 8 device threads on a loaded 2-core machine
-    # can take longer than XLA CPU's default to reach a rendezvous.
-    os.environ["XLA_FLAGS"] += (
-      " --xla_cpu_collective_timeout_seconds=900"
-      " --xla_cpu_collective_call_terminate_timeout_seconds=900"
-    )
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import sys
+
+  from benchmarks._xla_flags import force_cpu_devices
+
+  force_cpu_devices(quick="--quick" in sys.argv[1:])
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -67,9 +57,10 @@ from collections.abc import Sequence  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import _common  # noqa: E402
-from benchmarks import lm  # noqa: E402
+from benchmarks import RESULTS  # noqa: E402
 from benchmarks import methods  # noqa: E402
+from benchmarks.studies import harness  # noqa: E402
+from benchmarks.studies import workload  # noqa: E402
 from shardopt import _hlo as hlo  # noqa: E402
 
 NAME = "quality_per_byte"
@@ -82,7 +73,7 @@ MOONSHOT_LOSS = 0.01  # within 1% of sync's final validation loss
 MOONSHOT_BYTES = 100.0  # with at least 100x fewer bytes
 FLAT = 0.2  # sync has flattened: its last 20% of steps ...
 FLAT_GAIN = 0.02  # ... improve its validation loss by under 2%
-PARTIAL_DIR = os.path.join(os.path.dirname(__file__), "results", "tmp")
+PARTIAL_DIR = os.path.join(RESULTS, "tmp")
 
 
 def _cpu_seconds() -> float:
@@ -127,14 +118,16 @@ def measure(
 ) -> dict:
   """Trains every available method on every seed; returns curves and bytes.
 
-  ``overrides``: fields of :class:`benchmarks.lm.Config` to change (a
+  ``overrides``: fields of :class:`benchmarks.studies.workload.Config` to change (a
   longer run: ``steps=2048``)."""
-  config = dataclasses.replace(lm.QUICK if quick else lm.FULL, **overrides)
-  seeds = tuple(seeds) if seeds is not None else ((0,) if quick else (0, 1))
-  workload = lm.Workload(config)
-  params = lm.init_params(config, 0)
-  param_bytes = _common.tree_bytes(params)
-  n = workload.replicas
+  config = dataclasses.replace(
+    workload.QUICK if quick else workload.FULL, **overrides
+  )
+  seeds = tuple(seeds) if seeds is not None else harness.seeds(quick, 2)
+  task = workload.Workload(config)
+  params = workload.init_params(config, 0)
+  param_bytes = workload.tree_bytes(params)
+  n = task.replicas
   sent = functools.partial(hlo.sent_bytes, num_devices=n)
   out = {}
   start = time.perf_counter()
@@ -142,7 +135,7 @@ def measure(
     if (quick and not method.quick) or (only and method.label not in only):
       continue
     updates = round(config.steps * method.updates_per_step)
-    tx, why = methods.build(method, lm.adamw(config, updates))
+    tx, why = methods.build(method, workload.adamw(config, updates))
     entry = {
       "schedule": method.schedule.describe(),
       "family": method.family,
@@ -154,7 +147,7 @@ def measure(
       print(f"[quality_per_byte] {method.label}: {why}", flush=True)
       continue
     t0, c0 = time.perf_counter(), _cpu_seconds()
-    compiled, text = workload.compile(tx)
+    compiled, text = task.compile(tx)
     ops = hlo.compiled_collectives(text, num_devices=n)
     per_step = hlo.per_step(ops, method.schedule, measure=sent)
     entry.update(
@@ -170,7 +163,7 @@ def measure(
     )
     for seed in seeds:
       c0 = _cpu_seconds()
-      run = workload.train(tx, seed, chunk=compiled)
+      run = task.train(tx, seed, chunk=compiled)
       run["cpu_seconds"] = _cpu_seconds() - c0
       entry["runs"].append(run)
       print(
@@ -181,12 +174,10 @@ def measure(
         flush=True,
       )
     val = np.asarray([r["val_bpb"] for r in entry["runs"]])
-    train = np.asarray([r["train_bpb"] for r in entry["runs"]])
     entry.update(
       steps=entry["runs"][0]["steps"],
       val_mean=val.mean(0).tolist(),
       val_std=val.std(0).tolist(),
-      train_mean=train.mean(0).tolist(),
       finals=val[:, -1].tolist(),
       final_mean=float(val[:, -1].mean()),
       final_std=float(val[:, -1].std()),
@@ -197,7 +188,7 @@ def measure(
       divergence=max(r["divergence"] for r in entry["runs"]),
     )
     for r in entry["runs"]:
-      del r["train_bpb"]  # kept as the mean only: the JSON stays small
+      del r["train_bpb"]  # per-step training loss: nothing reads it
     if not quick:  # what is done so far, should the run not finish
       os.makedirs(PARTIAL_DIR, exist_ok=True)
       with open(os.path.join(PARTIAL_DIR, f"{NAME}.partial.json"), "w") as f:
@@ -205,10 +196,10 @@ def measure(
   return {
     "config": dataclasses.asdict(config),
     "seeds": list(seeds),
-    "params": _common.count_params(params),
+    "params": workload.count_params(params),
     "param_bytes": param_bytes,
     "replicas": n,
-    "workload": workload.info,
+    "workload": task.info,
     "methods": out,
   }
 
@@ -715,9 +706,40 @@ def plot(result: dict, directory: str) -> list[str]:
   return [path]
 
 
+def calibrate(config: workload.Config, seed: int = 0) -> dict:
+  """Trains the LM's synchronous baseline alone and prints its validation
+  curve and how much its last :data:`FLAT` of the steps improved it (how
+  :data:`workload.FULL` was chosen: long enough for sync to flatten)."""
+  import shardopt
+
+  task = workload.Workload(config)
+  params = workload.init_params(config, 0)
+  print(
+    f"[{NAME}] {task.info}; params {workload.count_params(params):,}"
+    f" ({workload.tree_bytes(params):,} bytes); {config}"
+  )
+  tx = shardopt.cross_shard(workload.adamw(config)(), workload.AXIS)
+  t0 = time.perf_counter()
+  result = task.train(tx, seed, chunk=workload.train_chunk(tx, config))
+  print(
+    f"[{NAME}] sync: {time.perf_counter() - t0:.1f} s in all,"
+    f" {result['seconds']:.1f} s after the first call"
+  )
+  for s, v in zip(result["steps"], result["val_bpb"]):
+    print(f"  step {s:5d}  val {v:.3f} bits/byte")
+  flat = flattening(result["steps"], result["val_bpb"])
+  print(
+    f"[{NAME}] the last {FLAT:.0%} of the steps ({flat['from_step']:.0f} ->"
+    f" {config.steps}): {flat['at_from']:.4f} -> {flat['final']:.4f}"
+    f" bits/byte, {100 * flat['relative_gain']:.2f}% better"
+  )
+  return flat
+
+
 def main(argv=None) -> int:
-  """``python -m benchmarks.quality_per_byte [--quick] [--seeds N] [--only
-  LABEL] [--steps N] [--out DIR]``."""
+  """``python -m benchmarks.studies.quality_per_byte [--quick] [--seeds N]
+  [--only LABEL] [--steps N] [--out DIR]``, or ``--calibrate [--steps N]
+  [--seed S] [--set FIELD=VALUE]``: the sync baseline alone."""
   import argparse
 
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -733,12 +755,40 @@ def main(argv=None) -> int:
   )
   parser.add_argument("--out", default=None, help="write the section JSON here")
   parser.add_argument(
-    "--steps", type=int, default=None, help="steps per run (default: lm's)"
+    "--steps",
+    type=int,
+    default=None,
+    help="steps per run (default: the workload's FULL or QUICK config)",
+  )
+  parser.add_argument(
+    "--calibrate",
+    action="store_true",
+    help="train the sync baseline alone and print its curve and its last"
+    f" {FLAT:.0%}".replace("%", "%%"),  # argparse formats help with %
+  )
+  parser.add_argument(
+    "--seed", type=int, default=0, help="--calibrate's seed (default 0)"
+  )
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="FIELD=VALUE",
+    help="change a workload.Config field (repeatable): --set end_fraction=0.1",
   )
   args = parser.parse_args(argv)
+  overrides = {} if args.steps is None else {"steps": args.steps}
+  base = workload.QUICK if args.quick else workload.FULL
+  for item in args.set:
+    field, _, value = item.partition("=")
+    if field not in workload.Config.__dataclass_fields__:
+      parser.error(f"--set {item}: workload.Config has no field {field!r}")
+    overrides[field] = type(getattr(base, field))(value)
+  if args.calibrate:
+    calibrate(dataclasses.replace(base, **overrides), args.seed)
+    return 0
   seeds = None if args.seeds is None else range(args.seeds)
   start = time.perf_counter()
-  overrides = {} if args.steps is None else {"steps": args.steps}
   section = run(args.quick, seeds, args.only, **overrides)
   table = section["table"]
   print("| " + " | ".join(table["columns"]) + " |")

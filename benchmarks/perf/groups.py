@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import shardopt
-from benchmarks import _common
-from benchmarks import _timing
+from benchmarks.perf import harness
+from benchmarks.perf import workload
 
 NAME = "groups"
 GOAL = 1.15
@@ -39,12 +39,12 @@ def run(quick: bool) -> dict:
   elements = int(megabytes * 2**20) // 4
   repeats = 7 if quick else 11
   inner = 3 if quick else 1
-  mesh = jax.make_mesh((n,), (_common.AXIS,))
-  axis = _common.AXIS
-  spec = _common.P(axis)
+  mesh = jax.make_mesh((n,), (workload.AXIS,))
+  axis = workload.AXIS
+  spec = workload.P(axis)
   values = jax.random.normal(jax.random.key(0), (n, elements), jnp.float32)
   pmap_x = jax.pmap(lambda v: v)(values)
-  shard_x = _common.place(values.reshape(-1), mesh, spec)
+  shard_x = workload.place(values.reshape(-1), mesh, spec)
 
   rows, data = [], {}
   for size in (2, 4):
@@ -110,7 +110,7 @@ def run(quick: bool) -> dict:
         ),
         "group_members_bit_identical": members_equal,
       }
-    timing = _timing.compare(
+    timing = harness.compare(
       candidates, baseline=next(iter(candidates)), repeats=repeats, inner=inner
     )
     for name in candidates:

@@ -1,0 +1,1 @@
+"""Performance benchmarks: what a step costs (see :mod:`benchmarks`)."""

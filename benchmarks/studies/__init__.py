@@ -1,0 +1,1 @@
+"""Quality studies: what training reaches (see :mod:`benchmarks`)."""
