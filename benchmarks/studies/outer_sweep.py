@@ -1,10 +1,11 @@
 """DiLoCo's outer step on section 8's language model: what breaks first.
 
-``python -m benchmarks.outer_sweep [--steps N] [--seeds S] [--periods 16,64]
-[--outer "0.7,0.9;1,0"] [--batch-per-replica B] [--end-fraction F] [--name N]``
-trains section 8's byte-level transformer (:mod:`benchmarks.lm`, its FULL
-config and data: 8 replicas under ``pmap``, 4 windows of 64 bytes per replica
-per step, AdamW on warm-up + cosine) with
+``python -m benchmarks.studies.outer_sweep [--steps N] [--seeds S]
+[--periods 16,64] [--outer "0.7,0.9;1,0"] [--batch-per-replica B]
+[--end-fraction F] [--name N]`` trains section 8's byte-level transformer
+(:mod:`benchmarks.studies.workload`, its FULL config and data: 8 replicas
+under ``pmap``, 4 windows of 64 bytes per replica per step, AdamW on
+warm-up + cosine) with
 
 * sync, ``cross_shard(adamw)``;
 * ``diloco(adamw, sync_period=H)`` for each ``H`` of ``--periods`` with four
@@ -38,7 +39,8 @@ import os  # noqa: E402
 import statistics  # noqa: E402
 
 import shardopt  # noqa: E402
-from benchmarks import lm  # noqa: E402
+from benchmarks import RESULTS  # noqa: E402
+from benchmarks.studies import workload as lm  # noqa: E402
 
 NAME = "outer_sweep"
 OUTER_STEPS = (  # (learning rate, momentum), all Nesterov SGD
@@ -71,7 +73,8 @@ def methods(periods, outer_steps=OUTER_STEPS) -> dict:
 def run(
   steps: int, seeds: int, periods, outer_steps=OUTER_STEPS, **overrides
 ) -> dict:
-  """``overrides``: fields of :class:`benchmarks.lm.Config` to change."""
+  """``overrides``: fields of :class:`benchmarks.studies.workload.Config`
+  to change."""
   config = dataclasses.replace(lm.FULL, steps=steps, **overrides)
   workload = lm.Workload(config)
   runs = {}
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
   }
   section = run(args.steps, args.seeds, periods, outer, **overrides)
   print(table(section))
-  directory = os.path.join(os.path.dirname(__file__), "results")
+  directory = RESULTS
   png = plot(section, directory, args.name)
   path = os.path.join(directory, f"{args.name}.json")
   with open(path, "w") as f:
