@@ -107,8 +107,10 @@ def np_encode(x, k, chunk_size, value_bits):
     index = np.argsort(-key, kind="stable")[:keep]  # ties: lower index
     values = row[index]
     magnitude = np.abs(values)
+    empty = int((magnitude == 0).sum())  # zeros sort last
     if value_bits == 1:
-      scale = np_pairwise_sum(magnitude) * np.float32(1.0 / keep)
+      count = np.float32(max(keep - empty, 1))
+      scale = np_pairwise_sum(magnitude) * (np.float32(1) / count)
     else:
       scale = magnitude.max()
     scale = np_round_up_17_bits(scale)
@@ -121,13 +123,19 @@ def np_encode(x, k, chunk_size, value_bits):
       level = np.ones(keep, int)
     negative = values < 0
     code = (negative.astype(int) << (value_bits - 1)) | (level - 1)
+    fields = index.copy()
+    scale_bits = int(np.float32(scale).view(np.uint32))
+    if empty:  # the trailing zeros stand for nothing: flag and count
+      fields[-1] = empty - 1
+      scale_bits |= 1
     payload += [
-      np_pack(index, index_bits),
+      np_pack(fields, index_bits),
       np_pack(code, value_bits),
-      np.frombuffer(np.float32(scale).tobytes(), np.uint8),
+      np.frombuffer(scale_bits.to_bytes(4, "little"), np.uint8),
     ]
     kept = (level.astype(np.float32) * scale) * np.float32(1.0 / levels)
-    dense[c * chunk + index] = np.where(negative, -kept, kept)
+    kept = np.where(negative, -kept, kept)
+    dense[c * chunk + index] = np.where(magnitude == 0, 0.0, kept)
   return np.concatenate(payload), dense[: flat.size]
 
 
@@ -142,6 +150,7 @@ CODEC_CASES = {
   "short_leaf": (10, 4, 64, 2),
   "keep_all": (9, 8, 8, 2),
   "chunk_of_two": (5, 1, 2, 4),
+  "sparse_input": (40, 6, 16, 1),
   "scalar": (1, 3, 8, 2),
 }
 
@@ -152,6 +161,8 @@ def _codec_input(size, seed):
   if size >= 16:
     x[: size // 4] = rng.integers(-2, 3, size // 4)  # ties, zeros, negatives
     x[size // 2 : size // 2 + 8] = 0.0  # a run of zeros
+  if size == 40:  # fewer non-zeros than k in most chunks
+    x[rng.permutation(size)[:30]] = 0.0
   return x.astype(np.float32)
 
 
@@ -179,6 +190,15 @@ def test_ties_go_to_the_lower_index_and_an_all_zero_chunk_decodes_to_zero():
   x = np.array([0, 3, 0, -3, 3, 0, 0, 0] + [0] * 8, np.float32)
   dense = np.asarray(_round_trip(x, spec))
   np.testing.assert_array_equal(dense, [0, 3, 0, -3] + [0] * 12)
+
+
+def test_a_chunk_with_fewer_than_k_non_zeros_sends_exactly_them():
+  spec = shardopt.topk(4, chunk_size=8, value_bits=2)
+  x = np.array([0, 0, 3, 0, 0, 0, 0, -6] + [0] * 8, np.float32)
+  np.testing.assert_array_equal(np.asarray(_round_trip(x, spec)), x)
+  spec = shardopt.topk(3, chunk_size=4, value_bits=1)  # the mean of 2 and 2
+  x = np.array([0, 2, -2, 0], np.float32)
+  np.testing.assert_array_equal(np.asarray(_round_trip(x, spec)), x)
 
 
 def test_a_non_finite_chunk_decodes_to_nan_at_its_k_entries():

@@ -20,20 +20,25 @@ required. A reduction of a leaf over the ``n`` members of a group:
 3. their values are quantized with ``L = 2 ** (value_bits - 1)`` magnitude
    levels and a sign (no zero level: a selected entry is a large one). The
    chunk's scale ``s`` is the largest selected ``|v|`` (``value_bits`` >= 2)
-   or their mean (1 bit: ``+-s``, the mean is a pairwise sum of the
-   magnitudes, halves added in place, times ``float32(1 / k)``), rounded up
+   or their mean (1 bit: ``+-s``; the mean of the non-zero ones, a pairwise
+   sum of the magnitudes, halves added in place, times ``1 / count``, a
+   float32 division), rounded up
    to 17 significant bits (as the quantized wire's scales, so that ``m *
    s`` is exact in float32); a value ``v`` gets the level ``m =
    clip(round(|v| * (L / s)), 1, L)`` (``L / s`` one float32 division,
    rounding half to even) and stands for ``sign(v) * (m * s) * (1 / L)``
    (``-0.0`` counts as positive). A chunk holding a non-finite selected
    value gets a NaN scale and level 1 for every entry: its ``k`` entries
-   decode to NaN (a zero scale: level 1, standing for 0);
+   decode to NaN;
 4. the payload of a chunk is its indices packed at ``index_bits = max(1,
    ceil(log2(chunk)))`` bits each, then the codes (``sign << (value_bits -
    1) | (m - 1)``, the sign bit 1 for a negative value) packed at
    ``value_bits`` bits each, both least significant bit first, each padded
-   to whole bytes, then the scale's 4 bytes (little-endian float32)::
+   to whole bytes, then the scale's 4 bytes (little-endian float32). Zeros
+   sort last: when the last ``e >= 1`` selected entries are zero (a chunk
+   with fewer than ``k`` non-zero entries), they stand for nothing, the
+   scale's lowest bit is set (its 17 significant bits leave the low 7
+   free) and the last entry's index field holds ``e - 1``::
 
      ceil(k * index_bits / 8) + ceil(k * value_bits / 8) + 4   bytes
 
@@ -312,8 +317,11 @@ def _encode_rows(rows: jax.Array, lay: Layout, spec: TopKSpec):
   _, index = jax.lax.top_k(key, lay.keep)
   values = jnp.take_along_axis(rows, index, axis=-1)
   magnitude = jnp.abs(values)
-  if spec.value_bits == 1:
-    scale = _pairwise_sum(magnitude) * jnp.float32(1.0 / lay.keep)
+  zero = magnitude == 0
+  empty = jnp.sum(zero, axis=-1, dtype=jnp.int32)
+  if spec.value_bits == 1:  # the mean over the non-zero entries
+    count = jnp.maximum(lay.keep - empty, 1).astype(jnp.float32)
+    scale = _pairwise_sum(magnitude) * (jnp.float32(1.0) / count)
   else:
     scale = jnp.max(magnitude, axis=-1)
   scale = quantize._short_scale(scale)
@@ -329,20 +337,28 @@ def _encode_rows(rows: jax.Array, lay: Layout, spec: TopKSpec):
   level = level.astype(jnp.uint32)
   negative = values < 0
   code = (negative.astype(jnp.uint32) << (spec.value_bits - 1)) | (level - 1)
+  # Zeros sort last: e trailing zero entries (a chunk with fewer than k
+  # non-zero ones) stand for nothing. The scale's low bit (free: 17
+  # significant bits) says so, the last index field holds e - 1.
+  fields = index.at[:, -1].set(jnp.where(empty > 0, empty - 1, index[:, -1]))
+  scale_bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+  scale_bits = scale_bits | (empty > 0).astype(jnp.uint32)
   payload = jnp.concatenate(
     [
-      _pack(index, lay.index_bits),
+      _pack(fields, lay.index_bits),
       _pack(code, spec.value_bits),
-      jax.lax.bitcast_convert_type(scale, jnp.uint8),
+      jax.lax.bitcast_convert_type(scale_bits, jnp.uint8),
     ],
     axis=-1,
   )
-  return payload, index, _value(negative, level, scale, spec)
+  kept = jnp.where(zero, 0.0, _value(negative, level, scale, spec))
+  return payload, index, kept
 
 
 def _decode_rows(payload: jax.Array, lay: Layout, spec: TopKSpec):
   """``(..., chunks, bytes)`` uint8 -> (indices ``(..., chunks, keep)``
-  int32, values ``(..., chunks, keep)`` float32)."""
+  int32, values ``(..., chunks, keep)`` float32, whether each entry stands
+  for a value (False: one of the trailing zero entries))."""
   index_bytes = _bytes(lay.keep * lay.index_bits)
   code_bytes = _bytes(lay.keep * spec.value_bits)
   index = _unpack(payload[..., :index_bytes], lay.keep, lay.index_bits)
@@ -352,10 +368,14 @@ def _decode_rows(payload: jax.Array, lay: Layout, spec: TopKSpec):
     spec.value_bits,
   )
   scale_bytes = payload[..., index_bytes + code_bytes :]
-  scale = jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+  scale_bits = jax.lax.bitcast_convert_type(scale_bytes, jnp.uint32)
+  scale = jax.lax.bitcast_convert_type(scale_bits & ~jnp.uint32(1), jnp.float32)
+  empty = jnp.where((scale_bits & 1) == 1, index[..., -1] + 1, 0)
+  real = jnp.arange(lay.keep, dtype=jnp.uint32) < lay.keep - empty[..., None]
   negative = (code >> (spec.value_bits - 1)) == 1
   level = (code & jnp.uint32(spec.levels - 1)) + 1
-  return index.astype(jnp.int32), _value(negative, level, scale, spec)
+  values = jnp.where(real, _value(negative, level, scale, spec), 0.0)
+  return index.astype(jnp.int32), values, real
 
 
 def _positions(index: jax.Array, lay: Layout) -> jax.Array:
@@ -364,6 +384,13 @@ def _positions(index: jax.Array, lay: Layout) -> jax.Array:
   start = jnp.arange(lay.chunks, dtype=jnp.int32)[:, None] * lay.chunk
   flat = index + start
   return flat.reshape(flat.shape[:-2] + (-1,))
+
+
+def _or_beyond(positions: jax.Array, real: jax.Array, end: int) -> jax.Array:
+  """``positions`` where ``real``, else distinct positions from ``end`` on
+  (out of bounds: a scatter with ``mode="drop"`` skips them)."""
+  beyond = end + jnp.arange(positions.shape[-1], dtype=jnp.int32)
+  return jnp.where(real, positions, beyond)
 
 
 def encode(x: jax.Array, spec: TopKSpec) -> jax.Array:
@@ -378,10 +405,13 @@ def decode(payload: jax.Array, spec: TopKSpec, size: int) -> jax.Array:
   """Inverse of :func:`encode` for a leaf of ``size`` elements: the flat
   float32 ``(size,)`` it stands for (zeros where nothing was sent)."""
   lay = layout(size, spec)
-  index, values = _decode_rows(payload.reshape(lay.chunks, -1), lay, spec)
-  dense = jnp.zeros(lay.chunks * lay.chunk, jnp.float32)
-  dense = dense.at[_positions(index, lay)].set(
-    values.reshape(-1), unique_indices=True
+  index, values, real = _decode_rows(payload.reshape(lay.chunks, -1), lay, spec)
+  end = lay.chunks * lay.chunk
+  positions = _or_beyond(_positions(index, lay), real.reshape(-1), end)
+  dense = (
+    jnp.zeros(end, jnp.float32)
+    .at[positions]
+    .set(values.reshape(-1), mode="drop", unique_indices=True)
   )
   return dense[:size]
 
@@ -424,19 +454,26 @@ def all_reduce(
   padded = [lay.chunks * lay.chunk for lay in layouts]
   starts = np.cumsum([0] + padded[:-1]).tolist()
   widths = np.cumsum([0] + [p.shape[0] * p.shape[1] for p, _, _ in encoded])
-  positions, values = [], []
+  positions, values, reals = [], [], []
   for lay, start, begin, end in zip(layouts, starts, widths, widths[1:]):
     part = jax.lax.slice_in_dim(gathered, int(begin), int(end), axis=-1)
-    index, value = _decode_rows(
+    index, value, real = _decode_rows(
       part.reshape(members, lay.chunks, -1), lay, spec
     )
     positions.append(_positions(index, lay) + start)
     values.append(value.reshape(members, -1))
-  positions = jnp.concatenate(positions, axis=-1)
+    reals.append(real.reshape(members, -1))
+  positions = _or_beyond(
+    jnp.concatenate(positions, axis=-1),
+    jnp.concatenate(reals, axis=-1),
+    sum(padded),
+  )
   values = jnp.concatenate(values, axis=-1)
   total = jnp.zeros(sum(padded), jnp.float32)
   for j in range(members):  # member order, the same on every member
-    total = total.at[positions[j]].add(values[j], unique_indices=True)
+    total = total.at[positions[j]].add(
+      values[j], mode="drop", unique_indices=True
+    )
   if divisor != 1:  # times the float32 reciprocal, as quantize does
     total = total * jnp.float32(1.0 / divisor)
   out, res = [], []
