@@ -148,8 +148,10 @@ def topk(
       chunk's mean magnitude; more: ``2 ** (value_bits - 1)`` magnitude
       levels up to the chunk's largest).
     error_decay: ``0 < error_decay <= 1``, the factor of the error buffer
-      before it is added to the next contribution (SparseLoCo's beta, 0.95);
-      1 keeps all of it.
+      before it is added to the next contribution (SparseLoCo's beta, 0.95,
+      for outer gradients); 1 keeps all of it (classic error feedback,
+      which loses nothing: worth trying on per-step gradients, e.g.
+      ``cross_shard_mean``).
 
   Returns:
     A hashable ``TopKSpec``.
