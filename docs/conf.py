@@ -51,7 +51,10 @@ suppress_warnings = []
 # The one private type a public signature names: quantized()'s return value,
 # a small frozen record of (dtype, block_size) that users pass on, never
 # build. It has no page of its own (only exported names do).
-nitpick_ignore = [("py:class", "shardopt.quantize.QuantizedSpec")]
+nitpick_ignore = [
+  ("py:class", "shardopt.quantize.QuantizedSpec"),
+  ("py:class", "shardopt.sparse.TopKSpec"),
+]
 
 # Google-style docstrings, as optax writes them.
 napoleon_google_docstring = True

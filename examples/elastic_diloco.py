@@ -180,6 +180,9 @@ def main(argv=None) -> None:
     optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
     "island",
     sync_period=args.sync_period,
+    # The DiLoCo paper's outer step (the tests' numpy reference uses it).
+    outer_learning_rate=0.7,
+    outer_momentum=0.9,
     num_fragments=args.num_fragments,
     comm_dtype=None
     if args.comm_dtype is None

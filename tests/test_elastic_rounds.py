@@ -36,6 +36,18 @@ OUTER_MOMENTUM = 0.9
 HEADER_BYTES = 32  # 8 int32 fields, documented in rows.HEADER_FIELDS
 
 
+def _diloco(inner, axis_name, **kwargs):
+  """``shardopt.diloco`` with the outer step the numpy references spell
+  (Nesterov SGD, OUTER_LR, OUTER_MOMENTUM), whatever the defaults are."""
+  return shardopt.diloco(
+    inner,
+    axis_name,
+    outer_learning_rate=OUTER_LR,
+    outer_momentum=OUTER_MOMENTUM,
+    **kwargs,
+  )
+
+
 # --------------------------------------------------------------------------
 # The model: a quadratic pulled toward an island-specific target, plus a
 # deterministic per-(island, step) noise, so the gradient depends on the
@@ -308,10 +320,10 @@ def _block(x, i, n, spec):
 
 
 TRANSFORMS = {
-  "diloco": lambda: shardopt.diloco(optax.adam(1e-2), "i", sync_period=H),
+  "diloco": lambda: _diloco(optax.adam(1e-2), "i", sync_period=H),
   "local_sgd": lambda: shardopt.local_sgd(optax.adam(1e-2), "i", sync_period=H),
   "agn": lambda: shardopt.agn(optax.adam(1e-2), "i", sync_period=H),
-  "diloco_fragments": lambda: shardopt.diloco(
+  "diloco_fragments": lambda: _diloco(
     optax.adam(1e-2), "i", sync_period=4, num_fragments=2
   ),
 }
@@ -447,7 +459,7 @@ def test_mean_over_contributing_islands_only():
 
 
 def test_no_contributing_island_leaves_the_center_where_it_was():
-  tx = shardopt.diloco(optax.sgd(1e-2), "i", sync_period=H)
+  tx = _diloco(optax.sgd(1e-2), "i", sync_period=H)
   isl = Islands(tx, [_params()] * 3, seed=3)
   isl.local_steps(H)
   isl.plain_round()
@@ -502,7 +514,7 @@ def _heal_round(isl, fresh, rng):
 
 
 def test_healing_round_adopts_center_and_counters():
-  tx = shardopt.diloco(optax.adam(1e-2), "i", sync_period=H)
+  tx = _diloco(optax.adam(1e-2), "i", sync_period=H)
   p0 = _params()
   isl = Islands(tx, [p0] * N, seed=4)
   # Two plain rounds among the first N-1 (the last one is not there yet):
@@ -593,9 +605,7 @@ def test_healing_restarts_the_fresh_islands_inner_state_at_its_new_params():
   free AdamW keeps a copy of the params in its state (``z``): after the
   healing round it must be the island's new params (the center after the
   outer step), not the center before it."""
-  tx = shardopt.diloco(
-    optax.contrib.schedule_free_adamw(1e-2), "i", sync_period=H
-  )
+  tx = _diloco(optax.contrib.schedule_free_adamw(1e-2), "i", sync_period=H)
   p0 = _params()
   group = Islands(tx, [p0] * (N - 1), seed=12)
   group.local_steps(H)
@@ -610,7 +620,7 @@ def test_healing_restarts_the_fresh_islands_inner_state_at_its_new_params():
 
 
 def test_job_start_handshake_adopts_the_lowest_island():
-  tx = shardopt.diloco(optax.adam(1e-2), "i", sync_period=H)
+  tx = _diloco(optax.adam(1e-2), "i", sync_period=H)
   starts = [_params(seed=10 + i) for i in range(N)]
   isl = Islands(tx, starts, seed=7)
   heads, sync = _heal_round(isl, [True] * N, np.random.default_rng(8))
@@ -667,14 +677,14 @@ def _flat(tree):
 def test_quantized_wire_with_error_feedback():
   shapes = {"w": (20, 16), "b": (16,)}  # 336 values: 2 blocks of 256
   p0 = _params(shapes=shapes)
-  tx = shardopt.diloco(
+  tx = _diloco(
     optax.adam(1e-2),
     "i",
     sync_period=H,
     comm_dtype=jnp.int8,
     error_feedback=True,
   )
-  wide_tx = shardopt.diloco(optax.adam(1e-2), "i", sync_period=H)
+  wide_tx = _diloco(optax.adam(1e-2), "i", sync_period=H)
   isl = Islands(tx, [p0] * N, seed=9)
   wide = Islands(wide_tx, [p0] * N, seed=9)
   center = _flat(_np(p0))
@@ -742,7 +752,7 @@ def test_quantized_wire_with_error_feedback():
 
 def test_fragments_sync_one_fragment_per_round():
   period, fragments = 4, 2
-  tx = shardopt.diloco(
+  tx = _diloco(
     optax.adam(1e-2), "i", sync_period=period, num_fragments=fragments
   )
   engine = split.engine_of(tx, "test")
@@ -818,7 +828,7 @@ def test_fragments_sync_one_fragment_per_round():
       ["shardopt.hierarchical_local_sgd", "hierarchical", "without"],
     ),
     (
-      lambda: shardopt.diloco(
+      lambda: _diloco(
         optax.sgd(0.1),
         "i",
         sync_period=4,
@@ -830,9 +840,7 @@ def test_fragments_sync_one_fragment_per_round():
       ["shardopt.diloco", "overlap_steps", "without"],
     ),
     (
-      lambda: shardopt.diloco(
-        optax.sgd(0.1), "i", sync_period=4, warmup_steps=2
-      ),
+      lambda: _diloco(optax.sgd(0.1), "i", sync_period=4, warmup_steps=2),
       ValueError,
       ["shardopt.diloco", "warmup_steps", "without"],
     ),
@@ -849,7 +857,7 @@ def test_fragments_sync_one_fragment_per_round():
       ["my_where", "shardopt.diloco", "directly"],
     ),
     (
-      lambda: optax.chain(shardopt.diloco(optax.sgd(0.1), "i", sync_period=4)),
+      lambda: optax.chain(_diloco(optax.sgd(0.1), "i", sync_period=4)),
       TypeError,
       ["my_where", "optax.chain", "directly"],
     ),
@@ -869,9 +877,9 @@ def test_engine_of_refuses_unsupported(make, error, names):
 
 def test_engine_of_accepts_what_the_islands_run():
   for tx in [
-    shardopt.diloco(optax.adam(1e-2), "i", sync_period=4),
-    shardopt.diloco(optax.adam(1e-2), "i", sync_period=4, num_fragments=2),
-    shardopt.diloco(
+    _diloco(optax.adam(1e-2), "i", sync_period=4),
+    _diloco(optax.adam(1e-2), "i", sync_period=4, num_fragments=2),
+    _diloco(
       optax.adam(1e-2),
       "i",
       sync_period=4,
@@ -888,7 +896,7 @@ def test_engine_of_names_overlap_alpha_when_it_is_what_was_set():
   """overlap_alpha > 0 with overlap_steps=0 is a valid diloco (the merge
   mixes params and center at the sync itself); the split cannot run it, and
   its refusal must name what the user set, not overlap_steps."""
-  tx = shardopt.diloco(
+  tx = _diloco(
     optax.sgd(0.1), "i", sync_period=4, num_fragments=2, overlap_alpha=0.5
   )
   with pytest.raises(ValueError) as info:
@@ -904,9 +912,7 @@ def test_island_local_step_runs_cross_shard_inside_the_islands_shard_map():
   bound."""
   mesh = jax.make_mesh((4,), ("data",))
   inner = shardopt.cross_shard(optax.adam(1e-2), "data")
-  engine = split.engine_of(
-    shardopt.diloco(inner, "island", sync_period=4), "test"
-  )
+  engine = split.engine_of(_diloco(inner, "island", sync_period=4), "test")
   params = {"w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)}
   grads = {
     "w": np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
@@ -929,7 +935,7 @@ def test_island_local_step_runs_cross_shard_inside_the_islands_shard_map():
     )(params, state, grads)
 
   local = lambda g, s, p: split.local_update(engine, g, s, p, {})  # noqa: E731
-  state = shardopt.diloco(inner, "island", sync_period=4).init(params)
+  state = _diloco(inner, "island", sync_period=4).init(params)
   got, new_state = run(local, state)
   want, _ = run(inner.update, inner.init(params))
   chex.assert_trees_all_equal(got, want)

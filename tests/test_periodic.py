@@ -1111,7 +1111,12 @@ def test_diloco_warm_start_matches_numpy(warmup):
   then H local steps per outer Nesterov step, the first after step W + H."""
   period, lr = 3, 0.05
   tx = shardopt.diloco(
-    optax.adam(lr), "batch", sync_period=period, warmup_steps=warmup
+    optax.adam(lr),
+    "batch",
+    sync_period=period,
+    warmup_steps=warmup,
+    outer_learning_rate=0.7,
+    outer_momentum=0.9,
   )
   x, y = _data(43, warmup + 2 * period + 1)
   reference = _np_warm_start(

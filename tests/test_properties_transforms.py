@@ -1031,7 +1031,12 @@ def test_diloco_fragments_equal_numpy_for_random_periods_and_trees():
     ]
     kwargs = {"num_fragments": num_fragments} if fragments_supported else {}
     make = lambda: shardopt.diloco(
-      optax.sgd(lr), AXIS, sync_period=period, **kwargs
+      optax.sgd(lr),
+      AXIS,
+      sync_period=period,
+      outer_learning_rate=0.7,  # _np_streaming_diloco's outer step
+      outer_momentum=0.9,
+      **kwargs,
     )
     out = _pmap_steps(
       make, ("diloco", period, num_fragments, lr), params, grads_seq

@@ -203,6 +203,8 @@ def make_optimizer(
       optax.adam(learning_rate),
       AXIS,
       sync_period=sync_period,
+      outer_learning_rate=0.7,
+      outer_momentum=0.9,
       num_fragments=2 if method == "streaming" else 1,
       comm_dtype=outer_dtype if method == "streaming" else None,
     )
