@@ -71,7 +71,12 @@ def methods(periods, outer_steps=OUTER_STEPS) -> dict:
 
 
 def run(
-  steps: int, seeds: int, periods, outer_steps=OUTER_STEPS, **overrides
+  steps: int,
+  seeds: int,
+  periods,
+  outer_steps=OUTER_STEPS,
+  first_seed: int = 0,
+  **overrides,
 ) -> dict:
   """``overrides``: fields of :class:`benchmarks.studies.workload.Config`
   to change."""
@@ -81,7 +86,7 @@ def run(
   todo = methods(periods, outer_steps)
   for i, (label, make) in enumerate(todo.items(), 1):
     curves = []
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
       result = workload.train(make(lm.adamw(config)), seed)
       curves.append(result)
       print(
@@ -101,6 +106,7 @@ def run(
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
     "config": dataclasses.asdict(config),
     "seeds": seeds,
+    "first_seed": first_seed,
     "runs": runs,
   }
 
@@ -154,6 +160,12 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=384)
   parser.add_argument("--seeds", type=int, default=1)
+  parser.add_argument(
+    "--first-seed",
+    type=int,
+    default=0,
+    help="seeds first-seed .. first-seed + seeds - 1 (default 0)",
+  )
   parser.add_argument("--periods", default="16,64")
   parser.add_argument(
     "--outer",
@@ -195,7 +207,9 @@ def main(argv=None) -> int:
     )
     if value is not None
   }
-  section = run(args.steps, args.seeds, periods, outer, **overrides)
+  section = run(
+    args.steps, args.seeds, periods, outer, args.first_seed, **overrides
+  )
   print(table(section))
   directory = RESULTS
   png = plot(section, directory, args.name)
