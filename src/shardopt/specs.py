@@ -281,7 +281,13 @@ def _varying_axes(
   per leaf (empty for a leaf the same on every replica). ``fn`` is the public
   function to name in errors; ``fallback`` the mesh to trace on when none is
   given or found. :func:`state_specs` and :func:`vmap_axes` are two views of
-  this one derivation.
+  this one derivation, in three steps:
+
+  1. the axes: ``axis_name`` (the manual axes) and ``params_axes`` (those
+     the params vary over, a subset);
+  2. :func:`_abstract_state`: ``tx.init`` traced abstractly on the mesh;
+  3. :func:`_update_axes`: ``tx.update`` traced until the axes each state
+     leaf varies over stop growing.
   """
   if axis_name is None:
     raise ValueError(
@@ -289,81 +295,98 @@ def _varying_axes(
       " is replicated; no specs are needed (use P() or the params' shardings)."
     )
   names = _axes.axis_names(axis_name)
-  mesh = _mesh_for(fn, mesh, params, names, fallback)
-  params = jax.tree.map(_local_struct, params)
-  manual = set(names)
-
-  def traced(fn, *args):
-    """Runs ``fn`` once, abstractly, inside a checking partial-manual
-    shard_map whose inputs are all ``P()``; returns what ``fn`` recorded."""
-    record = []
-
-    def body(*inputs):
-      record.append(fn(*inputs))
-      return jnp.zeros(())
-
-    jax.eval_shape(
-      jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=tuple(P() for _ in args),
-        out_specs=P(),
-        axis_names=manual,
-        check_vma=True,
-      ),
-      *args,
-    )
-    return record[0]
-
-  def varying(tree):
-    return jax.tree.map(lambda x: _axes.varying_axes(x) & manual, tree)
-
   over = names if params_axes is None else _axes.axis_names(params_axes)
-  if not set(over) <= manual:
+  if not set(over) <= set(names):
     raise ValueError(
       f"{fn}: params_axes={params_axes!r} must be a subset of"
       f" axis_name={axis_name!r}."
     )
+  mesh = _mesh_for(fn, mesh, params, names, fallback)
+  params = jax.tree.map(_local_struct, params)
+  state = _abstract_state(tx, params, mesh, set(names))
+  return state, _update_axes(tx, params, state, names, over, mesh)
 
-  def per_replica(p, axes=names):
-    return jax.lax.pcast(p, _axes.as_axis(axes), to="varying") if axes else p
+
+def _trace(mesh: Any, manual: set, fn, *args) -> Any:
+  """Runs ``fn`` once, abstractly, inside a checking partial-manual
+  shard_map over ``manual`` whose inputs are all ``P()``; returns what
+  ``fn`` returned (any pytree, not only arrays)."""
+  record = []
+
+  def body(*inputs):
+    record.append(fn(*inputs))
+    return jnp.zeros(())
+
+  jax.eval_shape(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=tuple(P() for _ in args),
+      out_specs=P(),
+      axis_names=manual,
+      check_vma=True,
+    ),
+    *args,
+  )
+  return record[0]
+
+
+def _abstract_state(tx: Any, params: Any, mesh: Any, manual: set) -> Any:
+  """``tx.init(params)`` as ``ShapeDtypeStruct`` leaves, sharded over the
+  mesh's other (Auto) axes as ``init`` left them."""
 
   def structure(tree):
     return jax.tree.map(
       lambda x: _Leaf(x.shape, x.dtype, jax.typeof(x).sharding.spec), tree
     )
 
-  state = jax.tree.map(
+  return jax.tree.map(
     lambda t: jax.ShapeDtypeStruct(
       t.shape,
       t.dtype,
       sharding=jax.sharding.NamedSharding(mesh, _auto_only(t.spec, manual)),
     ),
-    traced(lambda p: structure(tx.init(p)), params),
+    _trace(mesh, manual, lambda p: structure(tx.init(p)), params),
     is_leaf=lambda t: isinstance(t, _Leaf),
   )
+
+
+def _update_axes(
+  tx: Any, params: Any, state: Any, names: tuple, over: tuple, mesh: Any
+) -> Any:
+  """Per state leaf, the manual axes ``tx.update`` makes it vary over.
+
+  The least fixed point: feed the state in with every leaf invariant, mark
+  what update makes varying, feed those in varying, and so on until nothing
+  changes (a leaf only ever gains axes). init's own types say nothing: it
+  may copy per-replica params into a leaf that update keeps replicated.
+  The gradients vary over every manual axis, the params over ``over``.
+  """
+  manual = set(names)
+
+  def per_replica(p, axes=names):
+    return jax.lax.pcast(p, _axes.as_axis(axes), to="varying") if axes else p
+
+  def varying(tree):
+    return jax.tree.map(lambda x: _axes.varying_axes(x) & manual, tree)
+
   axes = jax.tree.map(lambda _: frozenset(), state)
-  # The least fixed point: feed the state in with every leaf invariant, mark
-  # what update makes varying, feed those in varying, and so on until nothing
-  # changes (a leaf only ever gains axes). init's own types say nothing: it
-  # may copy per-replica params into a leaf that update keeps replicated.
   for _ in range(len(jax.tree.leaves(state)) + 2):
 
     def step(p, s, axes=axes):
       s = jax.tree.map(
         lambda x, a: _axes.cast_varying(x, a) if a else x, s, axes
       )
-      grads = per_replica(p)
-      _, new_state = tx.update(grads, s, per_replica(p, over))
+      _, new_state = tx.update(per_replica(p), s, per_replica(p, over))
       return varying(new_state)
 
-    new_axes = traced(step, params, state)
-    merged = jax.tree.map(lambda a, b: a | b, axes, new_axes)
+    merged = jax.tree.map(
+      lambda a, b: a | b, axes, _trace(mesh, manual, step, params, state)
+    )
     if merged == axes:
       break
     axes = merged
-
-  return state, axes
+  return axes
 
 
 class _Leaf(NamedTuple):
