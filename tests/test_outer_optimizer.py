@@ -82,7 +82,7 @@ def test_the_default_spelled_as_an_optax_sgd_is_bit_identical(batch_mesh):
     optax.adam(0.05),
     "batch",
     sync_period=3,
-    outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+    outer_optimizer=optax.sgd(0.8, momentum=0.2, nesterov=True),
   )
   chex.assert_trees_all_equal(
     _run(default, 9, batch_mesh), _run(spelled, 9, batch_mesh)
@@ -159,5 +159,5 @@ def test_outer_optimizer_errors_name_the_fix():
       optax.adam(1e-3),
       "batch",
       outer_optimizer=optax.sgd(1.0),
-      outer_momentum=0.5,
+      outer_momentum=0.3,
     )

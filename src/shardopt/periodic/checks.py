@@ -106,10 +106,12 @@ def check_outer_args(
 
 
 # diloco's outer step as its three arguments spell it by default (its
-# signature's defaults).
+# signature's defaults): Nesterov SGD whose momentum-adjusted rate
+# lr / (1 - momentum) is 1, plain averaging's (issue 33's sweep,
+# benchmarks/outer_defaults.py and benchmarks/outer_sweep.py).
 DEFAULT_OUTER = {
-  "outer_learning_rate": 0.7,
-  "outer_momentum": 0.9,
+  "outer_learning_rate": 0.8,
+  "outer_momentum": 0.2,
   "nesterov": True,
 }
 
