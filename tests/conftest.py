@@ -84,7 +84,6 @@ SLOW_TESTS = {
     "test_replicated_params_all_reduce_in_autodiff_on_every_mini_step": _HLO,
     "test_params_cast_to_varying_communicate_once_per_period": _HLO,
     "test_mini_step_copies_no_buffer_a_bare_gradient_add_does_not": _HLO,
-    "test_bytes_per_mini_step_are_one_kth_of_cross_shard": _HLO,
   },
   "test_collectives.py": {
     "test_reduce_of_per_replica_values_matches_numpy": _CASES,

@@ -648,18 +648,3 @@ def test_every_k_steps_must_be_a_positive_integer_or_a_schedule(bad):
     r".* or a callable of the gradient step",
   ):
     shardopt.accumulate(optax.sgd(0.1), bad)
-
-
-# --- Benchmark figure: bytes per mini-step. ----------------------------------
-
-
-def test_bytes_per_mini_step_are_one_kth_of_cross_shard():
-  from benchmarks.perf import accumulate_bytes
-
-  rows = accumulate_bytes.bytes_per_mini_step(sizes=(1 << 14,), ks=(4,))
-  for row in rows:
-    print(f"\n[bench] {row}")
-    assert (
-      row["accumulate_bytes_per_mini_step"] * row["k"]
-      == row["cross_shard_bytes_per_step"]
-    )

@@ -176,3 +176,15 @@ def test_benchmarks_import_without_a_cycle_studies_never_import_perf():
     if dep.startswith("benchmarks.perf")
   }
   assert not upward
+
+
+def test_bytes_per_mini_step_are_one_kth_of_cross_shard():
+  from benchmarks.perf import accumulate_bytes
+
+  rows = accumulate_bytes.bytes_per_mini_step(sizes=(1 << 14,), ks=(4,))
+  for row in rows:
+    print(f"\n[bench] {row}")
+    assert (
+      row["accumulate_bytes_per_mini_step"] * row["k"]
+      == row["cross_shard_bytes_per_step"]
+    )
