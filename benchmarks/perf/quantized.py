@@ -50,7 +50,11 @@ WIRES = {
   "int8": (jnp.int8, False),
   "int8 + error feedback": (jnp.int8, True),
   "float8_e4m3fn": (jnp.float8_e4m3fn, False),
+  "float8_e4m3fn + error feedback": (jnp.float8_e4m3fn, True),
   "int4": (jnp.int4, False),
+  "int4 + error feedback": (jnp.int4, True),
+  # SparseLoCo's density: 64 of every 4096 (1.6%), 2-bit values.
+  "topk(64) + error feedback": (shardopt.topk(64), True),
 }
 LINKS = {"100 Gb/s": 12.5e9, "10 Gb/s": 1.25e9, "1 Gb/s": 0.125e9}
 # Per replica, the fraction of a collective's buffer (hlo.Collective's
