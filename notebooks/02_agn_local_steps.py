@@ -25,7 +25,7 @@
 # |---|---|---|
 # | `shardopt.agn(opt, "batch", sync_period=T)` | accumulated gradients / T | `global_optimizer` (default: a second `opt`) |
 # | `shardopt.local_sgd(opt, "batch", sync_period=T)` | params | their mean |
-# | `shardopt.diloco(opt, "batch", sync_period=T)` | `center - params` | Nesterov SGD (lr 0.7, momentum 0.9) |
+# | `shardopt.diloco(opt, "batch", sync_period=T)` | `center - params` | Nesterov SGD (lr 0.8, momentum 0.2; the paper: 0.7, 0.9) |
 #
 # Between syncs the replicas do not communicate at all. This notebook trains a
 # small MLP on scikit-learn's digits with each method and plots test accuracy

@@ -14,6 +14,7 @@ kernel inherits XLA_FLAGS from conftest.py: 8 CPU devices.
 """
 
 import pathlib
+import signal
 import sys
 import types
 
@@ -27,6 +28,7 @@ SOURCES = sorted(
   p for p in NOTEBOOKS_DIR.glob("*.py") if not p.name.startswith("_")
 )
 CELL_TIMEOUT_S = 300
+NOTEBOOK_TIMEOUT_S = 900  # the whole notebook, enforced by the test
 FIX = "edit the .py source, then run `make notebooks`"
 
 
@@ -85,25 +87,101 @@ def kernel_spec_dir(tmp_path_factory):
   return kernels
 
 
+_RUNNER = """
+import json, os, sys
+import nbformat
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+
+source, target, kernels, pid_file, cell_timeout, path = sys.argv[1:]
+nb = nbformat.read(source, as_version=4)
+km = KernelManager(
+  kernel_name="shardopt-test",
+  kernel_spec_manager=KernelSpecManager(kernel_dirs=[kernels]),
+)
+def kernel_started(notebook):  # the kernel's pid, for the test's kill
+  with open(pid_file, "w") as f:
+    f.write(str(km.provisioner.pid))
+client = NotebookClient(
+  nb,
+  km=km,
+  timeout=int(cell_timeout),
+  resources={"metadata": {"path": path}},
+  on_notebook_start=kernel_started,
+)
+client.execute()
+nbformat.write(nb, target)
+"""
+
+
 def _execute(
   nb: nbformat.NotebookNode, kernels: pathlib.Path
 ) -> nbformat.NotebookNode:
-  from jupyter_client.kernelspec import KernelSpecManager  # pylint: disable=g-import-not-at-top
-  from jupyter_client.manager import KernelManager  # pylint: disable=g-import-not-at-top
-  from nbclient import NotebookClient  # pylint: disable=g-import-not-at-top
+  """Runs ``nb`` in a child process (and its kernel) and returns it with its
+  outputs. nbclient's cell timeout bounds the wait for a cell's reply, not
+  for its outputs: a kernel stuck in native code would leave it waiting
+  forever. So the test bounds the whole run (NOTEBOOK_TIMEOUT_S) and, past
+  it, kills the child's process group and the kernel itself."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
 
-  spec_manager = KernelSpecManager(kernel_dirs=[str(kernels)])
-  km = KernelManager(
-    kernel_name="shardopt-test", kernel_spec_manager=spec_manager
-  )
-  client = NotebookClient(
-    nb,
-    km=km,
-    timeout=CELL_TIMEOUT_S,
-    resources={"metadata": {"path": str(NOTEBOOKS_DIR)}},
-  )
-  client.execute()
-  return nb
+  with tempfile.TemporaryDirectory() as tmp:
+    source, target = (
+      os.path.join(tmp, "in.ipynb"),
+      os.path.join(tmp, "out.ipynb"),
+    )
+    pid_file = os.path.join(tmp, "kernel.pid")
+    nbformat.write(nb, source)
+    child = subprocess.Popen(
+      [
+        sys.executable,
+        "-c",
+        _RUNNER,
+        source,
+        target,
+        str(kernels),
+        pid_file,
+        str(CELL_TIMEOUT_S),
+        str(NOTEBOOKS_DIR),
+      ],
+      start_new_session=True,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    try:
+      log, _ = child.communicate(timeout=NOTEBOOK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+      _kill(child.pid, pid_file)
+      child.communicate()
+      raise TimeoutError(
+        f"the notebook did not finish within {NOTEBOOK_TIMEOUT_S} s; its"
+        " runner and kernel were killed"
+      ) from None
+    finally:
+      _kill(child.pid, pid_file)
+    assert child.returncode == 0, log[-4000:]
+    return nbformat.read(target, as_version=4)
+
+
+def _kill(runner_pid: int, pid_file: str) -> None:
+  """SIGKILLs the runner's process group and the kernel (its own session),
+  whatever state they are in; nothing that is already gone is an error."""
+  import os  # pylint: disable=g-import-not-at-top
+
+  pids = []
+  if os.path.exists(pid_file):
+    with open(pid_file) as f:
+      text = f.read().strip()
+    if text.isdigit():
+      pids.append(int(text))
+  for kill, pid in [(os.killpg, runner_pid)] + [(os.kill, p) for p in pids]:
+    try:
+      kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+      pass
 
 
 @pytest.mark.slow
@@ -176,3 +254,21 @@ def test_colab_installs_the_uploaded_wheel_or_the_spec_it_is_given(
   exec(code, {})
   assert calls[-1] == [sys.executable, "-m", "pip", "install", "-q", repo]
   assert len(calls) == 2
+
+
+@pytest.mark.slow
+def test_a_stuck_notebook_fails_within_the_bound_and_its_kernel_is_killed(
+  kernel_spec_dir, monkeypatch
+):
+  """A cell that never returns ends the test with a TimeoutError after
+  NOTEBOOK_TIMEOUT_S, not a hang (nbclient's own timeout does not cover a
+  kernel stuck in native code)."""
+  import time
+
+  monkeypatch.setattr(sys.modules[__name__], "NOTEBOOK_TIMEOUT_S", 20)
+  nb = nbformat.v4.new_notebook()
+  nb.cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(600)")]
+  start = time.monotonic()
+  with pytest.raises(TimeoutError, match="did not finish within 20 s"):
+    _execute(nb, kernel_spec_dir)
+  assert time.monotonic() - start < 60
