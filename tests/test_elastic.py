@@ -222,8 +222,13 @@ class Scenario:
     for i in survivors:
       got = dict(np.load(self.islands.out / f"p{i}.npz"))
       for k in final:
+        # The reference runs the inner steps under a one-device jit, the
+        # islands under shard_map: XLA rounds them differently, and the
+        # outer Nesterov step (rate lr / (1 - momentum) = 7) carries that
+        # from round to round (1.7e-5 relative seen after the heal-twice
+        # schedule, 2026-11-25). A wrong round or membership is off by 1e-2.
         np.testing.assert_allclose(
-          got[k], final[k], rtol=0, atol=1e-6, err_msg=k
+          got[k], final[k], rtol=1e-4, atol=1e-6, err_msg=k
         )
     for number, logged in by_round.items():
       want = example.eval_loss(centers[number])
