@@ -163,11 +163,6 @@ def explicit_spec(x: Any):
   return spec
 
 
-def is_integer(value: Any) -> bool:
-  """:func:`shardopt._args.is_integer` (kept here for its many callers)."""
-  return _args.is_integer(value)
-
-
 def as_axis(names: tuple) -> AxisName:
   """Inverse of :func:`axis_names` for collectives: 1-tuples become a name."""
   return names[0] if len(names) == 1 else names
@@ -211,7 +206,7 @@ def validate_groups(
       )
     members = []
     for i in group:
-      if not is_integer(i):
+      if not _args.is_integer(i):
         raise ValueError(
           f"{where}: group {list(group)!r} holds {i!r}, which is"
           " not an integer replica index."

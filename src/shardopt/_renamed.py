@@ -48,7 +48,6 @@ def renamed_keywords(**new_by_old: str) -> Callable:
         kwargs[new] = kwargs.pop(old)
       return fn(*args, **kwargs)
 
-    call.renamed_keywords = dict(new_by_old)
     return call
 
   return decorate

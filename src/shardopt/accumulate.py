@@ -55,7 +55,7 @@ def _check_every_k_steps(every_k_steps: Any) -> Callable[[jax.Array], Any]:
   """``every_k_steps`` as a schedule: a function of the gradient step."""
   if callable(every_k_steps):
     return every_k_steps
-  if not _axes.is_integer(every_k_steps) or int(every_k_steps) < 1:
+  if not _args.is_integer(every_k_steps) or int(every_k_steps) < 1:
     raise ValueError(
       f"{_ACCUMULATE}: every_k_steps={every_k_steps!r} must be a positive"
       " integer, the number of mini-steps whose gradients make one update"

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from shardopt import _args
 from shardopt import _axes
 from shardopt._skip import update_or_skip
 from shardopt.collectives import reduce_for
@@ -219,7 +220,7 @@ def apply_if_finite(
   axis_name, max_consecutive_errors = _old_order(
     max_consecutive_errors, old_order, axis_name
   )
-  if not _axes.is_integer(max_consecutive_errors) or max_consecutive_errors < 0:
+  if not _args.is_integer(max_consecutive_errors) or max_consecutive_errors < 0:
     raise ValueError(
       f"{_APPLY_IF_FINITE}: max_consecutive_errors={max_consecutive_errors!r}"
       " must be a non-negative integer, the number of consecutive"

@@ -201,13 +201,13 @@ def _check_args(
       " jax.jit over sharded arrays the compiler reduces the gradients"
       " itself and there is nothing to compress."
     )
-  if not _axes.is_integer(rank) or rank < 1:
+  if not _args.is_integer(rank) or rank < 1:
     raise ValueError(
       f"{_POWERSGD}: rank={rank!r} (axis {axis_name!r}) must be"
       " an integer >= 1, the rank of the approximation; e.g."
       " rank=2 (PyTorch's matrix_approximation_rank)."
     )
-  if not _axes.is_integer(start_step) or start_step < 0:
+  if not _args.is_integer(start_step) or start_step < 0:
     raise ValueError(
       f"{_POWERSGD}: start_step={start_step!r} (axis"
       f" {axis_name!r}) must be an integer >= 0, the number of"
@@ -227,7 +227,7 @@ def _check_args(
     )
   _args.flag(error_feedback, "error_feedback", _POWERSGD, f"axis {axis_name!r}")
   _args.flag(warm_start, "warm_start", _POWERSGD, f"axis {axis_name!r}")
-  if not _axes.is_integer(seed):
+  if not _args.is_integer(seed):
     raise ValueError(
       f"{_POWERSGD}: seed={seed!r} (axis {axis_name!r}) must be"
       " an integer, the seed of the initial Q; e.g. seed=0."

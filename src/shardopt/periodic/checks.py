@@ -21,7 +21,7 @@ from shardopt.periodic import schedules
 
 
 def check_period(value: Any, arg: str, transform: str) -> int:
-  if not _axes.is_integer(value) or int(value) < 1:
+  if not _args.is_integer(value) or int(value) < 1:
     raise ValueError(
       f"{transform}: {arg}={value!r} must be an integer >= 1 (the number of"
       f" local steps between two synchronisations); e.g. {arg}=10."
@@ -41,7 +41,7 @@ def check_axis_name(axis_name: Any, transform: str) -> None:
 
 
 def check_num_fragments(value: Any, sync_period: int, transform: str) -> int:
-  if not _axes.is_integer(value) or not 1 <= int(value) <= sync_period:
+  if not _args.is_integer(value) or not 1 <= int(value) <= sync_period:
     raise ValueError(
       f"{transform}: num_fragments={value!r} must be an integer with 1 <="
       f" num_fragments <= sync_period={sync_period} (each fragment"
@@ -63,7 +63,7 @@ def check_period_group_sizes(value: Any, transform: str) -> dict:
     )
   for period, size in value.items():
     for what, v in (("period", period), ("group size", size)):
-      if not _axes.is_integer(v) or int(v) < 1:
+      if not _args.is_integer(v) or int(v) < 1:
         raise ValueError(
           f"{transform}: period_group_sizes={value!r} has {what} {v!r};"
           f" periods and group sizes must be integers >= 1;{example}."
@@ -144,7 +144,7 @@ def check_outer_optimizer(
 
 
 def check_warmup_steps(value: Any, transform: str) -> int:
-  if not _axes.is_integer(value) or int(value) < 0:
+  if not _args.is_integer(value) or int(value) < 0:
     raise ValueError(
       f"{transform}: warmup_steps={value!r} must be an integer >= 0 (steps"
       " of synchronous training on the mean gradient before the local"
@@ -157,7 +157,7 @@ def check_overlap(
   overlap_steps: Any, overlap_alpha: Any, sync_period: int, transform: str
 ) -> tuple[int, float]:
   """Checks Streaming DiLoCo's ``overlap_steps`` and ``overlap_alpha``."""
-  if not _axes.is_integer(overlap_steps) or not (
+  if not _args.is_integer(overlap_steps) or not (
     0 <= int(overlap_steps) < sync_period
   ):
     raise ValueError(
@@ -183,7 +183,7 @@ def check_overlap(
 def check_sync_offset(value: Any, sync_period: int, transform: str) -> int:
   """Checks ``diloco``'s ``sync_offset``: an integer in [0, sync_period]
   (``sync_period`` is the same schedule as 0)."""
-  if not _axes.is_integer(value) or not 0 <= int(value) <= sync_period:
+  if not _args.is_integer(value) or not 0 <= int(value) <= sync_period:
     raise ValueError(
       f"{transform}: sync_offset={value!r} must be an integer with"
       f" 0 <= sync_offset <= sync_period={sync_period} (every sync moves that"

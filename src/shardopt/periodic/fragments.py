@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardopt import _axes
+from shardopt import _args
 
 
 class Piece(NamedTuple):
@@ -184,7 +184,7 @@ def _checked(params: Any, axes: list, transform: str) -> list:
   for leaf, axis in zip(leaves, axes):
     ndim = np.ndim(leaf)
     if axis is not None and (
-      not _axes.is_integer(axis) or not -ndim <= int(axis) < ndim
+      not _args.is_integer(axis) or not -ndim <= int(axis) < ndim
     ):
       raise ValueError(
         f"{transform}: layer_axes gives axis {axis!r} for a leaf of shape"
