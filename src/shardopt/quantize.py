@@ -333,6 +333,16 @@ def _position(axis, groups: tuple | None) -> jax.Array:
   return jnp.asarray(table)[index]
 
 
+def _sum_in_member_order(terms: jax.Array) -> jax.Array:
+  """``terms[0] + terms[1] + ...`` in float32, in member order (the same on
+  every backend), as a loop: its result is a buffer that later passes read,
+  where an unrolled sum would be fused into (and recomputed by) every pass
+  that reads it, such as error feedback's residual over all the rows."""
+  return jax.lax.fori_loop(
+    1, terms.shape[0], lambda j, total: total + terms[j], terms[0]
+  )
+
+
 def reduce_scatter(
   rows: jax.Array, axis, spec: QuantizedSpec, *, divisor: int
 ) -> jax.Array:
@@ -388,8 +398,9 @@ def all_reduce(
   encoded = [_encode(v, spec) for v in values]
   sent = [payload for payload, _ in encoded]  # (members, bytes) each
   widths = [s.shape[-1] for s in sent]
+  wire = jnp.concatenate(sent, axis=-1)
   received = jax.lax.all_to_all(
-    jnp.concatenate(sent, axis=-1),
+    wire,
     axis,
     0,
     0,
@@ -397,10 +408,7 @@ def all_reduce(
   )
   reduced, owned = [], []
   for part, (block, blocks) in zip(_split(received, widths), layouts):
-    terms = decode(part, spec, block, blocks)
-    total = terms[0]
-    for j in range(1, members):  # member order, the same on every backend
-      total = total + terms[j]
+    total = _sum_in_member_order(decode(part, spec, block, blocks))
     if divisor != 1:  # times the float32 reciprocal, as for the scales
       total = total * jnp.float32(1.0 / divisor)
     owned.append(total)
@@ -412,20 +420,26 @@ def all_reduce(
     gathered = jax.lax.all_gather(gather, axis, axis_index_groups=groups)
   out, res = [], []
   position = _position(axis, groups) if residuals else None
-  for x, part, v, e, m, r, (block, blocks) in zip(
-    leaves, _split(gathered, widths), values, encoded, owned, reduced, layouts
+  for x, part, v, mine_sent, m, mine_reduced, (block, blocks) in zip(
+    leaves,
+    _split(gathered, widths),
+    values,
+    _split(wire, widths),
+    owned,
+    _split(gather, widths),
+    layouts,
   ):
     full = decode(part, spec, block, blocks).reshape(-1)
     out.append(full[: x.size].reshape(x.shape).astype(x.dtype))
     if residuals:
-      # Phase 1 on every chunk; phase 2 added to the owned one in place (a
-      # mask over all rows would let XLA recompute the chunk's sum per row).
-      dropped = v - e[1]
-      mine = jax.lax.dynamic_index_in_dim(dropped, position, keepdims=False)
-      mine = mine + jnp.float32(divisor) * (m - r[1])
-      dropped = jax.lax.dynamic_update_index_in_dim(
-        dropped, mine, position, axis=0
+      # Phase 1 on every chunk: the contribution less what its bytes decode
+      # to; phase 2 added to the owned chunk in place, materialized first (a
+      # select over all rows would recompute the chunk's sum per element).
+      dropped = v - decode(mine_sent, spec, block, blocks)
+      again = jnp.float32(divisor) * (
+        m - decode(mine_reduced, spec, block, blocks)
       )
+      dropped = dropped.at[position].add(again)
       dropped = dropped.reshape(-1)[: x.size].reshape(x.shape)
       # A non-finite contribution is not kept: the next step starts afresh.
       res.append(jnp.where(jnp.isfinite(dropped), dropped, 0.0))
