@@ -24,6 +24,7 @@ import shardopt
 from benchmarks.studies import workload
 from shardopt import _hlo
 from shardopt.periodic import schedules
+from shardopt.sparse import TopKSpec
 
 Factory = Callable[[], optax.GradientTransformation]
 AXIS = workload.AXIS
@@ -46,6 +47,8 @@ class Method:
       ``1 / k``), so that a learning-rate schedule spans the run's updates.
     family: the group it is plotted with (``"sync"``, ``"powersgd"``,
       ``"diloco"``, ...).
+    optimizer: the inner optimizer's name in
+      :data:`benchmarks.studies.workload.OPTIMIZERS` (``"adamw"``, ``"muon"``).
   """
 
   label: str
@@ -56,13 +59,23 @@ class Method:
   quick: bool = False
   updates_per_step: float = 1.0
   family: str = ""
+  optimizer: str = "adamw"
 
 
 def wire_name(comm_dtype, error_feedback: bool = False) -> str:
   """``"int8"``, ``"int4+EF"``, ``"float8_e4m3fn"``, ``quantized(...)``'s
-  repr, or ``""`` for None (float32)."""
+  repr, ``"topk 64/4096 2-bit"`` for :func:`shardopt.topk` (with its
+  ``error_decay`` when it is not 0.95), or ``""`` for None (float32)."""
   if comm_dtype is None:
     return ""
+  if isinstance(comm_dtype, TopKSpec):
+    decay = comm_dtype.error_decay
+    return (
+      f"topk {comm_dtype.k}/{comm_dtype.chunk_size}"
+      f" {comm_dtype.value_bits}-bit"
+      + ("+EF" if error_feedback else "")
+      + ("" if decay == 0.95 else f" decay {decay:g}")
+    )
   try:
     name = jnp.dtype(comm_dtype).name
   except TypeError:  # a shardopt.quantized spec
@@ -96,7 +109,8 @@ def sync(name: str = "adamw") -> Method:
     lambda opt: shardopt.cross_shard(opt(), AXIS),
     _hlo.Schedule(),
     quick=True,
-    family="sync",
+    family="sync" if name == "adamw" else name,
+    optimizer=name,
   )
 
 
@@ -120,7 +134,7 @@ def cross_shard_mean(
     ),
     _hlo.Schedule(),
     quick=quick,
-    family="sync",
+    family="topk" if isinstance(comm_dtype, TopKSpec) else "sync",
   )
 
 
@@ -193,6 +207,19 @@ def local_sgd(
   )
 
 
+OUTER_STEPS = {
+  "": ("", {}),
+  "paper": (
+    "paper outer 0.7/0.9",
+    {"outer_learning_rate": 0.7, "outer_momentum": 0.9},
+  ),
+  "sgd": ("outer sgd(1)", {"outer_optimizer": optax.sgd(1.0)}),
+}
+"""``diloco``'s outer steps by name: its default (Nesterov lr 0.8, momentum
+0.2), the DiLoCo paper's (Nesterov lr 0.7, momentum 0.9), and SparseLoCo's
+plain step (SGD lr 1, no momentum: the decaying error stands in for it)."""
+
+
 def diloco(
   period: int,
   quick: bool = False,
@@ -200,15 +227,18 @@ def diloco(
   comm_dtype=None,
   error_feedback: bool = False,
   warmup_steps: int = 0,
+  outer: str = "",
 ) -> Method:
-  """``diloco(optimizer, sync_period=period)`` with the paper's outer
-  Nesterov SGD (lr 0.7, momentum 0.9, shardopt's defaults), its outer
-  gradient on ``comm_dtype`` (optionally with error feedback), after
-  ``warmup_steps`` synchronous steps."""
+  """``diloco(optimizer, sync_period=period)`` with the outer step
+  :data:`OUTER_STEPS` names (default: shardopt's default, Nesterov SGD lr
+  0.8, momentum 0.2), its outer gradient on ``comm_dtype`` (optionally with
+  error feedback), after ``warmup_steps`` synchronous steps."""
   wire = wire_name(comm_dtype, error_feedback)
   warm = f"warm-up {warmup_steps}" if warmup_steps else ""
+  outer_label, outer_kwargs = OUTER_STEPS[outer]
+  topk = isinstance(comm_dtype, TopKSpec)
   return Method(
-    f"diloco({name}, H={period}{_suffix(wire, warm)})",
+    f"diloco({name}, H={period}{_suffix(wire, warm, outer_label)})",
     ("diloco",),
     lambda opt: shardopt.diloco(
       opt(),
@@ -217,11 +247,13 @@ def diloco(
       comm_dtype=comm_dtype,
       error_feedback=error_feedback,
       **({"warmup_steps": warmup_steps} if warmup_steps else {}),
+      **outer_kwargs,
     ),
     _hlo.Schedule(schedules.every(period), warmup_steps=warmup_steps),
     1.0 / period,
     quick,
-    family="diloco",
+    family="topk" if topk else name if name != "adamw" else "diloco",
+    optimizer=name,
   )
 
 
@@ -298,21 +330,29 @@ def hierarchical(
 
 
 def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
-  """Issue 24's frontier (section 8), for a run of ``steps`` steps.
+  """Issue 24's frontier (section 8) with issue 33's rows, for a run of
+  ``steps`` steps.
 
-  Full (22 methods, about an hour for 2 seeds on the shared 2-core
+  Full (33 methods, about 70 min for 2 seeds on the shared 2-core
   machine): sync and ``cross_shard_mean`` on an int8 wire with error
-  feedback; ``accumulate`` k = 4; ``powersgd`` rank 2 and 4 on a float32
-  and an int8 wire; ``local_sgd`` H = 16 and 64, and H = 16 with an int4
-  average and error feedback; ``diloco`` (the paper's outer Nesterov SGD)
-  H = 16, 32, 64, 128 with a float32 outer gradient, H = 16 and 64 with int4
-  with and without error feedback, H = 128 int4 with error feedback;
-  ``diloco`` H = 64 after a synchronous warm start of ``steps / 6``
-  (rounded down to a multiple of 64); streaming ``diloco`` H = 64, F = 4
-  with overlap (1 step, alpha 0.5); ``hierarchical_local_sgd`` pairs every
-  16 steps, all 8 every 64. ``quick`` (the CI smoke run): four methods that
-  cover the code paths (a quantized wire with error feedback and a warm-up
-  in one DiLoCo), with periods that fit a short run (H = 16).
+  feedback and on a top-k wire (32 of every 4096 entries, 2-bit values,
+  error feedback without decay: DeMo's density on per-step gradients);
+  ``accumulate`` k = 4; ``powersgd`` rank 2 and 4 on a float32 and an int8
+  wire; ``local_sgd`` H = 2, 4, 8, 16 and 64, and H = 16 with an int4
+  average and error feedback; ``diloco`` (shardopt's default outer step,
+  Nesterov lr 0.8, momentum 0.2) H = 16, 32, 64, 128 with a float32 outer
+  gradient, H = 16 and 64 on int4 with and without error feedback, H = 128
+  int4 with error feedback, H = 16 with the paper's outer step (0.7, 0.9)
+  for comparison; SparseLoCo: ``diloco`` H = 2, 4, 16 with its outer
+  gradient on a top-k wire (64 of 4096, 2-bit, error decay 0.95) and a
+  plain outer SGD step (lr 1); MuLoCo: Muon as the inner optimizer, sync
+  and ``diloco`` H = 16 and 64; ``diloco`` H = 64 after a synchronous warm
+  start of ``steps / 6`` (rounded down to a multiple of 64); streaming
+  ``diloco`` H = 64, F = 4 with overlap (1 step, alpha 0.5);
+  ``hierarchical_local_sgd`` pairs every 16 steps, all 8 every 64.
+  ``quick`` (the CI smoke run): four methods that cover the code paths (a
+  quantized wire with error feedback and a warm-up in one DiLoCo), with
+  periods that fit a short run (H = 16).
   """
   if quick:
     return [
@@ -328,12 +368,15 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
       streaming_diloco(16, 4, quick=True, overlap_steps=1, overlap_alpha=0.5),
     ]
   warm = max(64, steps // 6 // 64 * 64)
+  sparse_step = shardopt.topk(32, error_decay=1.0)
+  sparse_outer = shardopt.topk(64)
   return [
     sync(),
     cross_shard_mean(jnp.int8, error_feedback=True),
+    cross_shard_mean(sparse_step, error_feedback=True),
     accumulate(4),
     *(powersgd(r, comm_dtype=w) for r in (2, 4) for w in (None, jnp.int8)),
-    local_sgd(16),
+    *(local_sgd(h) for h in (2, 4, 8, 16)),
     local_sgd(16, comm_dtype=jnp.int4, error_feedback=True),
     local_sgd(64),
     *(diloco(h) for h in (16, 32, 64, 128)),
@@ -343,6 +386,13 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
       for ef in (False, True)
     ),
     diloco(128, comm_dtype=jnp.int4, error_feedback=True),
+    diloco(16, outer="paper"),
+    *(
+      diloco(h, comm_dtype=sparse_outer, error_feedback=True, outer="sgd")
+      for h in (2, 4, 16)
+    ),
+    sync("muon"),
+    *(diloco(h, name="muon") for h in (16, 64)),
     diloco(64, warmup_steps=warm),
     streaming_diloco(64, 4, overlap_steps=1, overlap_alpha=0.5),
     hierarchical({16: 2, 64: 8}),

@@ -7,13 +7,16 @@ The section itself trains for an hour; CI runs its ``--quick`` variant in
 rests on, on made-up curves whose answers are worked out by hand below.
 """
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import shardopt
 from benchmarks import methods
 from benchmarks.studies import quality_per_byte as qpb
+from benchmarks.studies import workload
 
 
 def _entry(final, total_bytes, std=0.0, per_step=None, curve=None):
@@ -135,6 +138,62 @@ def test_the_full_frontier_has_issue_24s_methods():
   for method in methods.quality_per_byte(1536):  # each builds here
     tx, why = methods.build(method, lambda: optax.sgd(0.1))
     assert tx is not None, (method.label, why)
+
+
+def test_the_full_frontier_has_issue_33s_rows():
+  """local SGD's local steps alone, the top-k wire per step and on the outer
+  gradient (SparseLoCo's plain outer step), the paper's outer step beside
+  the default, and Muon inside (MuLoCo) with its own sync."""
+  full = methods.quality_per_byte(1536)
+  by_label = {m.label: m for m in full}
+  for h in (2, 4, 8, 16, 64):
+    assert methods.local_sgd(h).label in by_label
+  sparse = [m for m in full if m.family == "topk"]
+  assert [m.rounds_per_step for m in sparse] == [1.0, 1 / 2, 1 / 4, 1 / 16]
+  assert all("topk" in m.label and "+EF" in m.label for m in sparse)
+  assert methods.diloco(16, outer="paper").label in by_label
+  assert {m.label for m in full if m.optimizer == "muon"} == {
+    methods.sync("muon").label,
+    methods.diloco(16, name="muon").label,
+    methods.diloco(64, name="muon").label,
+  }
+  # The outer step each label names is the one the transform gets.
+  sgd = methods.diloco(
+    2, comm_dtype=shardopt.topk(64), error_feedback=True, outer="sgd"
+  )
+  assert "outer sgd(1)" in sgd.label
+  paper = methods.OUTER_STEPS["paper"][1]
+  assert paper == {"outer_learning_rate": 0.7, "outer_momentum": 0.9}
+
+
+def test_the_muon_factory_orthogonalizes_only_the_kernels():
+  config = workload.QUICK
+  params = workload.init_params(config, 0)
+  tx = workload.OPTIMIZERS["muon"](config, 10)()
+  state = tx.init(params)
+  leaves, treedef = jax.tree.flatten(params)
+  rng = np.random.default_rng(0)
+  grads = treedef.unflatten(
+    [jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in leaves]
+  )
+  for _ in range(2):  # the schedule's first learning rate is 0
+    updates, state = tx.update(grads, state, params)
+  kernel = np.asarray(updates["block0"]["up"]["kernel"], np.float64)
+  bias = np.asarray(updates["block0"]["up"]["bias"], np.float64)
+  # Muon orthogonalizes: a kernel's singular values end close together
+  # (Newton-Schulz's band), where a Gaussian gradient's (or its sign's, what
+  # Adam would give) spread by a factor of about 3 at this shape.
+  sv = np.linalg.svd(kernel, compute_uv=False)
+  gaussian = np.linalg.svd(
+    np.asarray(grads["block0"]["up"]["kernel"]), compute_uv=False
+  )
+  assert sv.max() / sv.min() < 2 < gaussian.max() / gaussian.min()
+  # Adam on the bias: a constant gradient's step is -lr * sign(g), the same
+  # magnitude for every entry.
+  np.testing.assert_allclose(np.abs(bias), np.abs(bias).max(), rtol=1e-3)
+  np.testing.assert_array_equal(
+    np.sign(bias), -np.sign(grads["block0"]["up"]["bias"])
+  )
 
 
 def test_build_lets_an_error_of_the_build_propagate():

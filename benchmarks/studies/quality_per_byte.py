@@ -135,10 +135,12 @@ def measure(
     if (quick and not method.quick) or (only and method.label not in only):
       continue
     updates = round(config.steps * method.updates_per_step)
-    tx, why = methods.build(method, workload.adamw(config, updates))
+    optimizer = workload.OPTIMIZERS[method.optimizer](config, updates)
+    tx, why = methods.build(method, optimizer)
     entry = {
       "schedule": method.schedule.describe(),
       "family": method.family,
+      "optimizer": method.optimizer,
       "available": tx is not None,
     }
     out[method.label] = entry
@@ -202,6 +204,20 @@ def measure(
     "workload": task.info,
     "methods": out,
   }
+
+
+def _default_outer() -> str:
+  """``diloco``'s default outer step in words, read from its signature."""
+  import inspect
+
+  import shardopt
+
+  p = inspect.signature(shardopt.diloco).parameters
+  kind = "Nesterov SGD" if p["nesterov"].default else "SGD with momentum"
+  return (
+    f"{kind} lr {p['outer_learning_rate'].default:g}, momentum"
+    f" {p['outer_momentum'].default:g}"
+  )
 
 
 def _ratio(sync_bytes: float, bytes_: float) -> str:
@@ -378,6 +394,21 @@ def _grid_notes(data: dict) -> list[str]:
     if len(cells) > 1:
       name = methods.wire_name(wire, ef) or "float32"
       notes.append(f"DiLoCo by H, {name} outer gradient: " + "; ".join(cells))
+  muon = m.get(methods.sync("muon").label)
+  if muon and muon["available"]:
+    cells = [
+      f"{label} {e['final_mean']:.3f}"
+      f" ({100 * (e['final_mean'] / muon['final_mean'] - 1):+.1f}% vs Muon's"
+      f" sync, {100 * (e['final_mean'] / sync['final_mean'] - 1):+.1f}% vs"
+      " AdamW's)"
+      for label, e in m.items()
+      if e.get("optimizer") == "muon" and e["available"] and e is not muon
+    ]
+    notes.append(
+      f"MuLoCo (Muon inside): Muon's own sync {muon['final_mean']:.3f}"
+      f" ({100 * (muon['final_mean'] / sync['final_mean'] - 1):+.1f}% vs"
+      " AdamW's sync); " + "; ".join(cells)
+    )
   for h in periods:
     cells = [
       f"{methods.wire_name(wire, ef) or 'float32'} {c}"
@@ -400,6 +431,12 @@ def run(
   """Runs :func:`measure` and formats the section (table, notes, data)."""
   start = time.perf_counter()
   data = measure(quick, seeds, only, **overrides)
+  return report(data, time.perf_counter() - start)
+
+
+def report(data: dict, seconds_in_all: float) -> dict:
+  """The section (table, notes, data) from :func:`measure`'s ``data``; also
+  rebuilds a section from a saved one's ``data`` (``--report FILE``)."""
   verdicts, verdict_notes = _verdicts(data)
   data["verdicts"] = verdicts
   m = data["methods"]
@@ -444,12 +481,13 @@ def run(
     f" {data['param_bytes']:,} bytes float32), {data['replicas']} replicas"
     f" under pmap, {c['batch_per_replica']} windows of {c['context']} bytes"
     f" per replica per step, {c['steps']} steps; inside every method AdamW"
-    f" (weight decay {c['weight_decay']}), learning rate warmed up linearly"
+    f" (or Muon where the label says so: consistent RMS 0.2, the same"
+    f" schedule; weight decay {c['weight_decay']}), learning rate warmed up linearly"
     f" from 0 to {c['learning_rate']} over {c['warmup_fraction']:.0%} of its"
     f" updates, then cosine decay to {c['learning_rate'] * c['end_fraction']:g} at the last"
-    " (optax.warmup_cosine_decay_schedule); DiLoCo's outer step: Nesterov"
-    f" SGD lr 0.7, momentum 0.9. Mean ± std over {len(data['seeds'])}"
-    f" seed(s) {data['seeds']}.",
+    " (optax.warmup_cosine_decay_schedule); DiLoCo's outer step unless its"
+    f" label says otherwise: shardopt's default, {_default_outer()}. Mean"
+    f" ± std over {len(data['seeds'])} seed(s) {data['seeds']}.",
     f"Text: {w['train_files']} train / {w['validation_files']} validation"
     f" files of {w['stdlib']}/*.py (split by CRC-32 of the file name),"
     f" {w['train_bytes']:,} / {w['validation_bytes']:,} bytes; validation ="
@@ -535,7 +573,7 @@ def run(
     f"Time: {runs} runs, {np.mean(seconds) if seconds else 0:.0f} s each on"
     f" average (min {min(seconds, default=0):.0f}, max"
     f" {max(seconds, default=0):.0f}), {compile_seconds:.0f} s compiling;"
-    f" {time.perf_counter() - start:.0f} s in all."
+    f" {seconds_in_all:.0f} s in all."
   )
   return {
     "title": TITLE,
@@ -566,6 +604,8 @@ FAMILY_COLORS = {
   "diloco": "tab:blue",
   "streaming": "tab:cyan",
   "hierarchical": "tab:brown",
+  "topk": "magenta",
+  "muon": "darkorange",
 }
 
 
@@ -581,13 +621,19 @@ def _style(label: str, e: dict, index: int) -> dict:
       128: "tab:red",
     }.get(_period(label), "tab:blue")
   elif family == "local_sgd":
-    color = {16: "tab:olive", 64: "darkolivegreen"}.get(
-      _period(label), "tab:olive"
-    )
+    color = {
+      2: "yellowgreen",
+      4: "olivedrab",
+      8: "darkkhaki",
+      16: "tab:olive",
+      64: "darkolivegreen",
+    }.get(_period(label), "tab:olive")
   elif family == "powersgd":
     color = "tab:pink" if "rank=2" in label else "tab:purple"
   marker = "o"
-  if "int4+EF" in label:
+  if "topk" in label:
+    marker = "v"
+  elif "int4+EF" in label:
     marker = "P"
   elif "int4" in label:
     marker = "X"
@@ -739,7 +785,10 @@ def calibrate(config: workload.Config, seed: int = 0) -> dict:
 def main(argv=None) -> int:
   """``python -m benchmarks.studies.quality_per_byte [--quick] [--seeds N]
   [--only LABEL] [--steps N] [--out DIR]``, or ``--calibrate [--steps N]
-  [--seed S] [--set FIELD=VALUE]``: the sync baseline alone."""
+  [--seed S] [--set FIELD=VALUE]``: the sync baseline alone, or ``--report
+  FILE [--out DIR]``: the table, notes and plot again from a saved run
+  (``benchmarks/results/latest.json`` or a section's JSON), training
+  nothing."""
   import argparse
 
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -767,6 +816,13 @@ def main(argv=None) -> int:
     f" {FLAT:.0%}".replace("%", "%%"),  # argparse formats help with %
   )
   parser.add_argument(
+    "--report",
+    default=None,
+    metavar="FILE",
+    help="rebuild the section from a saved run's data (latest.json or a"
+    " section JSON) without training",
+  )
+  parser.add_argument(
     "--seed", type=int, default=0, help="--calibrate's seed (default 0)"
   )
   parser.add_argument(
@@ -789,7 +845,13 @@ def main(argv=None) -> int:
     return 0
   seeds = None if args.seeds is None else range(args.seeds)
   start = time.perf_counter()
-  section = run(args.quick, seeds, args.only, **overrides)
+  if args.report:
+    with open(args.report) as f:
+      saved = json.load(f)
+    saved = saved.get("sections", {}).get(NAME, saved)
+    section = report(saved["data"], saved.get("seconds", 0.0))
+  else:
+    section = run(args.quick, seeds, args.only, **overrides)
   table = section["table"]
   print("| " + " | ".join(table["columns"]) + " |")
   for row in table["rows"]:

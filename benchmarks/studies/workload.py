@@ -390,6 +390,35 @@ def adamw(config: Config, updates: int | None = None):
   )
 
 
+def muon(config: Config, updates: int | None = None):
+  """Muon (``optax.contrib.muon``) on the same schedule as :func:`adamw`,
+  for the MuLoCo rows: the 2-D ``kernel`` matrices orthogonalized, with
+  Moonlight's consistent RMS (0.2, arXiv 2502.16982) so that AdamW's
+  learning rate carries over; the embeddings, norms and biases by Adam."""
+  from optax.contrib import MuonDimensionNumbers
+
+  def dimensions(params):
+    return jax.tree_util.tree_map_with_path(
+      lambda path, x: (
+        MuonDimensionNumbers()
+        if x.ndim == 2 and getattr(path[-1], "key", None) == "kernel"
+        else None
+      ),
+      params,
+    )
+
+  return lambda: optax.contrib.muon(
+    learning_rate(config, updates),
+    weight_decay=config.weight_decay,
+    adam_weight_decay=config.weight_decay,
+    consistent_rms=0.2,
+    muon_weight_dimension_numbers=dimensions,
+  )
+
+
+OPTIMIZERS = {"adamw": adamw, "muon": muon}
+
+
 # ----------------------------------------------------------------- training
 
 
