@@ -333,14 +333,35 @@ def _position(axis, groups: tuple | None) -> jax.Array:
   return jnp.asarray(table)[index]
 
 
-def _sum_in_member_order(terms: jax.Array) -> jax.Array:
-  """``terms[0] + terms[1] + ...`` in float32, in member order (the same on
-  every backend), as a loop: its result is a buffer that later passes read,
-  where an unrolled sum would be fused into (and recomputed by) every pass
-  that reads it, such as error feedback's residual over all the rows."""
-  return jax.lax.fori_loop(
-    1, terms.shape[0], lambda j, total: total + terms[j], terms[0]
-  )
+def _sum_received(
+  received: jax.Array,
+  spec: QuantizedSpec,
+  block: int,
+  blocks: int,
+  *,
+  buffered: bool,
+) -> jax.Array:
+  """The decoded rows of ``received`` (``(members, bytes)``) summed in
+  float32 in member order (the same on every backend).
+
+  ``buffered``: as a loop that decodes one row per iteration, so that the
+  sum is a buffer later passes read. Unrolled, XLA fuses the sum into every
+  pass that reads it, which is cheap for the requantization (a chunk) but
+  recomputes all the rows per element in error feedback's residual.
+  """
+  if buffered:
+    first = decode(received[0], spec, block, blocks)
+    return jax.lax.fori_loop(
+      1,
+      received.shape[0],
+      lambda j, total: total + decode(received[j], spec, block, blocks),
+      first,
+    )
+  terms = decode(received, spec, block, blocks)
+  total = terms[0]
+  for j in range(1, terms.shape[0]):
+    total = total + terms[j]
+  return total
 
 
 def reduce_scatter(
@@ -361,10 +382,7 @@ def reduce_scatter(
   received = jax.lax.all_to_all(
     encode(values.reshape(members, blocks, block), spec), axis, 0, 0
   )
-  terms = decode(received, spec, block, blocks)
-  total = terms[0]
-  for j in range(1, members):  # member order, the same on every backend
-    total = total + terms[j]
+  total = _sum_received(received, spec, block, blocks, buffered=False)
   if divisor != 1:
     total = total * jnp.float32(1.0 / divisor)
   return total.reshape(-1)[:m]
@@ -408,7 +426,7 @@ def all_reduce(
   )
   reduced, owned = [], []
   for part, (block, blocks) in zip(_split(received, widths), layouts):
-    total = _sum_in_member_order(decode(part, spec, block, blocks))
+    total = _sum_received(part, spec, block, blocks, buffered=residuals)
     if divisor != 1:  # times the float32 reciprocal, as for the scales
       total = total * jnp.float32(1.0 / divisor)
     owned.append(total)
