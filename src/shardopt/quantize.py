@@ -333,6 +333,11 @@ def _position(axis, groups: tuple | None) -> jax.Array:
   return jnp.asarray(table)[index]
 
 
+def _finite_or_zero(x: jax.Array) -> jax.Array:
+  """A non-finite residual is not kept: the next step starts afresh."""
+  return jnp.where(jnp.isfinite(x), x, 0.0)
+
+
 def _sum_received(
   received: jax.Array,
   spec: QuantizedSpec,
@@ -438,7 +443,7 @@ def all_reduce(
     gathered = jax.lax.all_gather(gather, axis, axis_index_groups=groups)
   out, res = [], []
   position = _position(axis, groups) if residuals else None
-  for x, part, v, mine_sent, m, mine_reduced, (block, blocks) in zip(
+  for x, part, v, sent_rows, m, owned_payload, (block, blocks) in zip(
     leaves,
     _split(gathered, widths),
     values,
@@ -450,15 +455,24 @@ def all_reduce(
     full = decode(part, spec, block, blocks).reshape(-1)
     out.append(full[: x.size].reshape(x.shape).astype(x.dtype))
     if residuals:
-      # Phase 1 on every chunk: the contribution less what its bytes decode
-      # to; phase 2 added to the owned chunk in place, materialized first (a
-      # select over all rows would recompute the chunk's sum per element).
-      dropped = v - decode(mine_sent, spec, block, blocks)
-      again = jnp.float32(divisor) * (
-        m - decode(mine_reduced, spec, block, blocks)
+      # Phase 1, every row: the contribution less what its bytes decode to.
+      dropped = _finite_or_zero(v - decode(sent_rows, spec, block, blocks))
+      # The owned row again, with phase 2 (divisor x what requantizing the
+      # chunk's sum dropped), written over it in place: computed on its own,
+      # the chunk's sum is read once per element of one row, where a select
+      # or scatter over all the rows made XLA compute it for every row.
+      own = jax.lax.dynamic_index_in_dim(v, position, keepdims=False)
+      own_sent = jax.lax.dynamic_index_in_dim(
+        sent_rows, position, keepdims=False
       )
-      dropped = dropped.at[position].add(again)
-      dropped = dropped.reshape(-1)[: x.size].reshape(x.shape)
-      # A non-finite contribution is not kept: the next step starts afresh.
-      res.append(jnp.where(jnp.isfinite(dropped), dropped, 0.0))
+      again = jnp.float32(divisor) * (
+        m - decode(owned_payload, spec, block, blocks)
+      )
+      mine = _finite_or_zero(
+        (own - decode(own_sent, spec, block, blocks)) + again
+      )
+      dropped = jax.lax.dynamic_update_index_in_dim(
+        dropped, mine, position, axis=0
+      )
+      res.append(dropped.reshape(-1)[: x.size].reshape(x.shape))
   return (out, res) if residuals else out
