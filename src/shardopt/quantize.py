@@ -339,34 +339,22 @@ def _finite_or_zero(x: jax.Array) -> jax.Array:
 
 
 def _sum_received(
-  received: jax.Array,
-  spec: QuantizedSpec,
-  block: int,
-  blocks: int,
-  *,
-  buffered: bool,
+  received: jax.Array, spec: QuantizedSpec, block: int, blocks: int
 ) -> jax.Array:
   """The decoded rows of ``received`` (``(members, bytes)``) summed in
-  float32 in member order (the same on every backend).
-
-  ``buffered``: as a loop that decodes one row per iteration, so that the
-  sum is a buffer later passes read. Unrolled, XLA fuses the sum into every
-  pass that reads it, which is cheap for the requantization (a chunk) but
-  recomputes all the rows per element in error feedback's residual.
+  float32 in member order (the same on every backend), as a loop that
+  decodes one row per iteration: the sum is one buffer that later passes
+  read. Unrolled, XLA fuses the sum (every row's dequantization) into each
+  pass that reads it, the scale's and the requantization's (and error
+  feedback's residual), which costs float8's conversions most.
   """
-  if buffered:
-    first = decode(received[0], spec, block, blocks)
-    return jax.lax.fori_loop(
-      1,
-      received.shape[0],
-      lambda j, total: total + decode(received[j], spec, block, blocks),
-      first,
-    )
-  terms = decode(received, spec, block, blocks)
-  total = terms[0]
-  for j in range(1, terms.shape[0]):
-    total = total + terms[j]
-  return total
+  first = decode(received[0], spec, block, blocks)
+  return jax.lax.fori_loop(
+    1,
+    received.shape[0],
+    lambda j, total: total + decode(received[j], spec, block, blocks),
+    first,
+  )
 
 
 def reduce_scatter(
@@ -387,7 +375,7 @@ def reduce_scatter(
   received = jax.lax.all_to_all(
     encode(values.reshape(members, blocks, block), spec), axis, 0, 0
   )
-  total = _sum_received(received, spec, block, blocks, buffered=False)
+  total = _sum_received(received, spec, block, blocks)
   if divisor != 1:
     total = total * jnp.float32(1.0 / divisor)
   return total.reshape(-1)[:m]
@@ -431,7 +419,7 @@ def all_reduce(
   )
   reduced, owned = [], []
   for part, (block, blocks) in zip(_split(received, widths), layouts):
-    total = _sum_received(part, spec, block, blocks, buffered=residuals)
+    total = _sum_received(part, spec, block, blocks)
     if divisor != 1:  # times the float32 reciprocal, as for the scales
       total = total * jnp.float32(1.0 / divisor)
     owned.append(total)
