@@ -80,6 +80,18 @@ def wire_bytes(stablehlo: str, n: int) -> dict:
   return out
 
 
+def compiled_ops(text: str) -> dict:
+  """What the compiled step runs, from its HLO text: ``fusions`` (every
+  fusion instruction outside fused computations, a loop body's once),
+  ``sorts`` (full sorts) and ``topk_calls`` (the CPU backend's partial-sort
+  TopK custom call)."""
+  return {
+    "fusions": text.count(" fusion("),
+    "sorts": text.count(" sort("),
+    "topk_calls": text.count('custom_call_target="TopK"'),
+  }
+
+
 def error_buffer_traffic() -> optax.GradientTransformation:
   """Carries a float32 buffer like the gradients and rewrites it every step
   (``e' = (g + e) / 2``, the sum sent on): the memory traffic error
@@ -118,8 +130,13 @@ def run(quick: bool, repeats: int) -> dict:
   candidates, rows = {}, {}
   for name, (comm_dtype, feedback) in {**WIRES, FLOOR: (FLOOR, True)}.items():
     step, args = _setup(comm_dtype, feedback, sizes, per_replica=16)
-    sent = wire_bytes(step.lower(*args).as_text(), n)
-    rows[name] = {"bytes_per_replica": sum(sent.values()), "by_op": sent}
+    lowered = step.lower(*args)
+    sent = wire_bytes(lowered.as_text(), n)
+    rows[name] = {
+      "bytes_per_replica": sum(sent.values()),
+      "by_op": sent,
+      **compiled_ops(lowered.compile().as_text()),
+    }
     candidates[name] = lambda s=step, a=args: s(*a)
   timing = harness.compare(
     candidates, baseline=BASELINE, repeats=repeats, inner=1 if quick else 3
@@ -160,8 +177,8 @@ def table(result: dict) -> str:
     f" {result['devices']} replicas, median of {result['repeats']})",
     "",
     "| wire | bytes/replica/step | fewer bytes | median step | ratio"
-    " | paired ratio | pays off below |",
-    "|---|---:|---:|---:|---:|---:|---:|",
+    " | paired ratio | pays off below | fusions | sorts | TopK calls |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for name, row in result["rows"].items():
     even = row["break_even_bytes_per_s"]
@@ -174,6 +191,7 @@ def table(result: dict) -> str:
       f"| {name} | {row['bytes_per_replica']:,.0f} |"
       f" {row['fewer_bytes']:.2f}x | {row['median_s'] * 1e3:.2f} ms |"
       f" {row['ratio']:.3f} | {row['paired_ratio']:.3f} | {pays} |"
+      f" {row['fusions']} | {row['sorts']} | {row['topk_calls']} |"
     )
   return "\n".join(lines)
 
