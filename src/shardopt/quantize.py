@@ -346,8 +346,15 @@ def _sum_received(
   decodes one row per iteration: the sum is one buffer that later passes
   read. Unrolled, XLA fuses the sum (every row's dequantization) into each
   pass that reads it, the scale's and the requantization's (and error
-  feedback's residual), which costs float8's conversions most.
+  feedback's residual), which costs float8's conversions most. int4 keeps
+  the unrolled sum: on the 5M-parameter MLP its loop cost 7-9% more.
   """
+  if spec.bits == 4:  # unpacking nibbles row by row costs more than it saves
+    terms = decode(received, spec, block, blocks)
+    total = terms[0]
+    for j in range(1, terms.shape[0]):
+      total = total + terms[j]
+    return total
   first = decode(received[0], spec, block, blocks)
   return jax.lax.fori_loop(
     1,
