@@ -616,7 +616,7 @@ def _style(label: str, e: dict, index: int) -> dict:
   if family == "diloco":
     color = {
       16: "tab:blue",
-      32: "tab:orange",
+      32: "navy",
       64: "tab:green",
       128: "tab:red",
     }.get(_period(label), "tab:blue")
@@ -645,6 +645,8 @@ def _style(label: str, e: dict, index: int) -> dict:
     marker = "^"
   elif "warm-up" in label:
     marker = "*"
+  elif family == "muon":
+    marker = "h"
   return {"color": color, "marker": marker}
 
 
@@ -659,7 +661,7 @@ def plot(result: dict, directory: str) -> list[str]:
   data = result["data"]
   entries = {k: e for k, e in data["methods"].items() if e["available"]}
   fig, (left, right) = plt.subplots(
-    1, 2, figsize=(16, 9), gridspec_kw={"width_ratios": [1.3, 1]}
+    1, 2, figsize=(16, 10), gridspec_kw={"width_ratios": [1.3, 1]}
   )
   sync = entries.get(SYNC)
   for i, (label, e) in enumerate(entries.items()):
@@ -688,7 +690,7 @@ def plot(result: dict, directory: str) -> list[str]:
       mean,
       color=style["color"],
       lw=2.0 if label == SYNC else 0.9,
-      ls="-" if style["marker"] in "o*" else "--",
+      ls="-" if style["marker"] in "o*h" else "--",
     )
   front = data.get("frontier", [])
   if front:
@@ -745,7 +747,7 @@ def plot(result: dict, directory: str) -> list[str]:
   handles, labels = left.get_legend_handles_labels()
   fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7.5)
   rows = -(-len(labels) // 3)
-  fig.tight_layout(rect=(0, 0.03 + 0.028 * rows, 1, 1))
+  fig.tight_layout(rect=(0, 0.02 + 0.0165 * rows, 1, 1))
   path = os.path.join(directory, "quality_per_byte.png")
   fig.savefig(path, dpi=110)
   plt.close(fig)
