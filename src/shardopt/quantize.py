@@ -413,8 +413,7 @@ def all_reduce(
   """
   layouts = [layout(x.size, members, spec) for x in leaves]
   values = [_chunks(x, members, *lay) for x, lay in zip(leaves, layouts)]
-  encoded = [_encode(v, spec) for v in values]
-  sent = [payload for payload, _ in encoded]  # (members, bytes) each
+  sent = [encode(v, spec) for v in values]  # (members, bytes) each
   widths = [s.shape[-1] for s in sent]
   wire = jnp.concatenate(sent, axis=-1)
   received = jax.lax.all_to_all(
@@ -430,8 +429,8 @@ def all_reduce(
     if divisor != 1:  # times the float32 reciprocal, as for the scales
       total = total * jnp.float32(1.0 / divisor)
     owned.append(total)
-    reduced.append(_encode(total, spec))
-  gather = jnp.concatenate([r[0] for r in reduced], axis=-1)
+    reduced.append(encode(total, spec))
+  gather = jnp.concatenate(reduced, axis=-1)
   if invariant_result:
     gathered = jax.lax.all_gather(gather, axis, to="invarying")
   else:
