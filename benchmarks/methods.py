@@ -333,7 +333,7 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
   """Issue 24's frontier (section 8) with issue 33's rows, for a run of
   ``steps`` steps.
 
-  Full (33 methods, about 70 min for 2 seeds on the shared 2-core
+  Full (33 methods, about 80 min for 2 seeds on the shared 2-core
   machine): sync and ``cross_shard_mean`` on an int8 wire with error
   feedback and on a top-k wire (32 of every 4096 entries, 2-bit values,
   error feedback without decay: DeMo's density on per-step gradients);

@@ -4,17 +4,20 @@ The workload is :mod:`benchmarks.studies.workload`'s LM (a byte-level transforme
 interpreter's stdlib sources, 8 replicas under ``jax.pmap``), trained long
 enough that synchronous training's validation curve has flattened. Every
 method wraps the same inner optimizer, AdamW with a linear warm-up and a
-cosine decay to zero (:func:`benchmarks.studies.workload.adamw`), and trains from the
-same seeds on the same data stream (issue 24's list, 22 methods, about an
-hour for 2 seeds on the shared 2-core machine: :func:`benchmarks.methods.
-quality_per_byte`): synchronous ``cross_shard(adamw)`` and
-``cross_shard_mean`` on an int8 wire with error feedback, ``accumulate``
-k = 4, ``powersgd`` rank 2 and 4 on a float32 and an int8 wire,
-``local_sgd`` H = 16 and 64 (and H = 16 on an int4 wire with error
-feedback), ``diloco`` (the paper's outer Nesterov SGD, lr 0.7, momentum
-0.9) for H = 16..128 with a float32 outer gradient and int4 with and
-without error feedback, a synchronous warm start, streaming DiLoCo with
-F = 4 fragments and overlap, and hierarchical local SGD.
+cosine decay to zero (:func:`benchmarks.studies.workload.adamw`; Muon, on the
+same schedule, in the MuLoCo rows), and trains from the
+same seeds on the same data stream (issue 24's list and issue 33's rows,
+33 methods, about 80 min for 2 seeds on the shared 2-core machine:
+:func:`benchmarks.methods.quality_per_byte`): synchronous
+``cross_shard(adamw)``, ``cross_shard_mean`` on an int8 wire with error
+feedback and on a top-k wire, ``accumulate`` k = 4, ``powersgd`` rank 2 and
+4 on a float32 and an int8 wire, ``local_sgd`` H = 2..64 (and H = 16 on an
+int4 wire with error feedback), ``diloco`` (its default outer step) for
+H = 16..128 with a float32 outer gradient and int4 with and without error
+feedback, the paper's outer step at H = 16, SparseLoCo (a top-k outer
+gradient, outer ``sgd(1)``), MuLoCo (Muon inside, with its own sync), a
+synchronous warm start, streaming DiLoCo with F = 4 fragments and overlap,
+and hierarchical local SGD.
 
 Bytes: each method's training chunk is compiled once; its HLO is read by
 :mod:`shardopt._hlo` (the loop body is one step) and weighted by the
