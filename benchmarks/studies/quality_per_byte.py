@@ -210,16 +210,14 @@ def measure(
 
 
 def _default_outer() -> str:
-  """``diloco``'s default outer step in words, read from its signature."""
-  import inspect
+  """``diloco``'s default outer step in words (the defaults its signature
+  takes from ``shardopt.periodic.checks.DEFAULT_OUTER``)."""
+  from shardopt.periodic import checks
 
-  import shardopt
-
-  p = inspect.signature(shardopt.diloco).parameters
-  kind = "Nesterov SGD" if p["nesterov"].default else "SGD with momentum"
+  d = checks.DEFAULT_OUTER
+  kind = "Nesterov SGD" if d["nesterov"] else "SGD with momentum"
   return (
-    f"{kind} lr {p['outer_learning_rate'].default:g}, momentum"
-    f" {p['outer_momentum'].default:g}"
+    f"{kind} lr {d['outer_learning_rate']:g}, momentum {d['outer_momentum']:g}"
   )
 
 
@@ -612,6 +610,18 @@ FAMILY_COLORS = {
 }
 
 
+# A label's variant -> its marker, the first match wins.
+MARKERS = (
+  ("topk", "v"),
+  ("int4+EF", "P"),
+  ("int4", "X"),
+  ("int8+EF", "D"),
+  ("int8", "s"),
+  ("float8", "^"),
+  ("warm-up", "*"),
+)
+
+
 def _style(label: str, e: dict, index: int) -> dict:
   """Color by family, marker by variant (wire, warm-up)."""
   family = e.get("family", "")
@@ -633,23 +643,9 @@ def _style(label: str, e: dict, index: int) -> dict:
     }.get(_period(label), "tab:olive")
   elif family == "powersgd":
     color = "tab:pink" if "rank=2" in label else "tab:purple"
-  marker = "o"
-  if "topk" in label:
-    marker = "v"
-  elif "int4+EF" in label:
-    marker = "P"
-  elif "int4" in label:
-    marker = "X"
-  elif "int8+EF" in label:
-    marker = "D"
-  elif "int8" in label:
-    marker = "s"
-  elif "float8" in label:
-    marker = "^"
-  elif "warm-up" in label:
-    marker = "*"
-  elif family == "muon":
-    marker = "h"
+  marker = next((m for part, m in MARKERS if part in label), None)
+  if marker is None:
+    marker = "h" if family == "muon" else "o"
   return {"color": color, "marker": marker}
 
 
