@@ -52,8 +52,8 @@ suppress_warnings = []
 # a small frozen record of (dtype, block_size) that users pass on, never
 # build. It has no page of its own (only exported names do).
 nitpick_ignore = [
-  ("py:class", "shardopt.quantize.QuantizedSpec"),
-  ("py:class", "shardopt.sparse.TopKSpec"),
+  ("py:class", "shardopt.wire.blocks.QuantizedSpec"),
+  ("py:class", "shardopt.wire.sparse.TopKSpec"),
 ]
 
 # Google-style docstrings, as optax writes them.

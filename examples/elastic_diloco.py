@@ -26,7 +26,8 @@ X seconds per inner step, standing in for compute.
 
 Options beyond the issue's command line: ``--num-fragments F`` (Streaming
 DiLoCo: a round every H/F steps, one fragment each; no last round off the
-schedule), ``--comm-dtype int8`` and ``--error-feedback`` (the outer
+schedule), ``--comm-dtype int8`` (any dtype name, or ``topk:K``: the top
+K of every 4096-element chunk) and ``--error-feedback`` (the outer
 gradient's wire), ``--processes-per-island K`` and
 ``--round-timeout-seconds`` (``shardopt.elastic.Island``'s watchdog).
 
@@ -106,6 +107,31 @@ def params_sha256(params: dict) -> str:
 
 
 # -------------------------------------------------------------------- training
+def _wire(text: str) -> str:
+  """``--comm-dtype``'s value, checked: a dtype name or ``topk:K``."""
+  if text.startswith("topk:"):
+    k = text.split(":", 1)[1]
+    if not k.isdigit() or int(k) < 1:
+      raise argparse.ArgumentTypeError(
+        f"--comm-dtype {text}: K must be a positive integer, e.g. topk:64"
+      )
+  return text
+
+
+def _comm_dtype(text: str | None):
+  """The transform's ``comm_dtype`` for ``--comm-dtype`` (after jax's
+  import): None, ``shardopt.topk(K)`` or a dtype."""
+  import jax  # noqa: PLC0415 (XLA's flags are set first)
+
+  import shardopt  # noqa: PLC0415
+
+  if text is None:
+    return None
+  if text.startswith("topk:"):
+    return shardopt.topk(int(text.split(":", 1)[1]))
+  return jax.numpy.dtype(text)
+
+
 def parse(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--coordinator", required=True, help="HOST:PORT")
@@ -120,7 +146,14 @@ def parse(argv=None):
     "--num-fragments", type=int, default=1, help="Streaming DiLoCo"
   )
   ap.add_argument(
-    "--comm-dtype", default=None, help="the outer gradient's wire: int8, ..."
+    "--comm-dtype",
+    default=None,
+    type=_wire,
+    help=(
+      "the outer gradient's wire: a dtype name (bfloat16, int8,"
+      " float8_e4m3fn, int4, ...) or topk:K (the top K of every 4096-element"
+      " chunk; needs --error-feedback)"
+    ),
   )
   ap.add_argument("--error-feedback", action="store_true")
   ap.add_argument(
@@ -184,9 +217,7 @@ def main(argv=None) -> None:
     outer_learning_rate=0.7,
     outer_momentum=0.9,
     num_fragments=args.num_fragments,
-    comm_dtype=None
-    if args.comm_dtype is None
-    else jax.numpy.dtype(args.comm_dtype),
+    comm_dtype=_comm_dtype(args.comm_dtype),
     error_feedback=args.error_feedback,
   )
   island = shardopt.elastic.Island(

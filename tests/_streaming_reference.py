@@ -16,11 +16,15 @@ import numpy as np
 
 def np_streaming_diloco(
   center, grads, steps, ids, *, num_fragments, period, tau, alpha, lr,
-  outer_lr, outer_momentum, replicas,
+  outer_lr, outer_momentum, replicas, wire=None,
 ):  # fmt: skip
   """``center`` (N,) the start, ``grads(params, t)`` the (R, N) gradients
   at step t. Returns the params after every step (steps, R, N) and the
-  center after every step, step 0 included (steps + 1, N)."""
+  center after every step, step 0 included (steps + 1, N).
+
+  ``wire(t, f, mask, delta)``, if given, returns what the all-reduce delivers
+  for the outer gradient ``delta`` (``(mask.sum(),)``) of fragment ``f``
+  synced at step ``t`` (a lossy wire); None: ``delta`` itself."""
   center = np.asarray(center, np.float64).copy()
   params = np.tile(center, (replicas, 1))
   momentum = np.zeros_like(center)  # disjoint per fragment: F states in one
@@ -32,6 +36,8 @@ def np_streaming_diloco(
       if t % period == phase:
         m = ids == f
         delta = center[m] - params[:, m].mean(axis=0)
+        if wire is not None:
+          delta = wire(t, f, m, delta)
         momentum[m] = outer_momentum * momentum[m] + delta
         center[m] = center[m] - outer_lr * (
           delta + outer_momentum * momentum[m]

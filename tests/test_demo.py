@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from shardopt import demo
+from shardopt.wire.traffic import traffic
 
 STEPS = 32
 PERIOD = 8
@@ -92,8 +93,9 @@ def test_demo_loss_goes_down(demo_run):
 
 
 def test_wire_bytes_count_a_cond_branch_once_per_period():
-  """The HLO reader on a hand-made step: one all-reduce at the top level and
-  one inside a lax.cond branch."""
+  """The demo's reader (shardopt.wire.traffic) on a hand-made step: one
+  all-reduce at the top level and one inside a lax.cond branch, which runs
+  once per 4 steps."""
   f = jax.pmap(
     lambda x, c: (
       jax.lax.psum(x, "i")
@@ -102,10 +104,9 @@ def test_wire_bytes_count_a_cond_branch_once_per_period():
     axis_name="i",
   )
   x = jax.numpy.ones((8, 256))
-  text = f.lower(x, jax.numpy.ones(8)).compile().as_text()
-  per_step = demo.wire_bytes_per_step(text, 8, demo.wire_schedule("diloco", 4))
+  measured = traffic(f, x, jax.numpy.ones(8), sync_period=4)
   ring = 2 * 7 / 8 * 1024
-  assert per_step == pytest.approx(ring + ring / 4)
+  assert measured.per_step == pytest.approx(ring + ring / 4)
 
 
 def test_force_host_devices_respects_an_existing_count(monkeypatch):

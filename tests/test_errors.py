@@ -395,3 +395,87 @@ def test_an_integer_axis_name_that_is_not_bound_names_the_axis(make):
     r" bound here",
   ):
     make()(jnp.ones(8))
+
+
+# 12. Replicated P() params given to a transform whose replicas train apart.
+
+PERIODIC = {
+  "shardopt.diloco": lambda: shardopt.diloco(
+    optax.adam(1e-2), AXIS, sync_period=2
+  ),
+  "shardopt.local_sgd": lambda: shardopt.local_sgd(
+    optax.sgd(0.1), AXIS, sync_period=2
+  ),
+  "shardopt.agn": lambda: shardopt.agn(optax.sgd(0.1), AXIS, sync_period=2),
+  "shardopt.hierarchical_local_sgd": lambda: shardopt.hierarchical_local_sgd(
+    optax.sgd(0.1), AXIS, period_group_sizes={2: 2, 4: 8}
+  ),
+}
+
+
+def _readme_step(tx, mesh, *, check_vma=True, per_replica=False):
+  """The README's cross_shard step with ``tx``: params in replicated (P()),
+  the gradient of this replica's copy (pcast to varying). With
+  ``per_replica`` the params are cast to varying before the update too,
+  and go out per replica (the fix the error gives)."""
+  loss = lambda w, x, y: jnp.mean((x @ w - y) ** 2)
+
+  def step(w, x, y):
+    local = jax.lax.pcast(w, AXIS, to="varying") if check_vma else w
+    if per_replica:
+      w = local
+    grads = jax.grad(loss)(local, x, y)
+    updates, _ = tx.update(grads, tx.init(w), w)
+    return optax.apply_updates(w, updates)[None]
+
+  return jax.shard_map(
+    step,
+    mesh=mesh,
+    in_specs=(P(), P(AXIS), P(AXIS)),
+    out_specs=P(AXIS),
+    check_vma=check_vma,
+  )
+
+
+def _readme_inputs(mesh):
+  def on(shape, spec):
+    return jax.ShapeDtypeStruct(
+      shape, jnp.float32, sharding=NamedSharding(mesh, spec)
+    )
+
+  return on((4,), P()), on((64, 4), P(AXIS)), on((64,), P(AXIS))
+
+
+@pytest.mark.parametrize("transform", sorted(PERIODIC))
+def test_replicated_params_of_a_periodic_transform_say_to_lay_them_out_per_replica(
+  mesh, transform
+):
+  """Before, JAX's own out_specs check failed later, with check_vma=False
+  as its hint."""
+  f = _readme_step(PERIODIC[transform](), mesh)
+  with pytest.raises(ValueError) as info:
+    jax.eval_shape(f, *_readme_inputs(mesh))
+  message = str(info.value)
+  assert message.startswith(
+    f"{transform}: the params at <root> are invariant over axis 'batch'"
+    " inside a checking jax.shard_map (replicated, in_specs=P()"
+  ), message
+  assert "drift apart between syncs" in message, message
+  assert "in_specs=P('batch') and out_specs=P('batch')" in message, message
+  assert "jax.lax.pcast(params, 'batch', to='varying')" in message, message
+  assert "shardopt.state_specs(tx, params, 'batch', mesh=mesh)" in message, (
+    message
+  )
+
+
+@pytest.mark.parametrize("transform", sorted(PERIODIC))
+def test_per_replica_params_and_unchecked_shard_map_pass_that_check(
+  mesh, transform
+):
+  """The fix the message gives traces, and shard_map(check_vma=False),
+  where every value is per replica and no type says otherwise, is not
+  refused (as under pmap)."""
+  for kwargs in ({"per_replica": True}, {"check_vma": False}):
+    f = _readme_step(PERIODIC[transform](), mesh, **kwargs)
+    out = jax.eval_shape(f, *_readme_inputs(mesh))
+    assert out.shape == (N, 4), (kwargs, out.shape)

@@ -225,14 +225,14 @@ def test_orbax_checkpoint_mid_period_continues_bit_identically(
 ):
   params, state = _run(True, 1, SAVE_AT)
   assert int(state.count) % SYNC != 0  # mid-period
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "ckpt", {"params": params, "state": state})
-  checkpointer.wait_until_finished()
   abstract = jax.tree.map(
     ocp.utils.to_shape_dtype_struct, {"params": params, "state": state}
   )
-  del params, state
-  restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+  with ocp.StandardCheckpointer() as checkpointer:  # closed when done
+    checkpointer.save(tmp_path / "ckpt", {"params": params, "state": state})
+    checkpointer.wait_until_finished()
+    del params, state
+    restored = checkpointer.restore(tmp_path / "ckpt", abstract)
   params, state = _run(
     True, SAVE_AT + 1, STEPS, restored["params"], restored["state"]
   )

@@ -14,10 +14,10 @@
   ``all_finite`` raises a clear error when the transform is built or while
   tracing (``lower`` raises it, so no collective ran), and the caller's
   donated params, state and gradients are neither consumed nor changed.
-* Stubs, skipped until the transform exists (``hasattr``): ``powersgd`` at
-  full rank is the mean and its error feedback sums to what was not sent;
-  ``hierarchical_local_sgd`` and ``diloco(num_fragments=F)`` equal numpy
-  references for random schedules; invalid schedules are rejected.
+* ``powersgd`` at full rank is the mean and its error feedback sums to what
+  was not sent; ``hierarchical_local_sgd`` and ``diloco(num_fragments=F)``
+  equal numpy references for random schedules; invalid schedules are
+  rejected.
 
 The sizes below are the ``ci`` profile's (``make test``); ``make fuzz`` runs
 this file under ``thorough`` (at least 500 examples each). See
@@ -637,29 +637,7 @@ def test_all_finite_invalid_groups_raise_and_change_nothing(mesh):
   )
 
 
-# --- Stubs for transforms still being written elsewhere. ------------------------
-# Each runs once its transform exists and is skipped until then (hasattr).
-# They are written against the APIs of docs/design section 6.3 and 6.4:
-#   shardopt.powersgd(axis_name, *, rank=1, start_step=0,
-#                     min_compression_rate=2.0, error_feedback=True,
-#                     warm_start=True, seed=0), state PowerSGDState(count,
-#                     error, q), error per replica float32 in the leaf's shape
-#                     or (n, m);
-#   shardopt.hierarchical_local_sgd(optimizer, axis_name, *,
-#                                   period_group_sizes={period: size});
-#   shardopt.diloco(..., num_fragments=F).
-
-
-def _needs(attr):
-  return pytest.mark.skipif(
-    not hasattr(shardopt, attr), reason=f"shardopt.{attr} is not in this branch"
-  )
-
-
-def _diloco_has_fragments():
-  import inspect
-
-  return "num_fragments" in inspect.signature(shardopt.diloco).parameters
+# --- powersgd, hierarchical_local_sgd, diloco(num_fragments=F). -------------
 
 
 _PMAPPED = {}
@@ -746,7 +724,6 @@ def _powersgd_run(rank, rate, shapes, steps, seed, lr=1.0):
   )
 
 
-@_needs("powersgd")
 def test_powersgd_at_full_rank_is_the_mean():
   tried = []
 
@@ -779,7 +756,6 @@ def test_powersgd_at_full_rank_is_the_mean():
   )
 
 
-@_needs("powersgd")
 def test_powersgd_error_feedback_sums_to_what_was_not_sent():
   tried = []
 
@@ -867,7 +843,6 @@ def _flat_rows(tree):
   )
 
 
-@_needs("hierarchical_local_sgd")
 def test_hierarchical_local_sgd_equals_numpy_for_random_schedules():
   tried = []
 
@@ -938,7 +913,6 @@ INVALID_SCHEDULES = {
 }
 
 
-@_needs("hierarchical_local_sgd")
 @pytest.mark.parametrize(
   "schedule", list(INVALID_SCHEDULES.values()), ids=list(INVALID_SCHEDULES)
 )
@@ -999,9 +973,7 @@ def _np_streaming_diloco(
 
 
 def test_diloco_fragments_equal_numpy_for_random_periods_and_trees():
-  # Until num_fragments exists, F = 1 runs (plain diloco, which the numpy
-  # reference must match too); afterwards every F in 1..min(H, leaves).
-  fragments_supported = _diloco_has_fragments()
+  # Every F in 1..min(H, leaves); F = 1 is plain diloco.
   tried = []
 
   @settings(8)
@@ -1014,7 +986,7 @@ def test_diloco_fragments_equal_numpy_for_random_periods_and_trees():
     seed=st.integers(0, 2**31 - 1),
   )
   def check(period, shapes, data, seed):
-    max_f = min(period, len(shapes)) if fragments_supported else 1
+    max_f = min(period, len(shapes))
     num_fragments = data.draw(st.integers(1, max_f), label="num_fragments")
     fragments = _np_fragments(
       [4 * int(np.prod(s)) for s in shapes], num_fragments
@@ -1029,14 +1001,13 @@ def test_diloco_fragments_equal_numpy_for_random_periods_and_trees():
       [rng.normal(size=(R,) + s).astype(np.float32) for s in shapes]
       for _ in range(steps)
     ]
-    kwargs = {"num_fragments": num_fragments} if fragments_supported else {}
     make = lambda: shardopt.diloco(
       optax.sgd(lr),
       AXIS,
       sync_period=period,
       outer_learning_rate=0.7,  # _np_streaming_diloco's outer step
       outer_momentum=0.9,
-      **kwargs,
+      num_fragments=num_fragments,
     )
     out = _pmap_steps(
       make, ("diloco", period, num_fragments, lr), params, grads_seq
@@ -1058,14 +1029,10 @@ def test_diloco_fragments_equal_numpy_for_random_periods_and_trees():
   report(
     "diloco(num_fragments=F) == numpy",
     len(tried),
-    f" (F drawn: {sorted(set(tried))}; num_fragments supported:"
-    f" {fragments_supported})",
+    f" (F drawn: {sorted(set(tried))})",
   )
 
 
-@pytest.mark.skipif(
-  not _diloco_has_fragments(), reason="shardopt.diloco has no num_fragments yet"
-)
 @pytest.mark.parametrize(
   "num_fragments, period, leaves",
   [

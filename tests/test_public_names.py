@@ -22,7 +22,7 @@ PAGES = sorted(
   [ROOT / "README.md", *(ROOT / "docs").glob("*.md")],
   key=lambda p: p.name,
 )
-SUBPACKAGES = {"elastic": shardopt.elastic}
+SUBPACKAGES = {"elastic": shardopt.elastic, "wire": shardopt.wire}
 MENTION = re.compile(r"(?<![\w.])shardopt((?:\.[A-Za-z_]\w*)+)")
 
 

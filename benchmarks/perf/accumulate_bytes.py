@@ -70,6 +70,18 @@ def bytes_per_mini_step(sizes=(1 << 20,), ks=(1, 4, 16)) -> list[dict]:
   return rows
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
+  import argparse  # pylint: disable=g-import-not-at-top
+
+  parser = argparse.ArgumentParser(
+    prog="python -m benchmarks.perf.accumulate_bytes",
+    description=__doc__.split("\n\n")[0],
+  )
+  parser.parse_args(argv)
   for row in bytes_per_mini_step():
     print(row)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,6 +1,15 @@
 """Elastic islands: how fast a death is noticed, and what a round costs.
 
     python -m benchmarks.perf.elastic [--rounds 200] [--kills 2]
+    python -m benchmarks.perf.elastic --round-bytes
+
+``--round-bytes`` alone (no processes, under a minute): compiles one plain
+round's collective program (``shardopt.elastic.rows.exchange``, float32
+wire) for 2, 4 and 8 islands on forced CPU devices, reads what one island
+sends from the compiled HLO with ``shardopt.wire.traffic``, and prints one
+JSON line: ``{"payload_bytes": P, "round_bytes_per_island": {"2": B2, "4":
+B4, "8": B8}, ...}`` (plus, for comparison, the one ``all_gather`` of whole
+rows that rounds were before, ``all_gather_bytes_per_island``).
 
 Two parts, 3 processes x 2 CPU devices on localhost (gloo, heartbeat 5 s,
 CPU collective timeout 10 s), printed as tables and saved to
@@ -142,11 +151,89 @@ def detection(where: str) -> dict:
   return result
 
 
+def round_bytes(islands=(2, 4, 8), shape=(512, 512)) -> dict:
+  """What one island sends in a plain round (float32 wire), read from the
+  compiled collective program, for each number of ``islands``."""
+  import os  # noqa: PLC0415 (the flag must precede jax's import)
+
+  os.environ.setdefault(
+    "XLA_FLAGS", f"--xla_force_host_platform_device_count={max(islands)}"
+  )
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+  from jax.sharding import Mesh  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  import shardopt  # noqa: PLC0415
+  from shardopt.elastic import rows  # noqa: PLC0415
+  from shardopt.periodic import split  # noqa: PLC0415
+
+  if jax.device_count() < max(islands):
+    raise SystemExit(
+      f"--round-bytes needs {max(islands)} devices, found"
+      f" {jax.device_count()}: run it in a fresh process (XLA_FLAGS is set"
+      " before jax is imported)."
+    )
+  params = {"w": jnp.zeros(shape, jnp.float32), "b": jnp.zeros(shape[-1:])}
+  tx = shardopt.diloco(optax.adam(1e-3), "islands", sync_period=4)
+  engine = split.engine_of(tx, "benchmarks.perf.elastic")
+  state = jax.eval_shape(tx.init, params)
+  payload = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(params))
+  sizes = rows.sizes_of(engine, 1, params)
+
+  def sent(body, block) -> float:
+    n = block[0]
+    mesh = Mesh(np.array(jax.devices()[:n]), ("islands",))
+    fn = jax.jit(
+      jax.shard_map(
+        body, mesh=mesh, in_specs=P("islands"), out_specs=P(), check_vma=False
+      )
+    )
+    rows_in = jax.ShapeDtypeStruct((n * block[1],) + block[2:], jnp.uint8)
+    return shardopt.wire.traffic(fn, rows_in, num_devices=n).per_step
+
+  two_phase, gather = {}, {}
+  for n in islands:
+    shaped = jax.eval_shape(
+      lambda s, p, o, n=n: rows.plain_rows(engine, 0, 0, 1, s, p, o, n)[0],
+      state,
+      params,
+      jnp.zeros(n, jnp.int32),
+    )
+    two_phase[str(n)] = sent(
+      lambda r, n=n: rows.exchange(engine, sizes, r, "islands", n),
+      (n,) + shaped.shape,
+    )
+    whole = rows.HEADER_BYTES + payload  # one row of every island, gathered
+    gather[str(n)] = sent(
+      lambda r: jax.lax.all_gather(r, "islands", tiled=True), (n, 1, whole)
+    )
+  return {
+    "payload_bytes": payload,
+    "round_bytes_per_island": two_phase,
+    "all_gather_bytes_per_island": gather,
+    "command": "python -m benchmarks.perf.elastic --round-bytes",
+    "measured_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds"
+    ),
+  }
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--rounds", type=int, default=200)
   ap.add_argument("--kills", type=int, default=2)
+  ap.add_argument(
+    "--round-bytes",
+    action="store_true",
+    help="only the bytes one island sends per plain round at 2, 4, 8 islands",
+  )
   args = ap.parse_args()
+  if args.round_bytes:
+    print(json.dumps(round_bytes()))
+    return
   started = datetime.datetime.now(datetime.timezone.utc)
   costs = round_costs(args.rounds)
   m = costs["median_s"]

@@ -108,7 +108,9 @@ def compare(
       "max_s": max(times),
       "iqr_rel": (quartiles[2] - quartiles[0]) / median,
       "ratio": median / base_median,
-      "paired_ratio": statistics.median(t / b for t, b in zip(times, base)),
+      "paired_ratio": statistics.median(
+        t / b for t, b in zip(times, base, strict=True)
+      ),
       "times_s": times,
     }
   return {
@@ -126,7 +128,7 @@ def ratio(result: dict, numerator: str, denominator: str) -> dict:
   return {
     "ratio": a["median_s"] / b["median_s"],
     "paired_ratio": statistics.median(
-      x / y for x, y in zip(a["times_s"], b["times_s"])
+      x / y for x, y in zip(a["times_s"], b["times_s"], strict=True)
     ),
   }
 

@@ -9,8 +9,12 @@ with Adam (lr 1e-3) by
 * ``agn(adam, T)`` for T in {4, 16}: local Adam steps, the normalised
   accumulated gradient is averaged and applied to the center every T steps;
 * ``local_sgd(adam, period=8)``: local Adam steps, params averaged every 8;
-* ``diloco(adam, sync_period=16)``: inner Adam, outer Nesterov SGD (0.7, 0.9)
-  every 16 steps (DiLoCo's H=500 scaled down to this short run).
+* ``diloco(adam, sync_period=16)``: inner Adam, diloco's default outer step
+  (Nesterov SGD, ``shardopt.periodic.checks.DEFAULT_OUTER``: lr 0.8, momentum
+  0.2 since 2026-11-25) every 16 steps (DiLoCo's H=500 scaled down to this
+  short run). The committed results (``results/latest.json``, run of
+  2026-11-22 04:03 UTC) are from the default before it, lr 0.7, momentum
+  0.9; this section has not been rerun since.
 
 Test accuracy is measured every 16 steps (a multiple of every period, so all
 replicas hold the same params) and plotted against steps and against

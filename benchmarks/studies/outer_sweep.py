@@ -135,7 +135,7 @@ def plot(section: dict, directory: str, name: str = NAME) -> str:
 
   fig, ax = plt.subplots(figsize=(8, 5))
   for label, r in section["runs"].items():
-    mean = [statistics.mean(v) for v in zip(*r["val_bpb"])]
+    mean = [statistics.mean(v) for v in zip(*r["val_bpb"], strict=True)]
     style = (
       "-" if label.startswith("sync") else ("--" if "H=16" in label else ":")
     )

@@ -772,7 +772,7 @@ def calibrate(config: workload.Config, seed: int = 0) -> dict:
     f"[{NAME}] sync: {time.perf_counter() - t0:.1f} s in all,"
     f" {result['seconds']:.1f} s after the first call"
   )
-  for s, v in zip(result["steps"], result["val_bpb"]):
+  for s, v in zip(result["steps"], result["val_bpb"], strict=True):
     print(f"  step {s:5d}  val {v:.3f} bits/byte")
   flat = flattening(result["steps"], result["val_bpb"])
   print(

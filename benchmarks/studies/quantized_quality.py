@@ -18,7 +18,7 @@ compared on identical data. The model evaluated is the one every replica
 shares (DiLoCo's center; ``cross_shard``'s params): test accuracy, test loss
 and the loss on the whole training split after the last step, mean ± std
 over the seeds. Bytes per replica over the run come from each compiled step's
-HLO (:func:`shardopt.demo.wire_bytes_per_step`: a ring all-reduce sends
+HLO (:func:`shardopt.wire.traffic`: a ring all-reduce sends
 ``2 (n - 1) / n`` of its buffer, an all-to-all or all-gather ``(n - 1) / n``;
 collectives in a sync branch count once per ``sync_period``); a quantized
 wire's bytes include its float32 block scales and the zero padding of each
@@ -62,6 +62,7 @@ import shardopt  # noqa: E402
 from benchmarks import RESULTS  # noqa: E402
 from benchmarks import _report  # noqa: E402
 from shardopt import demo  # noqa: E402
+from shardopt.wire.traffic import traffic  # noqa: E402
 
 NAME = "quantized_quality"
 TITLE = (
@@ -195,8 +196,7 @@ def train(config: Config, devices: list, data, seeds, steps: int) -> dict:
     .compile()
   )
   compile_s = time.perf_counter() - t0
-  period = SYNC_PERIOD if config.method == "diloco" else 1
-  per_step = demo.wire_bytes_per_step(step.as_text(), n, period)
+  per_step = traffic(step, tx=tx).per_step
 
   rows: dict[str, list] = {
     "test_acc": [],
@@ -359,7 +359,7 @@ def run(quick: bool, seeds: int | None = None, steps: int | None = None):
     f"{max(r['max_replica_divergence'] for r in results):g}"
     " (0 = bit-identical).",
     "Bytes: what one replica sends over the run, from each compiled step's"
-    " HLO (shardopt.demo.wire_bytes_per_step; a sync branch's collectives"
+    " HLO (shardopt.wire.traffic; a sync branch's collectives"
     " once per sync_period). A quantized wire is one all-to-all and one"
     " all-gather of uint8 rows (values, then float32 block scales, each leaf"
     " cut into n = 8 zero-padded chunks of 256-element blocks) plus a 4-byte"

@@ -111,7 +111,9 @@ def _split(params) -> dict:
   """How streaming DiLoCo splits these params into fragments (by bytes):
   the periodic engine's own split (:func:`shardopt.periodic.fragments.split`,
   whole leaves without ``layer_axes``)."""
-  paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(params)[0])
+  paths, leaves = zip(
+    *jax.tree_util.tree_flatten_with_path(params)[0], strict=True
+  )
   sizes = [leaf.size * leaf.dtype.itemsize for leaf in leaves]
   total = sum(sizes)
   split = fragments.split(params, FRAGMENTS, None, "diloco")
@@ -312,7 +314,7 @@ def run(quick: bool) -> dict:
   # 2. Streaming DiLoCo vs DiLoCo: quality within noise, peak bytes ~1/F.
   second = results["streaming"]
   labels = [m.label for m in comparisons[1]["methods"]]
-  for plain_label, stream_label in zip(labels[::2], labels[1::2]):
+  for plain_label, stream_label in zip(labels[::2], labels[1::2], strict=True):
     plain, stream = second[plain_label], second[stream_label]
     if not (plain["available"] and stream["available"]):
       verdicts.append(f"{stream_label} vs {plain_label}: not available.")
@@ -434,7 +436,7 @@ def plot(result: dict, directory: str) -> list[str]:
     "streaming": f"streaming DiLoCo F={FRAGMENTS} vs DiLoCo",
   }
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-  for ax, (key, title) in zip(axes, panels.items()):
+  for ax, (key, title) in zip(axes, panels.items(), strict=True):
     low = 1.0
     for i, (label, e) in enumerate(result["data"]["results"][key].items()):
       if not e["available"]:

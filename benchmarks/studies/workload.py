@@ -74,7 +74,9 @@ def mlp_init(key: jax.Array, sizes: Sequence[int]) -> dict:
   """Params of an MLP with layer ``sizes`` (input, hidden..., output)."""
   params = {}
   keys = jax.random.split(key, len(sizes) - 1)
-  for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+  for i, (fan_in, fan_out) in enumerate(
+    zip(sizes[:-1], sizes[1:], strict=True)
+  ):
     params[f"layer{i}"] = {
       "w": jax.random.normal(keys[i], (fan_in, fan_out), jnp.float32)
       / math.sqrt(fan_in),

@@ -8,6 +8,7 @@ TowerOptimizer and AGNOptimizer.
 """
 
 from shardopt import elastic
+from shardopt import wire
 from shardopt._axes import AxisNotBoundError
 from shardopt.accumulate import AccumulateState
 from shardopt.accumulate import accumulate
@@ -27,6 +28,8 @@ from shardopt.periodic import agn
 from shardopt.periodic import diloco
 from shardopt.periodic import hierarchical_local_sgd
 from shardopt.periodic import local_sgd
+from shardopt.periodic.fragments import describe_fragments
+from shardopt.periodic.fragments import fragment_of
 from shardopt.powersgd import PowerSGDState
 from shardopt.powersgd import powersgd
 from shardopt.quantize import quantized
@@ -52,6 +55,8 @@ __all__ = [
   "PeriodicState",
   "agn",
   "diloco",
+  "describe_fragments",
+  "fragment_of",
   "hierarchical_local_sgd",
   "local_sgd",
   "PowerSGDState",
@@ -67,4 +72,5 @@ __all__ = [
   "all_finite",
   "apply_if_finite",
   "elastic",
+  "wire",
 ]

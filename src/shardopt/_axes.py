@@ -269,50 +269,12 @@ def check_float_leaf(
 def check_comm_dtype(
   comm_dtype: Any, transform: str, axis_name: AxisName = None
 ):
-  """Validates ``comm_dtype`` and returns it in canonical form.
+  """``comm_dtype`` in canonical form: :func:`shardopt.wire.of`'s ``spec``
+  (None, a float ``np.dtype``, a ``QuantizedSpec`` or a ``TopKSpec``), or a
+  TypeError naming the transform, the axis and the dtypes that work."""
+  from shardopt import wire  # noqa: PLC0415 (the wire package imports us)
 
-  None stays None; a floating dtype (bfloat16, float16, ...) is returned as
-  a ``np.dtype`` (a plain cast on the wire); ``jnp.int8``,
-  ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``, ``jnp.int4`` and
-  ``shardopt.quantized(...)`` specs are returned as a
-  ``shardopt.quantize.QuantizedSpec`` (a quantized two-phase reduction);
-  a ``shardopt.topk(...)`` spec (``shardopt.sparse.TopKSpec``, the sparse
-  wire) as it is. Anything else raises ``TypeError`` naming the transform,
-  the axis and the dtypes that work.
-  """
-  from shardopt import quantize  # noqa: PLC0415 (quantize imports jax only)
-  from shardopt.sparse import TopKSpec  # noqa: PLC0415 (imports quantize)
-
-  if comm_dtype is None:
-    return None
-  if isinstance(comm_dtype, TopKSpec):
-    return comm_dtype
-  on = (
-    f" (the wire dtype of reductions over axis {axis_name!r})"
-    if (axis_name is not None)
-    else ""
-  )
-  use = (
-    "use a float dtype such as jnp.bfloat16 or jnp.float16, a quantized one"
-    " (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int4), or"
-    " shardopt.quantized(dtype, block_size=...), or a sparse one,"
-    " shardopt.topk(k) (with error_feedback=True)."
-  )
-  spec = quantize.as_spec(comm_dtype)
-  if spec is not None:
-    return spec
-  try:
-    dtype = jnp.dtype(comm_dtype)
-  except TypeError as e:
-    raise TypeError(
-      f"{transform}: comm_dtype={comm_dtype!r}{on} is not a dtype; {use}"
-    ) from e
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-      f"{transform}: comm_dtype={dtype}{on} is neither a floating dtype nor"
-      f" a quantized one; {use}"
-    )
-  return dtype
+  return wire.of(comm_dtype, transform, axis_name).spec
 
 
 def check_transform(inner: Any, transform: str, arg: str = "inner") -> None:

@@ -453,7 +453,8 @@ _MLIR_SIGNATURE = re.compile(r":\s*\((tensor<[^)]*)\)\s*->\s*([^\n]*)")
 _MLIR_GROUPS = re.compile(
   r"replica_groups\s*=\s*dense<[^>]*>\s*:\s*tensor<(\d+)x(\d+)x"
 )
-_MLIR_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z][a-z0-9]*)>")
+# MLIR spells float8 types in mixed case (f8E4M3FN); HLO in lower case.
+_MLIR_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-zA-Z][a-zA-Z0-9]*)>")
 
 
 def _mlir_bytes(types_text: str) -> tuple[int, tuple, list]:
@@ -461,6 +462,7 @@ def _mlir_bytes(types_text: str) -> tuple[int, tuple, list]:
   MLIR tensor types."""
   sizes, dtypes, counts = [], [], []
   for dims, dtype in _MLIR_TENSOR.findall(types_text):
+    dtype = dtype.lower()
     if dtype not in DTYPE_BYTES:
       continue
     count = 1

@@ -74,7 +74,7 @@ def _update_then_select(
     state_tree.unflatten(
       [
         _select(ok, new, old)
-        for new, old in zip(state_leaves, jax.tree.leaves(state))
+        for new, old in zip(state_leaves, jax.tree.leaves(state), strict=True)
       ]
     ),
   )
@@ -140,7 +140,7 @@ def update_or_skip(
   inputs = set(jaxpr.invars)
   old_of = {
     var: old
-    for var, old in zip(state_vars, old_leaves)
+    for var, old in zip(state_vars, old_leaves, strict=True)
     if isinstance(var, jax_core.Var)
     and var not in inputs
     and leaves_of[var] == 1
@@ -149,11 +149,11 @@ def update_or_skip(
   env: dict = {}
   read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]
   selected = set()
-  env.update(zip(jaxpr.constvars, closed.consts))
-  env.update(zip(jaxpr.invars, args))
+  env.update(zip(jaxpr.constvars, closed.consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
   for eqn in jaxpr.eqns:
     for var, value in zip(
-      eqn.outvars, bind(eqn, [read(v) for v in eqn.invars])
+      eqn.outvars, bind(eqn, [read(v) for v in eqn.invars]), strict=True
     ):
       if var in old_of:
         chosen = _select(ok, value, old_of[var])
@@ -168,6 +168,8 @@ def update_or_skip(
   ]
   new_state = [
     value if var in selected else _select(ok, value, old)
-    for var, value, old in zip(state_vars, outs[num_updates:], old_leaves)
+    for var, value, old in zip(
+      state_vars, outs[num_updates:], old_leaves, strict=True
+    )
   ]
   return jax.tree.unflatten(out_tree, new_updates + new_state)

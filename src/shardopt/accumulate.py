@@ -166,6 +166,12 @@ def accumulate(
   a function of ``gradient_step`` alone: the emit decision needs no
   collective.
 
+  Gradients are not checked against the params' shapes here, unlike every
+  other shardopt transform: as in ``optax.MultiSteps``, whose behaviour this
+  keeps, ``acc_grads`` has the params' shapes and a gradient that broadcasts
+  to them (shape ``(1,)`` for params of shape ``(4,)``) is broadcast into it.
+  The transforms of ``inner`` then see params-shaped gradients.
+
   To skip non-finite gradients (MultiSteps' ``should_skip_update_fn=
   optax.skip_not_finite``), guard ``inner``:
   ``accumulate(shardopt.apply_if_finite(inner, n, axis_name=axis), k)`` checks the
@@ -242,6 +248,9 @@ def accumulate(
     )
 
   def update_fn(grads, state, params=None, **extra_args):
+    # No shardopt._shapes.check_like_params here: optax.MultiSteps broadcasts
+    # a gradient into its params-shaped accumulator, and so does this (see
+    # the docstring; tests/test_grads_match_params.py pins the parity).
     mini_step = _axes.scalar_counter(
       state.mini_step, _ACCUMULATE, "state.mini_step"
     )

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardopt import _axes
-from shardopt import quantize
-from shardopt import sparse
+from shardopt import wire as _wire
+from shardopt.wire import feedback as _feedback
 
 __all__ = ["broadcast", "reduce", "replica_divergence"]
 # The other names without an underscore (reduce_for, reduce_with_error,
@@ -105,41 +105,30 @@ def _psum_leaf(y, varying: tuple, groups: tuple | None):
 def reduce_on_wire(
   x, summing_collective, members: int, comm_dtype, reduction: str
 ):
-  """Runs ``summing_collective`` on ``x`` with ``comm_dtype`` on the wire.
-
-  The one place that casts for the wire: ``x`` is cast to ``comm_dtype`` (or
-  kept in its own dtype) just before the collective and back just after. With
-  a ``float16`` wire ``x`` is first divided by ``members`` so the sum cannot
-  overflow; ``"sum"`` multiplies back afterwards, ``"mean"`` is then done.
-  ``summing_collective`` sums over ``members`` replicas and may change the
-  shape (``psum_scatter`` keeps one chunk). A quantized ``comm_dtype`` has
-  its own reduction (:func:`shardopt.quantize.all_reduce`, from
-  :func:`reduce`; ``tower`` calls ``shardopt.quantize.reduce_scatter``
-  itself); an opaque collective cannot take it, nor a sparse one.
+  """Runs ``summing_collective`` on ``x`` with a dense ``comm_dtype`` on the
+  wire (:meth:`shardopt.wire.dense.Dense.reduce`: a cast before, a cast
+  after, float16 divided by ``members`` first). ``summing_collective`` sums
+  over ``members`` replicas and may change the shape (``psum_scatter``
+  keeps one chunk). A quantized or sparse ``comm_dtype`` has its own
+  reduction (:meth:`shardopt.wire.Wire.all_reduce`, from
+  :func:`reduce`); an opaque collective cannot take it.
   """
-  if isinstance(comm_dtype, sparse.TopKSpec):
+  wire = _wire.of(comm_dtype)
+  if isinstance(wire, _wire.sparse.Sparse):
     raise NotImplementedError(
       f"comm_dtype={comm_dtype!r}: the top-k wire is implemented for the"
       " all-reduces of the transforms with error feedback (cross_shard*,"
       " local_sgd, diloco, agn with error_feedback=True), not for this"
       " collective. Use a float comm_dtype (e.g. jnp.bfloat16) here."
     )
-  if isinstance(comm_dtype, quantize.QuantizedSpec):
+  if isinstance(wire, _wire.blocks.Blocks):
     raise NotImplementedError(
       f"comm_dtype={comm_dtype!r}: a quantized wire is implemented for"
       " all-reduces (shardopt.reduce, cross_shard*, the periodic family,"
       " powersgd) and tower's reduce-scatter, not for this collective. Use a"
       " float comm_dtype (e.g. jnp.bfloat16) here."
     )
-  wire = comm_dtype if comm_dtype is not None else x.dtype
-  prescale = float(members) if wire == jnp.float16 else 1.0
-  y = x
-  if prescale != 1.0:
-    y = y / jnp.asarray(prescale, y.dtype)
-  total = summing_collective(y.astype(wire)).astype(x.dtype)
-  if reduction == "mean":
-    return total if prescale != 1.0 else total / jnp.asarray(members, x.dtype)
-  return total * jnp.asarray(prescale, x.dtype) if prescale != 1.0 else total
+  return wire.reduce(x, summing_collective, members, reduction)
 
 
 def reduce(
@@ -279,7 +268,7 @@ def _reduce_tree(
   """:func:`reduce` of ``tree`` (plus ``error``, unless None): ``(reduced,
   new_error)``, ``new_error`` None without ``error``."""
   _axes.check_reduction(reduction, transform, axis_name)
-  comm_dtype = _axes.check_comm_dtype(comm_dtype, transform, axis_name)
+  wire = _wire.of(comm_dtype, transform, axis_name)
   if axis_name is None:
     if axis_index_groups is not None:
       raise ValueError(
@@ -291,16 +280,16 @@ def _reduce_tree(
   groups = _axes.validate_groups(axis_index_groups, size, transform, axis_name)
   members = _axes.group_size(groups, size)
 
-  codecs = (quantize.QuantizedSpec, sparse.TopKSpec)
-  spec = comm_dtype if isinstance(comm_dtype, codecs) else None
-  top_k = isinstance(spec, sparse.TopKSpec)
-  if error is not None and spec is None:
+  # A dense wire runs XLA's all-reduce; the others have their own.
+  own = not isinstance(wire, _wire.dense.Dense)
+  top_k = wire.sparse
+  if error is not None and not wire.takes_error_feedback:
     raise ValueError(
       f"{transform}: error feedback needs a quantized comm_dtype (e.g."
       f" jnp.int8 or shardopt.quantized(jnp.int4)) or shardopt.topk(k), got"
       f" {comm_dtype!r}."
     )
-  if top_k and error is None and jax.tree.leaves(tree):
+  if wire.needs_error_feedback and error is None and jax.tree.leaves(tree):
     raise ValueError(
       f"{transform}: comm_dtype={comm_dtype!r} (axis {axis_name!r}) needs"
       " error feedback: the top-k wire drops most of every contribution and"
@@ -338,14 +327,13 @@ def _reduce_tree(
     # The top-k wire takes only the leaves that carry an error buffer (those
     # varying over every axis); others travel dense, in float32.
     sparse_ok = not top_k or len(varying) == every_axis
-    if varying and spec is not None and x.size > 0 and sparse_ok:
+    if varying and own and x.size > 0 and sparse_ok:
       queued.setdefault(varying, []).append(i)
     elif varying:
-      out[i] = reduce_on_wire(
+      out[i] = (wire if not own else _wire.of(None)).reduce(
         x,
         lambda y, varying=varying: _psum_leaf(y, varying, groups),
         members,
-        comm_dtype if spec is None else None,
         reduction,
       )
     # Invariant over every requested axis: already summed by autodiff.
@@ -361,29 +349,20 @@ def _reduce_tree(
     wire_axis = _axes.as_axis(varying)
     contributions = [leaves_with_path[i][1] for i in indices]
     if feedback:
-      # SparseLoCo's e = beta e + delta on the top-k wire (beta 1: e + x).
-      decay = spec.error_decay if top_k else 1.0
       contributions = [
-        x.astype(jnp.float32)
-        + (
-          errors[i].astype(jnp.float32)
-          if decay == 1.0
-          else jnp.float32(decay) * errors[i].astype(jnp.float32)
-        )
-        for i, x in zip(indices, contributions)
+        _feedback.add(x, errors[i], wire)
+        for i, x in zip(indices, contributions, strict=True)
       ]
     wire_members = (
       members
       if groups is not None
       else int(np.prod([_axes.axis_size(a, transform) for a in varying]))
     )
-    codec = sparse if top_k else quantize
-    result = codec.all_reduce(
+    result = wire.all_reduce(
       contributions,
       wire_axis,
       groups,
       wire_members,
-      spec,
       divisor=members if reduction == "mean" else 1,
       invariant_result=_axes.vma_checked() and groups is None,
       residuals=feedback,

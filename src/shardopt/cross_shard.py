@@ -16,38 +16,18 @@ can clip its own gradient first. In optax the same shape is a chain::
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from shardopt import _axes
-from shardopt import quantize
+from shardopt import _shapes
+from shardopt import wire
 from shardopt.collectives import reduce_for
 from shardopt.collectives import reduce_with_error
-
-
-class ErrorFeedbackState(NamedTuple):
-  """State of a cross-shard transform built with ``error_feedback=True``.
-
-  Attributes:
-    error: float32, per replica, in the shape of each gradient leaf: what
-      the quantized wire dropped from this replica's last contribution (its
-      phase-1 quantization, plus, on the chunk it owns, the phase-2
-      requantization times the group size for a mean), added to its next
-      contribution; where that is not finite (a non-finite gradient), 0.
-      Under ``jax.shard_map`` its spec is ``P(axis)``.
-    inner_state: the wrapped optimizer's state (``optax.EmptyState()`` for
-      ``cross_shard_mean``/``cross_shard_sum``).
-  """
-
-  error: Any
-  inner_state: Any
-
-
-def _zero_error(params: Any) -> Any:
-  return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+from shardopt.wire import feedback
+from shardopt.wire.feedback import ErrorFeedbackState
 
 
 def _reducing_transform(
@@ -59,13 +39,17 @@ def _reducing_transform(
   error_feedback: bool = False,
 ) -> optax.GradientTransformation:
   _axes.check_reduction(reduction, name, axis_name)
-  comm_dtype = _axes.check_comm_dtype(comm_dtype, name, axis_name)
-  if quantize.check_error_feedback(error_feedback, comm_dtype, name, axis_name):
+  on_wire = wire.of(comm_dtype, name, axis_name)
+  comm_dtype = on_wire.spec
+  if feedback.check(error_feedback, on_wire, name, axis_name):
 
     def init_fn(params):
-      return ErrorFeedbackState(_zero_error(params), optax.EmptyState())
+      return ErrorFeedbackState(
+        feedback.zeros_like_tree(params), optax.EmptyState()
+      )
 
     def update_fn(updates, state, params=None):
+      _shapes.check_like_params(name, updates, params, axis_name)
       del params
       updates, error = reduce_with_error(
         name,
@@ -85,6 +69,7 @@ def _reducing_transform(
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None):
+    _shapes.check_like_params(name, updates, params, axis_name)
     del params
     updates = reduce_for(
       name,
@@ -283,14 +268,18 @@ def cross_shard(
   name = "shardopt.cross_shard"
   _axes.check_transform(inner, name)
   _axes.check_reduction(reduction, name, axis_name)
-  comm_dtype = _axes.check_comm_dtype(comm_dtype, name, axis_name)
-  if quantize.check_error_feedback(error_feedback, comm_dtype, name, axis_name):
+  on_wire = wire.of(comm_dtype, name, axis_name)
+  comm_dtype = on_wire.spec
+  if feedback.check(error_feedback, on_wire, name, axis_name):
     inner = optax.with_extra_args_support(inner)
 
     def init_with_error(params):
-      return ErrorFeedbackState(_zero_error(params), inner.init(params))
+      return ErrorFeedbackState(
+        feedback.zeros_like_tree(params), inner.init(params)
+      )
 
     def update_with_error(updates, state, params=None, **extra_args):
+      _shapes.check_like_params(name, updates, params, axis_name)
       updates, error = reduce_with_error(
         name,
         updates,
@@ -310,6 +299,7 @@ def cross_shard(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
+    _shapes.check_like_params(name, updates, params, axis_name)
     updates = reduce_for(
       name,
       updates,

@@ -15,9 +15,9 @@ The demo trains the same multilayer perceptron on scikit-learn's bundled
   gradient on a 4-bit wire (``--outer-dtype``; per-block float32 scales).
 
 For each it prints the test accuracy and the bytes each replica sends over
-the run, read from the compiled step's HLO by :mod:`shardopt._hlo`
+the run, read from the compiled step by :func:`shardopt.wire.traffic`
 (collectives at the top level run every step; those inside a ``lax.cond``
-branch on the steps the periodic engine's schedule runs it: once per sync
+branch on the steps the transform's schedule runs it: once per sync
 period), and the ratio to ``sync``. It saves the frontier (accuracy against
 bytes, log scale) and the loss curves as a PNG, and the table as Markdown.
 
@@ -213,49 +213,6 @@ def make_optimizer(
   )
 
 
-# --- Bytes on the wire, read from the compiled step. ---
-
-
-def wire_schedule(method: str, sync_period: int):
-  """Which steps of ``method`` run the collectives of each ``lax.cond``
-  branch of its compiled step: the periodic engine's own schedule
-  (:mod:`shardopt.periodic.schedules`); ``sync`` and ``powersgd`` run the
-  same collectives every step."""
-  from shardopt import _hlo  # pylint: disable=g-import-not-at-top
-  from shardopt.periodic import schedules  # pylint: disable=g-import-not-at-top
-
-  if method == "diloco":
-    return _hlo.Schedule(schedules.every(sync_period))
-  if method == "streaming":
-    return _hlo.Schedule(schedules.streaming(sync_period, 2))
-  return _hlo.Schedule()
-
-
-def _measure_wire(hlo_text: str, replicas: int, schedule) -> dict:
-  """:func:`shardopt._hlo.per_step` of compiled HLO text, in the bytes one
-  replica sends (:func:`shardopt._hlo.sent_bytes`)."""
-  import functools  # pylint: disable=g-import-not-at-top
-
-  from shardopt import _hlo  # pylint: disable=g-import-not-at-top
-
-  ops = _hlo.compiled_collectives(hlo_text, num_devices=replicas)
-  sent = functools.partial(_hlo.sent_bytes, num_devices=replicas)
-  return _hlo.per_step(ops, schedule, measure=sent)
-
-
-def wire_bytes_per_step(hlo_text: str, replicas: int, schedule) -> float:
-  """Mean bytes one replica sends per step, from compiled HLO text.
-
-  Read by :mod:`shardopt._hlo`: a ring all-reduce of a B-byte buffer in
-  groups of ``g`` sends ``2 (g - 1) / g * B`` bytes per replica; a
-  reduce-scatter (of its operand), an all-gather (of its result) or an
-  all-to-all ``(g - 1) / g * B``. Collectives at the top level run every
-  step; those inside a ``conditional``'s branch on the steps ``schedule``
-  (:func:`wire_schedule`) runs that branch.
-  """
-  return _measure_wire(hlo_text, replicas, schedule)["mean_bytes"]
-
-
 def train(
   method: str,
   devices: list,
@@ -280,7 +237,7 @@ def train(
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
   import shardopt  # pylint: disable=g-import-not-at-top
-  from shardopt import _hlo  # pylint: disable=g-import-not-at-top
+  from shardopt.wire.traffic import traffic  # pylint: disable=g-import-not-at-top
 
   x_train, x_test, y_train, y_test = data
   n = len(devices)
@@ -310,11 +267,12 @@ def train(
   start = time.perf_counter()
   opt_state = init_state(params)
   idx = batches[0]
-  hlo = step.lower(params, opt_state, x_train[idx], y_train[idx])
-  schedule = wire_schedule(method, sync_period)
-  sent = _hlo.run_bytes(
-    _measure_wire(hlo.compile().as_text(), n, schedule), schedule, steps
-  )
+  # What one replica sends over the run, read from the compiled step: the
+  # sync branches of diloco and streaming count on the steps tx's schedule
+  # runs them (shardopt.wire.traffic; nothing runs here).
+  sent = traffic(
+    step, params, opt_state, x_train[idx], y_train[idx], tx=tx
+  ).run(steps)
   bar = tqdm(
     range(steps),
     desc=f"{method:>11}",
@@ -386,6 +344,28 @@ def format_table(results: Sequence[RunResult], devices: list) -> str:
   return "\n".join(lines)
 
 
+# How each method is drawn: diloco's and streaming's loss curves lie close
+# together, so line style, width and markers tell them apart (diloco's wide
+# and pale under streaming's narrow dotted line).
+_STYLES = {
+  "sync": dict(linestyle="-", marker="o", linewidth=1.5, alpha=1.0),
+  "powersgd": dict(linestyle="-.", marker="s", linewidth=1.5, alpha=1.0),
+  "diloco": dict(linestyle="--", marker="^", linewidth=3.5, alpha=0.55),
+  "streaming": dict(linestyle=":", marker="D", linewidth=1.8, alpha=1.0),
+}
+_DEFAULT_STYLE = dict(linestyle="-", marker="o", linewidth=1.5, alpha=1.0)
+# The loss panel's running mean: one of the demo's default sync periods.
+_SMOOTH = 16
+
+
+def _running_mean(losses, window: int):
+  """The mean of the last ``window`` losses at every step (fewer at first)."""
+  cumulative = np.cumsum(np.concatenate([[0.0], np.asarray(losses, float)]))
+  steps = np.arange(1, len(losses) + 1)
+  start = np.maximum(steps - window, 0)
+  return (cumulative[steps] - cumulative[start]) / (steps - start)
+
+
 def plot_results(results: Sequence[RunResult], path: str) -> str:
   """Saves the frontier (accuracy vs bytes) and the loss curves (PNG)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -396,9 +376,11 @@ def plot_results(results: Sequence[RunResult], path: str) -> str:
 
   fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
   placed = []
-  for r in results:
+  for k, r in enumerate(results):
+    color = f"C{k}"
+    style = _STYLES.get(r.method, _DEFAULT_STYLE)
     point = (r.bytes_per_replica / 1e6, r.test_accuracy * 100)
-    left.scatter(*point, s=60)
+    left.scatter(*point, s=60, color=color, marker=style["marker"])
     # Labels of points that (nearly) coincide are stacked, not overprinted.
     near = sum(
       abs(np.log(point[0] / x)) < 0.1 and abs(point[1] - y) < 0.1
@@ -408,9 +390,23 @@ def plot_results(results: Sequence[RunResult], path: str) -> str:
     left.annotate(
       r.method, point, textcoords="offset points", xytext=(6, 4 + 12 * near)
     )
-    right.plot(range(1, len(r.losses) + 1), r.losses, label=r.method)
+    steps = np.arange(1, len(r.losses) + 1)
+    right.plot(steps, r.losses, color=color, linewidth=0.6, alpha=0.25)
+    right.plot(
+      steps,
+      _running_mean(r.losses, _SMOOTH),
+      color=color,
+      markersize=5,
+      **style,
+      # Each curve's markers at other steps, so that close curves show both.
+      markevery=(2 * k + 4, 2 * len(_STYLES) + 8),
+      label=r.method,
+    )
   left.set_xscale("log")
   left.xaxis.set_minor_formatter(NullFormatter())
+  # Room for the labels inside the frame: a point at an edge keeps its
+  # label (placed up and to the right of it) within the axes.
+  left.margins(x=0.25, y=0.18)
   left.set_xlabel("MB sent per replica over the run (log)")
   left.set_ylabel("test accuracy (%)")
   left.set_title("quality per byte")
@@ -418,7 +414,7 @@ def plot_results(results: Sequence[RunResult], path: str) -> str:
   right.set_xlabel("step")
   right.set_ylabel("training loss (mean over replicas)")
   right.set_yscale("log")
-  right.set_title("training loss")
+  right.set_title(f"training loss: each step (faint), mean of {_SMOOTH}")
   right.grid(alpha=0.3)
   right.legend()
   fig.suptitle("shardopt demo: MLP on sklearn digits")

@@ -25,6 +25,7 @@ import optax
 
 from shardopt import _args
 from shardopt import _axes
+from shardopt import _shapes
 from shardopt._skip import update_or_skip
 from shardopt.collectives import reduce_for
 
@@ -239,6 +240,7 @@ def apply_if_finite(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
+    _shapes.check_like_params(_APPLY_IF_FINITE, updates, params, axis_name)
     if axis_name is not None:
       _axes.axis_size(axis_name, _APPLY_IF_FINITE)
     finite = all_finite(updates, axis_name)

@@ -26,6 +26,7 @@ import optax
 
 from shardopt import _args
 from shardopt import _axes
+from shardopt import _shapes
 from shardopt.collectives import reduce_for
 from shardopt.sparse import TopKSpec
 
@@ -494,16 +495,18 @@ def powersgd(
     matrices = [
       _with_error(grads[i], errors[i], error_feedback) for i in big
     ]  # 1
-    p = [_project(mat, qs[i]) for mat, i in zip(matrices, big)]  # 2
+    p = [
+      _project(mat, qs[i]) for mat, i in zip(matrices, big, strict=True)
+    ]  # 2
     p = [_orthonormalize(x) for x in _mean(p, axis_name, comm_dtype)]  # 3, 4
     q = _mean(
-      [_back_project(mat, x) for mat, x in zip(matrices, p)],
+      [_back_project(mat, x) for mat, x in zip(matrices, p, strict=True)],
       axis_name,
       comm_dtype,
     )  # 5, 6
-    for i, mean in zip(small, means):
+    for i, mean in zip(small, means, strict=True):
       updates[i] = mean
-    for i, mat, pi, qi in zip(big, matrices, p, q):
+    for i, mat, pi, qi in zip(big, matrices, p, q, strict=True):
       approx = _approximate(pi, qi)  # 7
       updates[i] = approx.reshape(grads[i].shape).astype(grads[i].dtype)
       errors[i] = _residual(mat, approx, errors[i], error_feedback)  # 8
@@ -511,6 +514,7 @@ def powersgd(
     return updates, errors, qs
 
   def update_fn(updates, state, params=None):
+    _shapes.check_like_params(_POWERSGD, updates, params, axis_name)
     del params
     _axes.axis_size(axis_name, _POWERSGD)
     # The counter is replicated by construction: a varying or stacked (1,)
@@ -527,7 +531,7 @@ def powersgd(
         " with tx.init(params) from the params these gradients belong to."
       ) from e
     grads = [g for _, g in paths_and_grads]
-    for (path, g), error, q in zip(paths_and_grads, errors, qs):
+    for (path, g), error, q in zip(paths_and_grads, errors, qs, strict=True):
       _check_leaf(
         path,
         g,

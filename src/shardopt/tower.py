@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from shardopt import _axes
+from shardopt import _shapes
 from shardopt import quantize
 from shardopt.collectives import reduce_on_wire
 from shardopt.sparse import TopKSpec
@@ -428,6 +429,7 @@ def tower(
     return inner.init(owned_params(params, num_owners))
 
   def update_fn(updates, state, params=None, **extra_args):
+    _shapes.check_like_params(_TOWER, updates, params, axis_name)
     num_owners = _axes.axis_size(axis_name, _TOWER)
     sizes = tuple(_axes.axis_size(name, _TOWER) for name in names)
 
@@ -524,6 +526,7 @@ def clip_by_global_norm(
     )
 
   def update_fn(updates, state, params=None):
+    _shapes.check_like_params(_CLIP, updates, params, axis_name)
     del params
     if axis_name is None:
       g_norm = optax.tree.norm(updates)

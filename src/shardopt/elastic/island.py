@@ -244,7 +244,7 @@ class Island:
         with _jax.live_devices(self._all) as live:
           members, live = self._taking_part(live)
           if members is not None:  # else this island is not complete yet
-            healing, gathered, error = self._attempt(
+            healing, exchanged, dropped = self._attempt(
               members, live, sync, params, state
             )
       except (_jax.process_failure_error(), jax.errors.JaxRuntimeError) as e:
@@ -269,7 +269,7 @@ class Island:
           )
         continue
       params, state, done = self._commit(
-        healing, sync, gathered, params, state, error
+        healing, sync, exchanged, params, state, dropped
       )
       done = done._replace(
         live=_processes(members),
@@ -282,17 +282,22 @@ class Island:
       return params, state, done
 
   def _attempt(self, members, live, sync: int, params, state):
-    """Steps 2-5: the layout, the device list, the row, the all_gather."""
+    """Steps 2-5: the layout, the device list, the rows, the exchange."""
     healing = self._fresh or not frozenset(members) <= self._last
     order = self._cliques.devices(
       members, self._attempts[members], live, self._me
     )
     info = {"live": _processes(members), "healing": healing}
     self._on_event("round_started", info)
-    row, error = self._row(healing, sync, params, state)
-    gathered = jax.block_until_ready(self._gather(order, row))
+    if healing:
+      row = self._healing_row(sync, params, state)
+      exchanged, dropped = self._gather(order, row), None
+    else:
+      row, dropped = self._plain_rows(order, sync, params, state)
+      exchanged = self._exchange(order, row, sync, params)
+    exchanged = jax.block_until_ready(exchanged)
     self._on_event("round_gathered", info)
-    return healing, gathered, error
+    return healing, (exchanged, order), dropped
 
   def _taking_part(self, live):
     """The membership (process, incarnation) of the complete islands and
@@ -341,54 +346,92 @@ class Island:
       self._compiled[key] = jax.jit(fn, **kwargs)
     return self._compiled[key]
 
-  def _row(self, healing: bool, sync: int, params, state):
-    """This island's row (on its devices) and error feedback's new error
-    pieces (plain rounds)."""
+  def _healing_row(self, sync: int, params, state):
+    """This island's row of a healing round (on its devices)."""
     engine, me, island = self._engine, self._me, self._me // self._k
-    if healing:
-      up = not self._fresh
-      fn = self._jit(
-        ("healing_row", sync, up),
-        lambda s, p: (
-          rows.healing_row(engine, island, me, sync, up, s, p),
-          None,
-        ),
-        out_shardings=self._replicated,
-      )
-    else:
-      fn = self._jit(
-        ("plain_row", sync),
-        lambda s, p: rows.plain_row(engine, island, me, sync, s, p),
-        out_shardings=self._replicated,
-      )
+    up = not self._fresh
+    fn = self._jit(
+      ("healing_row", sync, up),
+      lambda s, p: rows.healing_row(engine, island, me, sync, up, s, p),
+      out_shardings=self._replicated,
+    )
     return fn(state, params)
+
+  def _plain_rows(self, order: list, sync: int, params, state):
+    """This island's rows of a plain round for the processes of ``order``
+    (on its devices), and what the wire dropped from its contribution."""
+    engine, me, island = self._engine, self._me, self._me // self._k
+    owners = rows.islands_of([d.process_index for d in order], self._k)
+    islands = int(owners.max()) + 1
+    fn = self._jit(
+      ("plain_rows", sync, islands, len(order)),
+      lambda s, p, o: rows.plain_rows(
+        engine, island, me, sync, s, p, o, islands
+      ),
+      out_shardings=self._replicated,
+    )
+    return fn(state, params, jnp.asarray(owners))
+
+  def _program(self, key, order: list, body, row: jax.Array):
+    """``body`` (of this process's ``row``) as one collective program over
+    ``order``'s devices, one per process: its results on this process's
+    device of ``order``."""
+    mine = next(d for d in order if d.process_index == self._me)
+    mesh = Mesh(np.array(order), ("islands",))
+    local = next(s.data for s in row.addressable_shards if s.device == mine)
+    local = local.reshape((1,) + local.shape) if local.ndim == 1 else local
+    rows_in = jax.make_array_from_single_device_arrays(
+      (len(order) * local.shape[0],) + local.shape[1:],
+      NamedSharding(mesh, P("islands")),
+      [local],
+    )
+    fn = self._jit(
+      key + (tuple(d.id for d in order),),
+      jax.shard_map(
+        body, mesh=mesh, in_specs=P("islands"), out_specs=P(), check_vma=False
+      ),
+    )
+    return jax.tree.map(lambda x: x.addressable_shards[0].data, fn(rows_in))
 
   def _gather(self, order: list, row: jax.Array) -> jax.Array:
     """One all_gather of the islands' rows over ``order``: every island's
     rows, on this island's device of ``order``."""
-    mine = next(d for d in order if d.process_index == self._me)
-    mesh = Mesh(np.array(order), ("islands",))
-    local = next(s.data for s in row.addressable_shards if s.device == mine)
-    rows_in = jax.make_array_from_single_device_arrays(
-      (len(order), row.shape[0]),
-      NamedSharding(mesh, P("islands")),
-      [local.reshape(1, -1)],
+    return self._program(
+      ("gather",),
+      order,
+      lambda r: jax.lax.all_gather(r, "islands", tiled=True),
+      row,
     )
-    fn = self._jit(
-      ("gather", tuple(d.id for d in order)),
-      jax.shard_map(
-        lambda r: jax.lax.all_gather(r, "islands", tiled=True),
-        mesh=mesh,
-        in_specs=P("islands"),
-        out_specs=P(),
-        check_vma=False,
-      ),
-    )
-    return fn(rows_in).addressable_shards[0].data
 
-  def _commit(self, healing, sync, gathered, params, state, error):
+  def _exchange(self, order: list, row: jax.Array, sync: int, params):
+    """A plain round's :func:`.rows.exchange` over ``order``."""
+    engine = self._engine
+    sizes = rows.sizes_of(engine, sync, params)
+    islands = (
+      int(rows.islands_of([d.process_index for d in order], self._k).max()) + 1
+    )
+    return self._program(
+      ("exchange", sync, islands),
+      order,
+      lambda r: rows.exchange(engine, sizes, r, "islands", islands),
+      row,
+    )
+
+  def _on_island(self, x: jax.Array) -> jax.Array:
+    """A value on one device of this island, replicated on all of them."""
+    return jax.make_array_from_single_device_arrays(
+      x.shape,
+      self._replicated,
+      [jax.device_put(x, d) for d in self._replicated.addressable_devices],
+    )
+
+  def _commit(self, healing, sync, exchanged, params, state, dropped):
     """The round's results on this island (no collective)."""
-    head = _headers(np.asarray(gathered[:, : rows.HEADER_BYTES]))
+    exchanged, order = exchanged
+    if healing:
+      head = _headers(np.asarray(exchanged[:, : rows.HEADER_BYTES]))
+    else:
+      head = _columns(np.asarray(exchanged.header))
     up = head["up_to_date"] > 0
     source = int(np.argmax(up)) if up.any() else 0
     if healing:
@@ -398,14 +441,8 @@ class Island:
     left_out = bool(up[me] and not contributing[me])
     first = rows.first_of_island(head["island"])
     skipped = int(np.sum(up & ~contributing & first))
-    gathered = jax.make_array_from_single_device_arrays(
-      gathered.shape,
-      self._replicated,
-      [
-        jax.device_put(gathered, d)
-        for d in self._replicated.addressable_devices
-      ],
-    )
+    exchanged = jax.tree.map(self._on_island, exchanged)
+    args = (params, state, jnp.asarray(left_out), jnp.int32(skipped))
     if healing:
       fresh = self._fresh
       fn = self._jit(
@@ -414,15 +451,18 @@ class Island:
           self._engine, sync, fresh, g, p, s, lo, sk
         ),
       )
+      params, state = fn(exchanged, *args)
     else:
+      owners = rows.islands_of([d.process_index for d in order], self._k)
+      chunk = int(owners[[d.process_index for d in order].index(self._me)])
+      islands = int(owners.max()) + 1
       fn = self._jit(
-        ("apply", sync),
-        lambda g, p, s, lo, sk, e: _apply_plain(
-          self._engine, sync, g, p, s, lo, sk, e
+        ("apply", sync, islands),
+        lambda x, p, s, lo, sk, d, c: _apply_plain(
+          self._engine, sync, islands, x, p, s, lo, sk, d, c
         ),
       )
-    args = (gathered, params, state, jnp.asarray(left_out), jnp.int32(skipped))
-    params, state = fn(*args) if healing else fn(*args, error)
+      params, state = fn(exchanged, *args, dropped, jnp.int32(chunk))
     done = Round(
       number=_host_int(state.sync_count),
       step=_host_int(state.count),
@@ -464,26 +504,40 @@ def _headers(head_bytes: np.ndarray) -> dict:
   key = rows.sort_key(
     head[:, rows.FIELD["island"]], head[:, rows.FIELD["process"]]
   )
-  head = head[np.argsort(key, kind="stable")]
+  return _columns(head[np.argsort(key, kind="stable")])
+
+
+def _columns(head: np.ndarray) -> dict:
+  """Sorted int32 headers: field -> column."""
   return {name: head[:, i] for name, i in rows.FIELD.items()}
 
 
 def _apply_plain(
-  engine, sync, gathered, params, state, left_out, skipped, error
+  engine,
+  sync,
+  islands,
+  exchanged,
+  params,
+  state,
+  left_out,
+  skipped,
+  dropped,
+  chunk,
 ):
-  received = rows.read_plain(engine, sync, gathered, params)
-  return _combine_and_apply(
-    engine, sync, received, params, state, left_out, skipped, error, full=False
-  )
-
-
-def _combine_and_apply(
-  engine, sync, received, params, state, left_out, skipped, error, *, full
-):
-  """The mean over the contributing islands, then :func:`.split.apply`."""
-  total, count = rows.combine(engine, received)
-  parts = split.pieces(engine, params, sync)
-  combined = rows.pieces_of(total, params, parts, full=full)
+  """A plain round's commit: the mean over the contributing islands
+  (:func:`.rows.combined_plain`), then :func:`.split.apply`; with error
+  feedback the new error pieces are what the wire dropped in both phases
+  (:func:`.rows.with_owned`)."""
+  combined, count = rows.combined_plain(engine, exchanged, params, sync)
+  error = None
+  if engine.error_feedback:
+    likes = split.take(
+      jax.tree.leaves(params), split.pieces(engine, params, sync)
+    )
+    flat = rows.with_owned(dropped, exchanged.dropped, chunk, islands)
+    error = [
+      f.reshape(np.shape(like)) for f, like in zip(flat, likes, strict=True)
+    ]
   return split.apply(
     engine,
     sync,
@@ -536,13 +590,22 @@ def _heal(engine, sync, fresh, gathered, params, state, left_out, skipped):
 def _heal_sync(engine, sync, received, params, state, left_out, skipped):
   """The sync of a healing round, on the adopted state: its float32 wire
   drops nothing, so error feedback's pieces restart at zero."""
+  parts = split.pieces(engine, params, sync)
+  combined, count = rows.combined_healing(engine, received, params, parts)
   error = None
   if engine.error_feedback:
-    parts = split.pieces(engine, params, sync)
     error = [
       jnp.zeros(jnp.shape(x), jnp.float32)
       for x in split.take(jax.tree.leaves(params), parts)
     ]
-  return _combine_and_apply(
-    engine, sync, received, params, state, left_out, skipped, error, full=True
+  return split.apply(
+    engine,
+    sync,
+    state,
+    params,
+    combined,
+    any_contribution=count > 0,
+    left_out=left_out,
+    skipped=skipped,
+    error=error,
   )

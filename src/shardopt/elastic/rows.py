@@ -1,27 +1,31 @@
-"""What one island sends in a round, as one row of bytes, and what every
-island makes of the gathered rows.
+"""What one island sends in a round, and what every island makes of it.
 
-(Each process sends its island's row; the processes of an island of several
-send the same bytes, and the combine counts each island once.)
-
-A round is one ``all_gather`` of one row per island (:mod:`.island`): one
-collective, so a survivor that fell out of step can never read another
-collective's chunk, and every island combines the same bytes in the same
-(island id) order, so the center and the outer state come out bit-identical
-on every island without a second collective.
+A round is one collective program over the live islands' processes
+(:mod:`.island`), built on the transform's wire (:mod:`shardopt.wire`), and
+every island combines the same bytes in the same (island, process) order,
+so the center and the outer state come out bit-identical on every island.
 
 Two layouts, agreed without communication (:mod:`.island` says how):
 
-- a **plain round** (every island took part in the last one): the header,
-  then the contribution of the sync's pieces on the transform's wire
-  (float32, a narrower float, or quantized blocks with their scales);
-- a **healing round** (an island joins): the header, the center, the outer
-  optimizer's state, then the contribution of every leaf in float32 (zeros
-  outside the sync's pieces): a fresh island knows neither the step nor which
-  fragment is due, and takes the center, the outer state and the counters
-  from the first up-to-date island's row.
+- a **plain round** (every island took part in the last one): the sync's
+  pieces on the transform's wire. A two-phase wire (float, quantized
+  blocks) cuts every piece into one chunk per island; each process sends
+  every other process the header and the chunk that process's island owns
+  (one ``all_to_all``), every process sums the chunk its island owns over
+  the contributing islands, in island order, and encodes the sum again; one
+  ``all_gather`` gives everyone every island's sum (:func:`exchange`). An
+  island sends about twice its payload, however many islands there are.
+  The top-k wire (the sum of sparse rows is not sparse) is gathered whole:
+  one ``all_gather`` of every process's header and payload, summed by
+  everyone in island order.
+- a **healing round** (an island joins): one ``all_gather`` of rows of the
+  header, the center, the outer optimizer's state, then the contribution of
+  every leaf in float32 (zeros outside the sync's pieces): a fresh island
+  knows neither the step nor which fragment is due, and takes the center,
+  the outer state and the counters from the first up-to-date island's row.
 
-The header is int32: :data:`HEADER_FIELDS`.
+(The processes of an island of several send the same bytes, and the combine
+counts each island once.) The header is int32: :data:`HEADER_FIELDS`.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardopt import _axes
-from shardopt import quantize
+from shardopt import wire as _wire
 from shardopt.finite import all_finite
 from shardopt.periodic import split
-from shardopt.sparse import TopKSpec
+from shardopt.wire import feedback
+from shardopt.wire import mean
 
 HEADER_FIELDS = (
   "island",  # the island's id (its process index)
@@ -106,58 +111,23 @@ def _unflat(flat: jax.Array, likes: list) -> list:
   return out
 
 
-class Wire(NamedTuple):
-  """How a plain round's contribution travels: ``comm_dtype``'s wire."""
-
-  comm_dtype: Any  # None, a float dtype or a quantize.QuantizedSpec
-
-  def _layout(self, size: int):
-    return quantize.layout(size, 1, self.comm_dtype)
-
-  def _check(self) -> None:
-    if isinstance(self.comm_dtype, TopKSpec):
-      raise NotImplementedError(
-        f"shardopt.elastic: comm_dtype={self.comm_dtype!r}: the top-k wire"
-        " is not implemented for elastic islands' rounds. Build the"
-        " transform with a float or quantized comm_dtype (e.g. jnp.int8,"
-        " error_feedback=True) for shardopt.elastic, or use the top-k wire"
-        " on a fixed set of replicas (diloco, local_sgd or agn under"
-        " jax.shard_map)."
-      )
-
-  def encode(self, flat: jax.Array):
-    """``(bytes, kept)``: the payload of a flat float32 vector, and the
-    values the receivers will decode from it."""
-    self._check()
-    spec = self.comm_dtype
-    if isinstance(spec, quantize.QuantizedSpec):
-      block, blocks = self._layout(flat.size)
-      padded = jnp.pad(flat, (0, block * blocks - flat.size))
-      payload, kept = quantize._encode(padded.reshape(blocks, block), spec)
-      return payload.reshape(-1), kept.reshape(-1)[: flat.size]
-    dtype = jnp.float32 if spec is None else spec
-    narrow = flat.astype(dtype)
-    return to_bytes(narrow), narrow.astype(jnp.float32)
-
-  def decode(self, payload: jax.Array, size: int) -> jax.Array:
-    """The flat float32 vector of ``size`` a payload stands for."""
-    self._check()
-    spec = self.comm_dtype
-    if isinstance(spec, quantize.QuantizedSpec):
-      block, blocks = self._layout(size)
-      return quantize.decode(payload, spec, block, blocks).reshape(-1)[:size]
-    dtype = np.dtype(jnp.float32 if spec is None else spec)
-    like = jax.ShapeDtypeStruct((size,), dtype)
-    return from_bytes(payload, like).astype(jnp.float32)
-
-
 class Received(NamedTuple):
-  """What every island reads from the gathered rows (in island id order)."""
+  """What every island reads from a healing round's gathered rows (in
+  island, process order)."""
 
-  header: jax.Array  # (islands, fields) int32
-  contributions: jax.Array  # (islands, size) float32, as decoded
-  center: list | None  # the source's center leaves (healing rounds)
+  header: jax.Array  # (processes, fields) int32
+  contributions: jax.Array  # (processes, size) float32
+  center: list | None  # the source's center leaves
   global_state: list | None  # the source's outer state leaves
+
+
+class Exchanged(NamedTuple):
+  """What a plain round's :func:`exchange` gives every process."""
+
+  header: jax.Array  # (processes, fields) int32, in (island, process) order
+  totals: list  # per piece, flat float32: the contributors' sum
+  dropped: list  # per piece, flat float32: what re-encoding the chunk this
+  # process's island owns dropped (two-phase wires; empty otherwise)
 
 
 def header(
@@ -177,81 +147,181 @@ def header(
   return jnp.stack([jnp.asarray(f, jnp.int32).reshape(()) for f in fields])
 
 
-def contribution(
-  engine: split.Engine, sync: int, state, params, up_to_date, *, full: bool
-):
-  """This island's contribution to ``sync``, flat float32 (over the sync's
-  pieces, or with ``full`` over every leaf, zeros outside the pieces); its
-  finiteness; the error buffers' pieces it adds (error feedback)."""
+def wire_of(engine) -> _wire.Wire:
+  """The transform's wire."""
+  return _wire.of(engine.comm_dtype, engine.name, engine.axis_name)
+
+
+def contribution(engine, sync: int, state, params, up_to_date):
+  """This island's contribution to ``sync``: per piece of the sync, flat
+  float32 (with error feedback, plus its error buffer: :mod:`shardopt.wire
+  .feedback`); its finiteness (zeros if not finite or not up to date)."""
   if sync == 0:
-    mine = []
-    parts = ()
-  else:
-    mine = split.contribution(engine, sync, state, params)
+    return [], jnp.asarray(up_to_date, bool)
+  mine = [
+    m.reshape(-1) for m in split.contribution(engine, sync, state, params)
+  ]
+  if engine.error_feedback:
     parts = split.pieces(engine, params, sync)
-  error = None
-  if engine.error_feedback and mine:
     error = split.take(jax.tree.leaves(state.error), parts)
-    mine = [m + e.astype(m.dtype) for m, e in zip(mine, error)]
-  finite = jnp.logical_and(
-    jnp.asarray(up_to_date, bool),
-    all_finite(mine),
-  )
-  mine = [jnp.where(finite, m, jnp.zeros_like(m)) for m in mine]
-  if full:
-    zeros = [
-      jnp.zeros(jnp.shape(p), jnp.float32) for p in jax.tree.leaves(params)
+    mine = [
+      feedback.add(m, e.reshape(-1), wire_of(engine))
+      for m, e in zip(mine, error, strict=True)
     ]
-    mine = split.put(zeros, parts, [m.astype(jnp.float32) for m in mine])
-  return _flat(mine), finite, error, parts
+  mine = [m.astype(jnp.float32) for m in mine]
+  finite = jnp.logical_and(jnp.asarray(up_to_date, bool), all_finite(mine))
+  return mean.weigh(mine, finite), finite
 
 
-def plain_row(engine, island: int, process: int, sync: int, state, params):
-  """A plain round's row; with error feedback, the new error pieces."""
-  flat, finite, error, parts = contribution(
-    engine, sync, state, params, True, full=False
+def sizes_of(engine, sync: int, params) -> tuple:
+  """Elements of each piece of ``sync``."""
+  parts = split.pieces(engine, params, sync)
+  return tuple(
+    math.prod(np.shape(p)) for p in split.take(jax.tree.leaves(params), parts)
   )
-  payload, kept = Wire(engine.comm_dtype).encode(flat)
-  head = header(island, 1, finite, state, sync, process)
-  row = jnp.concatenate([to_bytes(head), payload])
-  if error is not None:
-    likes = split.take(jax.tree.leaves(params), parts)
-    error = [
-      jnp.where(finite, e, jnp.zeros_like(e))
-      for e in _unflat(flat - kept, likes)
-    ]
-  return row, error
+
+
+def islands_of(processes, processes_per_island: int) -> np.ndarray:
+  """Per process (in mesh order), the rank of its island among the live
+  islands: the chunk of a two-phase wire its island owns."""
+  islands = np.asarray(processes) // processes_per_island
+  return np.searchsorted(np.unique(islands), islands).astype(np.int32)
+
+
+def plain_rows(
+  engine,
+  island: int,
+  process: int,
+  sync: int,
+  state,
+  params,
+  owners,
+  islands: int,
+):
+  """A plain round's rows: ``(rows, dropped)``.
+
+  On a two-phase wire ``rows`` is ``(processes, bytes)``: row ``q`` is the
+  header and the chunk of every piece that island ``owners[q]`` owns (the
+  destination process's island rank, :func:`islands_of`); on the top-k wire
+  one row, the header and the payload. ``dropped``: per piece, flat, what
+  the encoding dropped from the contribution (error feedback keeps it).
+  """
+  flats, finite = contribution(engine, sync, state, params, True)
+  wire = wire_of(engine)
+  head = to_bytes(header(island, 1, finite, state, sync, process))
+  if wire.two_phase:
+    plan = wire.plan(sizes_of(engine, sync, params), islands)
+    chunks, dropped = wire.scatter(flats, plan)
+    chunks = chunks[jnp.asarray(owners)]
+    heads = jnp.broadcast_to(head, (chunks.shape[0], head.size))
+    rows = jnp.concatenate([heads, chunks], axis=-1)
+  else:
+    payload, dropped = wire.encode_whole(flats)
+    rows = jnp.concatenate([head, payload])
+  return rows, mean.weigh(dropped, finite)
+
+
+def _headers(rows: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(
+    rows[:, :HEADER_BYTES].reshape(rows.shape[0], -1, 4), jnp.int32
+  )
+
+
+def _canonical(rows: jax.Array):
+  """The rows in (island, process) order, their headers, and the order."""
+  head = _headers(rows)
+  order = jnp.argsort(
+    sort_key(head[:, FIELD["island"]], head[:, FIELD["process"]])
+  )
+  return rows[order], head[order], order
+
+
+def counted(head: jax.Array) -> jax.Array:
+  """Per row (in (island, process) order), whether its contribution counts:
+  up to date, finite, and its island's first process (the processes of an
+  island send the same row: it counts once)."""
+  return (
+    (head[:, FIELD["up_to_date"]] > 0)
+    & (head[:, FIELD["finite"]] > 0)
+    & first_of_island(head[:, FIELD["island"]])
+  )
+
+
+def exchange(engine, sizes: tuple, rows: jax.Array, axis, islands: int):
+  """A plain round's collective program, inside a ``shard_map`` over the
+  live processes (``axis``; one device each): ``rows`` is this process's
+  :func:`plain_rows`. Returns :class:`Exchanged`, the same bits on every
+  process but ``dropped``.
+
+  Two-phase wire: 1. one ``all_to_all`` of the rows; 2. the received rows in
+  (island, process) order, each island's first counted once (the chunk this
+  process's island owns, summed); 3. the sum encoded again; 4. one
+  ``all_gather``; 5. every island's chunk decoded. Top-k wire: one
+  ``all_gather`` of the rows, summed in (island, process) order.
+  """
+  wire = wire_of(engine)
+  if not wire.two_phase:
+    gathered = jax.lax.all_gather(rows.reshape(1, -1), axis, tiled=True)
+    gathered, head, _ = _canonical(gathered)
+    totals = wire.sum_gathered(gathered[:, HEADER_BYTES:], counted(head), sizes)
+    return Exchanged(head, totals, [])
+  plan = wire.plan(sizes, islands)
+  received = jax.lax.all_to_all(rows, axis, 0, 0)
+  received, head, order = _canonical(received)
+  owned = wire.sum_rows(received[:, HEADER_BYTES:], counted(head), plan)
+  payload, dropped = wire.encode_owned(owned, plan)
+  gathered = jax.lax.all_gather(payload, axis)
+  # Row q of ``gathered`` is the chunk of the island of the process at mesh
+  # position q: take each island's first process's, in island order.
+  first = jnp.nonzero(first_of_island(head[:, FIELD["island"]]), size=islands)[
+    0
+  ]
+  totals = wire.decode_gathered(gathered[order[first]], plan)
+  return Exchanged(head, totals, dropped)
+
+
+def with_owned(dropped: list, owned: list, chunk, islands: int) -> list:
+  """Error feedback's new error pieces (flat): what phase 1 dropped, plus,
+  on the chunk this island owns (``chunk``), what phase 2 dropped."""
+  if not owned:
+    return dropped
+  out = []
+  for d, o in zip(dropped, owned, strict=True):
+    per = o.size
+    padded = jnp.pad(d, (0, islands * per - d.size))
+    start = jnp.asarray(chunk, jnp.int32) * per
+    mine = jax.lax.dynamic_slice_in_dim(padded, start, per) + o
+    padded = jax.lax.dynamic_update_slice_in_dim(padded, mine, start, 0)
+    out.append(padded[: d.size])
+  return out
 
 
 def healing_row(
   engine, island: int, process: int, sync: int, up_to_date, state, params
 ):
   """A healing round's row (see the module docstring)."""
-  flat, finite, _, _ = contribution(
-    engine, sync, state, params, up_to_date, full=True
-  )
+  mine, finite = contribution(engine, sync, state, params, up_to_date)
+  # Every leaf, zeros outside the sync's pieces (all zeros without a sync).
+  full = [jnp.zeros(jnp.shape(p), jnp.float32) for p in jax.tree.leaves(params)]
+  if sync:
+    parts = split.pieces(engine, params, sync)
+    likes = split.take(full, parts)
+    full = split.put(
+      full,
+      parts,
+      [m.reshape(np.shape(like)) for m, like in zip(mine, likes, strict=True)],
+    )
   head = header(island, up_to_date, finite, state, sync, process)
   parts = [to_bytes(head)]
   parts += [to_bytes(c) for c in jax.tree.leaves(state.center)]
   parts += [to_bytes(g) for g in jax.tree.leaves(state.global_state)]
-  parts.append(to_bytes(flat))
+  parts.append(to_bytes(_flat(full)))
   return jnp.concatenate(parts)
 
 
 def sort_key(island, process):
   """Rows sort by island, then process (a process index is below 2**16)."""
   return island * 65536 + process
-
-
-def _sorted(rows: jax.Array):
-  """The rows in (island, process) order, and their headers."""
-  head = jax.lax.bitcast_convert_type(
-    rows[:, :HEADER_BYTES].reshape(rows.shape[0], -1, 4), jnp.int32
-  )
-  order = jnp.argsort(
-    sort_key(head[:, FIELD["island"]], head[:, FIELD["process"]])
-  )
-  return rows[order], head[order]
 
 
 def first_of_island(island) -> Any:
@@ -261,23 +331,10 @@ def first_of_island(island) -> Any:
   return xp.concatenate([xp.ones([1], bool), island[1:] != island[:-1]])
 
 
-def read_plain(engine, sync: int, rows: jax.Array, params) -> Received:
-  """The gathered rows of a plain round."""
-  rows, head = _sorted(rows)
-  parts = split.pieces(engine, params, sync)
-  size = sum(
-    math.prod(np.shape(p)) for p in split.take(jax.tree.leaves(params), parts)
-  )
-  wire = Wire(engine.comm_dtype)
-  payload = rows[:, HEADER_BYTES:]
-  contributions = jax.vmap(lambda p: wire.decode(p, size))(payload)
-  return Received(head, contributions, None, None)
-
-
 def read_healing(rows: jax.Array, state, params) -> Received:
   """The gathered rows of a healing round: the source is the first
   up-to-date island (the first island at the job's start)."""
-  rows, head = _sorted(rows)
+  rows, head, _ = _canonical(rows)
   up = head[:, FIELD["up_to_date"]] > 0
   source = jnp.where(jnp.any(up), jnp.argmax(up), 0)
   centers = jax.tree.leaves(state.center)
@@ -294,28 +351,32 @@ def read_healing(rows: jax.Array, state, params) -> Received:
   return Received(head, flat, center, outer_state)
 
 
-def combine(engine, received: Received) -> tuple[jax.Array, jax.Array]:
-  """The combined contribution (flat) over the islands that contribute
-  (up to date and finite), each once, summed in island id order; and their
-  count."""
-  head = received.header
-  weight = (head[:, FIELD["up_to_date"]] > 0) & (head[:, FIELD["finite"]] > 0)
-  weight = weight & first_of_island(head[:, FIELD["island"]])
-  masked = jnp.where(weight[:, None], received.contributions, 0.0)
-  total = jnp.sum(masked, axis=0)
-  count = jnp.sum(weight.astype(jnp.float32))
-  if engine.reduction == "mean":
-    total = total / jnp.maximum(count, 1.0)
-  return total, count
+def combined_healing(engine, received: Received, params, parts) -> tuple:
+  """A healing round's mean over the contributing islands (each once, in
+  island order), as the sync's pieces; and their count."""
+  keep = counted(received.header)
+  total = protocol_sum(received.contributions, keep)
+  count = jnp.sum(keep.astype(jnp.float32))
+  (total,) = mean.divide([total], count, engine.reduction)
+  return split.take(_unflat(total, jax.tree.leaves(params)), parts), count
 
 
-def pieces_of(flat: jax.Array, params, parts, *, full: bool) -> list:
-  """The pieces of a flat combined contribution."""
-  leaves = jax.tree.leaves(params)
-  if full:
-    return split.take(_unflat(flat, leaves), parts)
-  likes = split.take(leaves, parts)
+def protocol_sum(contributions: jax.Array, keep: jax.Array) -> jax.Array:
+  """The kept rows' sum, in row order (float32)."""
+  return _wire.protocol.sum_in_order(
+    _wire.protocol.kept_rows(contributions, keep)
+  )
+
+
+def combined_plain(engine, exchanged: Exchanged, params, sync: int) -> tuple:
+  """A plain round's mean over the contributing islands, as the sync's
+  pieces in their accumulation dtype; and their count."""
+  count = jnp.sum(counted(exchanged.header).astype(jnp.float32))
+  totals = mean.divide(exchanged.totals, count, engine.reduction)
+  likes = split.take(
+    jax.tree.leaves(params), split.pieces(engine, params, sync)
+  )
   return [
-    x.astype(_axes.accumulation_dtype(like.dtype))
-    for x, like in zip(_unflat(flat, likes), likes)
-  ]
+    t.reshape(np.shape(like)).astype(_axes.accumulation_dtype(like.dtype))
+    for t, like in zip(totals, likes, strict=True)
+  ], count

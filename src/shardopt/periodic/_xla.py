@@ -175,8 +175,10 @@ def cond_on_slice(
   part = cond(pred, sync, lambda c: c, part)
 
   def scatter(full: list, new: list) -> list:
+    if not full:  # a field this engine does not carry (no accumulator)
+      return full
     full = list(full)
-    for i, x in zip(leaves, new):
+    for i, x in zip(leaves, new, strict=True):
       full[i] = x
     return full
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from shardopt import _args
 from shardopt import _axes
+from shardopt import _shapes
 from shardopt.periodic import schedules
 
 # --------------------------------------------------------------------------
@@ -69,7 +70,8 @@ def check_period_group_sizes(value: Any, transform: str) -> dict:
           f" periods and group sizes must be integers >= 1;{example}."
         )
   items = [(int(p), int(s)) for p, s in value.items()]
-  for (p0, s0), (p1, s1) in zip(items, items[1:]):
+  # Each item with the next: the second sequence is one shorter.
+  for (p0, s0), (p1, s1) in zip(items, items[1:], strict=False):
     if not (p1 > p0 and s1 > s0):
       raise ValueError(
         f"{transform}: period_group_sizes={value!r}: periods and group sizes"
@@ -116,30 +118,49 @@ DEFAULT_OUTER = {
 }
 
 
+class Default:
+  """A keyword's default value, told apart from the same value given
+  explicitly: ``diloco(..., outer_optimizer=o, outer_learning_rate=0.8)``
+  raises although 0.8 is the default. Its repr is the value's, so the
+  signature reads ``outer_learning_rate: float = 0.8``."""
+
+  def __init__(self, value: Any):
+    self.value = value
+
+  def __repr__(self) -> str:
+    return repr(self.value)
+
+
+# diloco's signature defaults: DEFAULT_OUTER's values, marked as not given.
+OUTER_DEFAULTS = {k: Default(v) for k, v in DEFAULT_OUTER.items()}
+
+
+def given_outer_args(**outer_args: Any) -> dict:
+  """The outer_* keywords the caller gave (whatever the value), by name."""
+  return {k: v for k, v in outer_args.items() if not isinstance(v, Default)}
+
+
+def outer_arg(value: Any) -> Any:
+  """The value of an outer_* keyword, its default's if it was not given."""
+  return value.value if isinstance(value, Default) else value
+
+
 def check_outer_optimizer(
-  transform: str,
-  outer_optimizer: Any,
-  outer_learning_rate: Any,
-  outer_momentum: Any,
-  nesterov: Any,
+  transform: str, outer_optimizer: Any, given: dict
 ) -> None:
   """An optax transform, given instead of (not with) the default's
-  spelling."""
+  spelling: any outer_* keyword in ``given`` (:func:`given_outer_args`)
+  raises, whatever its value, the default's included."""
   _axes.check_transform(outer_optimizer, transform, "outer_optimizer")
-  given = {
-    "outer_learning_rate": outer_learning_rate,
-    "outer_momentum": outer_momentum,
-    "nesterov": nesterov,
-  }
-  changed = [k for k, v in given.items() if v != DEFAULT_OUTER[k]]
-  if changed:
+  if given:
     raise ValueError(
       f"{transform}: outer_optimizer replaces the default outer step that"
       " outer_learning_rate, outer_momentum and nesterov"
-      f" spell, but {', '.join(f'{k}={given[k]!r}' for k in changed)} was"
-      " given too. Put those settings in the outer optimizer (e.g."
-      " optax.sgd(lr, momentum=m, nesterov=True)) and leave the three"
-      " arguments out."
+      f" spell, but {', '.join(f'{k}={v!r}' for k, v in given.items())}"
+      f" {'was' if len(given) == 1 else 'were'} given too (any value"
+      " counts, the default's included). Put those settings in the outer"
+      " optimizer (e.g. optax.sgd(lr, momentum=m, nesterov=True)) and leave"
+      " the three arguments out."
     )
 
 
@@ -218,6 +239,7 @@ def check_update_args(
   ]
   _axes.scalar_counter(state.count, name, "state.count", axis_name)
   check_local_gradients(grads, params, axis_name, name)
+  check_params_per_replica(params, axis_name, name)
   center_def = jax.tree.structure(state.center)
   if center_def != jax.tree.structure(params):
     raise ValueError(
@@ -249,21 +271,15 @@ def check_local_gradients(
   *,
   bound: bool = True,
 ) -> None:
-  """Checks grads: params' tree structure, floating point, not invariant.
+  """Checks grads: the params' tree, shapes and float-ness
+  (:func:`shardopt._shapes.check_like_params`), floating point, not
+  invariant.
 
   Gradients typed invariant were summed by autodiff: not local gradients.
   ``bound=False``: the axis is not bound where the step runs (an island's
   local step, :mod:`.split`), so there is no invariance to check.
   """
-  grads_def = jax.tree.structure(grads)
-  params_def = jax.tree.structure(params)
-  if grads_def != params_def:
-    raise ValueError(
-      f"{transform}: the gradient tree does not match the params tree over"
-      f" axis {axis_name!r}: grads have structure {grads_def}, params have"
-      f" {params_def}. Pass the gradient of the same params the state was"
-      " built from (tx.init(params))."
-    )
+  _shapes.check_like_params(transform, grads, params, axis_name)
   checked = bound and _axes.vma_checked()
 
   def leaf(path, g):
@@ -286,3 +302,42 @@ def check_local_gradients(
       )
 
   jax.tree_util.tree_map_with_path(leaf, grads)
+
+
+def check_params_per_replica(params: Any, axis_name: Any, transform: str):
+  """Raises if a params leaf is typed invariant over every axis of
+  ``axis_name`` inside a checking ``jax.shard_map``.
+
+  The replicas of the periodic family train apart between syncs, so their
+  params differ: replicated ``P()`` params (the layout of
+  ``shardopt.cross_shard``) would get per-replica updates, and JAX's own
+  out_specs check would fail later with a hint (``check_vma=False``) that
+  hides the problem. Nothing to check under ``jax.pmap`` or
+  ``shard_map(check_vma=False)`` (every value is per replica there), nor
+  for params varying over the axis (the per-replica blocks of a
+  partial-manual, model-parallel shard_map included).
+  """
+  if not _axes.vma_checked():
+    return
+  names = _axes.axis_names(axis_name)
+
+  def leaf(path, p):
+    if _axes.varying_axes(p) & set(names):
+      return
+    where = jax.tree_util.keystr(path) or "<root>"
+    raise ValueError(
+      f"{transform}: the params at {where} are invariant over axis"
+      f" {axis_name!r} inside a checking jax.shard_map (replicated,"
+      " in_specs=P(), the layout for shardopt.cross_shard), but"
+      f" {transform}'s params drift apart between syncs: each replica"
+      " trains its own copy, so they must be laid out per replica, typed"
+      f" varying over {axis_name!r}. Fix: pass the replicas' copies stacked"
+      f" along the first axis with in_specs=P({axis_name!r}) and"
+      f" out_specs=P({axis_name!r}), or cast them with params ="
+      f" jax.lax.pcast(params, {axis_name!r}, to='varying') before jax.grad"
+      " and tx.update and return them per replica;"
+      f" shardopt.state_specs(tx, params, {axis_name!r}, mesh=mesh) gives"
+      " the state's specs for that layout."
+    )
+
+  jax.tree_util.tree_map_with_path(leaf, params)

@@ -5,12 +5,13 @@ sync's groups, a non-finite contribution left out.
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 from shardopt import _axes
+from shardopt import wire as _wire
 from shardopt.collectives import reduce_for
 from shardopt.collectives import reduce_with_error
 from shardopt.finite import all_finite
+from shardopt.wire import mean
 
 
 def combine(
@@ -32,12 +33,13 @@ def combine(
   (with ``error``, error feedback on a quantized wire) the new error
   buffers: ``error`` is added to this replica's contribution (not if it is
   left out) and what the wire drops from it is kept (see
-  :func:`shardopt.quantize.all_reduce`).
+  :meth:`shardopt.wire.Wire.all_reduce`). The arithmetic of the
+  mean is :mod:`shardopt.wire.mean`'s, as in an elastic round.
   """
   finite = all_finite(mine)
-  masked = [jnp.where(finite, a, jnp.zeros_like(a)) for a in mine]
+  masked = mean.weigh(mine, finite)
   if error:
-    error = [jnp.where(finite, e, jnp.zeros_like(e)) for e in error]
+    error = mean.weigh(error, finite)
   flag = finite.astype(jnp.float32)
   if _axes.vma_checked():
     flag = _axes.cast_varying(flag, _axes.axis_names(axis_name))
@@ -46,10 +48,7 @@ def combine(
   # With a float32 (or wider) wire it rides with the contributions, one
   # round; with a narrow or a quantized wire it has its own float32
   # all-reduce (same groups).
-  wide = comm_dtype is None or (
-    isinstance(comm_dtype, np.dtype) and comm_dtype.itemsize >= 4
-  )
-  if wide:
+  if _wire.of(comm_dtype).carries_counts:
     *total, in_group = reduce_for(
       transform,
       masked + [flag],
@@ -85,7 +84,5 @@ def combine(
   in_axis = in_group
   if groups is not None and whole_axis_count:
     in_axis = jnp.round(reduce_for(transform, flag, axis_name, reduction="sum"))
-  if reduction == "mean":
-    divisor = jnp.maximum(in_group, 1.0)
-    total = [t / divisor.astype(t.dtype) for t in total]
+  total = mean.divide(total, in_group, reduction)
   return total, finite, in_group, in_axis, error

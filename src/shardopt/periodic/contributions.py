@@ -89,7 +89,9 @@ class GradientSums(Contribution):
     """``accumulator += grads``, in the accumulator's dtype."""
     return [
       a + g.astype(a.dtype)
-      for a, g in zip(jax.tree.leaves(accumulator), jax.tree.leaves(grads))
+      for a, g in zip(
+        jax.tree.leaves(accumulator), jax.tree.leaves(grads), strict=True
+      )
     ]
 
   def state(self, treedef, accumulator: list) -> Any:
@@ -107,7 +109,7 @@ class PseudoGradients(Contribution):
   def of(self, accumulator, center, params, updates) -> list:
     del accumulator
     mine = []
-    for p, u, c in zip(params, _each(updates, params), center):
+    for p, u, c in zip(params, _each(updates, params), center, strict=True):
       local = _local_params(p, u)
       mine.append(c.astype(local.dtype) - local)
     return mine
@@ -119,7 +121,10 @@ class Params(Contribution):
 
   def of(self, accumulator, center, params, updates) -> list:
     del accumulator, center
-    return [_local_params(p, u) for p, u in zip(params, _each(updates, params))]
+    return [
+      _local_params(p, u)
+      for p, u in zip(params, _each(updates, params), strict=True)
+    ]
 
 
 def _zeros_accumulator(p: jax.Array) -> jax.Array:

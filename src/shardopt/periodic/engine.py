@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import optax
 
 from shardopt import _axes
-from shardopt import quantize
+from shardopt import wire
 from shardopt.collectives import reduce_for
 from shardopt.periodic import _xla
 from shardopt.periodic import checks
@@ -70,8 +70,8 @@ from shardopt.periodic import outer
 from shardopt.periodic import schedules
 from shardopt.periodic.state import Carry
 from shardopt.periodic.state import PeriodicState
-from shardopt.periodic.state import initial_error
 from shardopt.periodic.state import initial_flags
+from shardopt.wire import feedback
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -458,7 +458,7 @@ def _init(params, *, engine: _Engine) -> PeriodicState:
     global_state=global_state,
     skipped=skipped,
     restart=restart,
-    error=treedef.unflatten(initial_error(leaves, engine.axis_name))
+    error=treedef.unflatten(feedback.zeros(leaves, engine.axis_name))
     if engine.error_feedback
     else (),
   )
@@ -518,7 +518,7 @@ def periodic(
   _axes.check_transform(optimizer, name)
   outer_step.check(name)
   _axes.check_reduction(reduction, name, axis_name)
-  comm_dtype = _axes.check_comm_dtype(comm_dtype, name, axis_name)
+  on_wire = wire.of(comm_dtype, name, axis_name)
   engine = _Engine(
     name=name,
     optimizer=optimizer,
@@ -529,12 +529,10 @@ def periodic(
     outer_step=outer_step,
     reduction=reduction,
     axis_index_groups=axis_index_groups,
-    comm_dtype=comm_dtype,
+    comm_dtype=on_wire.spec,
     num_fragments=num_fragments,
     layer_axes=layer_axes,
-    error_feedback=quantize.check_error_feedback(
-      error_feedback, comm_dtype, name, axis_name
-    ),
+    error_feedback=feedback.check(error_feedback, on_wire, name, axis_name),
     merges=tuple(merges),
     merge=merge,
     warmup_steps=warmup_steps,

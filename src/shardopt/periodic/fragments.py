@@ -114,7 +114,9 @@ def split_fragments(
     candidates = range(cuts[-1] + 1, n - (num_fragments - k) + 1)
     cuts.append(min(candidates, key=lambda j: abs(cumulative[j - 1] - target)))
   cuts.append(n)
-  return tuple(tuple(range(a, b)) for a, b in zip(cuts[:-1], cuts[1:]))
+  return tuple(
+    tuple(range(a, b)) for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+  )
 
 
 def _leaf_bytes(leaves: Sequence[Any]) -> list[int]:
@@ -181,7 +183,7 @@ def _checked(params: Any, axes: list, transform: str) -> list:
   non-negative."""
   leaves = jax.tree.leaves(params)
   out = []
-  for leaf, axis in zip(leaves, axes):
+  for leaf, axis in zip(leaves, axes, strict=True):
     ndim = np.ndim(leaf)
     if axis is not None and (
       not _args.is_integer(axis) or not -ndim <= int(axis) < ndim
@@ -237,3 +239,184 @@ def split(
     )
     for f in range(num_fragments)
   )
+
+
+# --------------------------------------------------------------------------
+# What a user can print: which leaves form each fragment.
+
+
+def _path_names(params: Any) -> list[str]:
+  """Each leaf's key path as ``a/b/0``, in ``jax.tree.leaves`` order."""
+  return [
+    jax.tree_util.keystr(path, simple=True, separator="/") or "(root)"
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+  ]
+
+
+def _checked_split(params, num_fragments, layer_axes, name):
+  """:func:`split` after the checks ``diloco`` makes of ``num_fragments``."""
+  if (
+    not _args.is_integer(num_fragments)
+    or isinstance(num_fragments, bool)
+    or int(num_fragments) < 1
+  ):
+    raise ValueError(
+      f"{name}: num_fragments={num_fragments!r} must be an integer >= 1, as"
+      " given to shardopt.diloco(..., num_fragments=F)."
+    )
+  return split(params, int(num_fragments), layer_axes, name)
+
+
+def fragment_of(
+  params: Any, num_fragments: int, layer_axes: Any = None
+) -> dict[str, int | tuple[int, ...]]:
+  """Which fragment of ``shardopt.diloco(..., num_fragments=F)`` each leaf
+  of ``params`` belongs to.
+
+  The same assignment ``diloco`` makes (it calls the same ``split``):
+  whole leaves, contiguous in ``jax.tree.leaves`` order and balanced by
+  bytes; with ``layer_axes``, layer ``l`` of a stacked leaf in fragment
+  ``l % F``. Fragment ``f`` syncs after step ``t`` when ``t % sync_period ==
+  (f * sync_period // F + sync_offset) % sync_period``; see
+  ``describe_fragments`` for a printable table with those steps.
+
+  Args:
+    params: the params (or anything with their tree structure, shapes and
+      dtypes, e.g. ``jax.ShapeDtypeStruct`` leaves) that ``diloco`` updates:
+      one replica's, not a stack of replicas.
+    num_fragments: ``F``, as given to ``diloco``.
+    layer_axes: as given to ``diloco`` (None: whole leaves).
+
+  Returns:
+    ``{leaf path: fragment}`` in ``jax.tree.leaves`` order, the path as
+    ``jax.tree_util.keystr(path, simple=True, separator="/")`` (e.g.
+    ``"blocks/w"``). A whole leaf maps to its fragment (an int); a stacked
+    leaf to the fragment of each of its layers (a tuple: ``(0, 1, 0, 1)``
+    for 4 layers and ``F = 2``).
+
+  Example:
+    >>> import numpy as np
+    >>> from shardopt import fragment_of
+    >>> params = {"b": np.zeros(8, np.float32), "w": np.zeros((16, 8), np.float32)}
+    >>> fragment_of(params, 2)
+    {'b': 0, 'w': 1}
+    >>> fragment_of(params, 4, layer_axes={"w": 0, "b": None})["w"][:6]
+    (0, 1, 2, 3, 0, 1)
+  """
+  fragments = _checked_split(
+    params, num_fragments, layer_axes, "shardopt.fragment_of"
+  )
+  leaves = jax.tree.leaves(params)
+  out: list[Any] = [None] * len(leaves)
+  for f, fragment in enumerate(fragments):
+    for piece in fragment:
+      if piece.axis is None:
+        out[piece.leaf] = f
+      else:
+        layers = np.shape(leaves[piece.leaf])[piece.axis]
+        out[piece.leaf] = tuple(layer % piece.count for layer in range(layers))
+  return dict(zip(_path_names(params), out))
+
+
+def _layers_text(piece: Piece, layers: int) -> str:
+  """``"layers 1, 5, 9 of axis 0"`` (the first three and the last if many)."""
+  chosen = list(range(piece.index, layers, piece.count))
+  shown = ", ".join(str(layer) for layer in chosen[:3])
+  if len(chosen) > 4:
+    shown += f", ..., {chosen[-1]}"
+  elif len(chosen) == 4:
+    shown += f", {chosen[-1]}"
+  return f"layers {shown} of axis {piece.axis}"
+
+
+def describe_fragments(
+  params: Any,
+  num_fragments: int,
+  layer_axes: Any = None,
+  *,
+  sync_period: int | None = None,
+  sync_offset: int = 0,
+) -> str:
+  """A table of the leaves that form each fragment of
+  ``shardopt.diloco(..., num_fragments=F)``, to print.
+
+  One block per fragment: the step of the period after which it syncs (with
+  ``sync_period``), its bytes (what one replica's outer gradient of it
+  holds, before any ``comm_dtype``) and its pieces, one line each: the leaf's
+  path, shape and dtype, and the part of it the fragment holds (the whole
+  leaf, or its layers with ``layer_axes``). Use it to order the params'
+  leaves so that the fragments match another run's (torchft's
+  ``model_fragments``, see ``docs/diloco.md``). ``fragment_of`` gives
+  the same assignment as a dict.
+
+  Args:
+    params: one replica's params (or ``jax.ShapeDtypeStruct`` leaves).
+    num_fragments: ``F``, as given to ``diloco``.
+    layer_axes: as given to ``diloco``.
+    sync_period: as given to ``diloco``; None leaves out the sync steps.
+    sync_offset: as given to ``diloco``.
+
+  Returns:
+    The table, as text.
+
+  Example:
+    >>> import numpy as np
+    >>> from shardopt import describe_fragments
+    >>> params = {"b": np.zeros(8, np.float32), "w": np.zeros((16, 8), np.float32)}
+    >>> print(describe_fragments(params, 2, sync_period=4))
+    fragment 0: syncs after step 4 of every 4, 32 bytes
+      b  (8,)     float32  whole
+    fragment 1: syncs after step 2 of every 4, 512 bytes
+      w  (16, 8)  float32  whole
+  """
+  name = "shardopt.describe_fragments"
+  fragments = _checked_split(params, num_fragments, layer_axes, name)
+  steps = None
+  if sync_period is not None:
+    # Local imports: checks and schedules import this module.
+    from shardopt.periodic import checks  # pylint: disable=g-import-not-at-top
+    from shardopt.periodic import schedules  # pylint: disable=g-import-not-at-top
+
+    period = checks.check_period(sync_period, "sync_period", name)
+    checks.check_num_fragments(num_fragments, period, name)
+    offset = checks.check_sync_offset(sync_offset, period, name)
+    steps = [
+      s.phase or period
+      for s in schedules.streaming(period, len(fragments), offset=offset)
+    ]
+  leaves = jax.tree.leaves(params)
+  names = _path_names(params)
+  blocks = []  # per fragment: (bytes, [(path, shape, dtype, part)])
+  for fragment in fragments:
+    rows, total = [], 0
+    for piece in fragment:
+      leaf = leaves[piece.leaf]
+      shape = tuple(np.shape(leaf))
+      total += _leaf_bytes([leaf])[0] // piece.count
+      part = (
+        "whole"
+        if piece.axis is None
+        else _layers_text(piece, shape[piece.axis])
+      )
+      rows.append(
+        (names[piece.leaf], str(shape), np.dtype(leaf.dtype).name, part)
+      )
+    blocks.append((total, rows))
+  widths = [
+    max((len(row[c]) for _, rows in blocks for row in rows), default=0)
+    for c in range(3)
+  ]
+  lines = []
+  for f, (total, rows) in enumerate(blocks):
+    when = (
+      ""
+      if steps is None
+      else f"syncs after step {steps[f]} of every {period}, "
+    )
+    lines.append(f"fragment {f}: {when}{total:,} bytes")
+    for row in rows:
+      cells = [cell.ljust(width) for cell, width in zip(row, widths)]
+      lines.append("  " + "  ".join([*cells, row[3]]))
+    if not rows:
+      lines.append("  (no leaves)")
+  return "\n".join(lines)

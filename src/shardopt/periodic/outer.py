@@ -88,7 +88,7 @@ class Optimizer:
 
     def step(operands):
       center, state = operands
-      wire = [t.astype(c.dtype) for t, c in zip(combined, center)]
+      wire = [t.astype(c.dtype) for t, c in zip(combined, center, strict=True)]
       center_updates, state = self.optimizer.update(
         view(wire), state, view(center)
       )
@@ -120,7 +120,7 @@ class Replace:
     del view
     center = [
       jnp.where(any_finite, t, m).astype(c.dtype)
-      for t, m, c in zip(combined, mine, center)
+      for t, m, c in zip(combined, mine, center, strict=True)
     ]
     return center, global_state
 
@@ -131,7 +131,7 @@ def pull(target: list, params: list) -> list:
   ``params + (target - params)`` lands on the target exactly when
   ``target/2 <= params <= 2*target`` (Sterbenz), within one rounding otherwise.
   """
-  return [t.astype(p.dtype) - p for t, p in zip(target, params)]
+  return [t.astype(p.dtype) - p for t, p in zip(target, params, strict=True)]
 
 
 def pull_after(synced: list, center: list, params: list, updates: list) -> list:
@@ -144,7 +144,7 @@ def pull_after(synced: list, center: list, params: list, updates: list) -> list:
   """
   return [
     jnp.where(f, c.astype(p.dtype) - p, u)
-    for f, c, p, u in zip(synced, center, params, updates)
+    for f, c, p, u in zip(synced, center, params, updates, strict=True)
   ]
 
 
@@ -175,7 +175,9 @@ class Merge:
     local optimizer's elsewhere. Outside every cond, like
     :func:`pull_after`."""
     out = []
-    for s, m, c, p, u in zip(synced, merging, center, params, updates):
+    for s, m, c, p, u in zip(
+      synced, merging, center, params, updates, strict=True
+    ):
       c = c.astype(p.dtype)
       target = c
       if self.alpha:

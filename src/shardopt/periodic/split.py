@@ -127,7 +127,7 @@ def take(leaves: list, parts: tuple) -> list:
 def put(leaves: list, parts: tuple, values: list) -> list:
   """``leaves`` with ``parts`` replaced by ``values``."""
   leaves = list(leaves)
-  for p, value in zip(parts, values):
+  for p, value in zip(parts, values, strict=True):
     leaves[p.leaf] = _fragments.put(leaves[p.leaf], p, value)
   return leaves
 
@@ -193,7 +193,10 @@ def apply(
       new_global if f == fragment else g for f, g in enumerate(global_state)
     )
   leaves = jax.tree.leaves(params)
-  pulled = [c.astype(p.dtype) for c, p in zip(new_center, take(leaves, parts))]
+  pulled = [
+    c.astype(p.dtype)
+    for c, p in zip(new_center, take(leaves, parts), strict=True)
+  ]
   accumulator = jax.tree.leaves(state.accumulator)
   if accumulator:
     zeros = [jnp.zeros_like(a) for a in take(accumulator, parts)]

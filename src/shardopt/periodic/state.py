@@ -111,16 +111,3 @@ def initial_flags(leaves: list, axis_name: Any, whole_axis_count: bool):
     skipped = _axes.cast_varying(skipped, axes)
     restart = _axes.cast_varying(restart, own | axes)
   return skipped, restart
-
-
-def initial_error(leaves: list, axis_name: Any) -> list:
-  """Error feedback's zero buffers, float32, one per leaf, typed varying
-  like ``restart`` (each replica keeps its own)."""
-  zeros = [jnp.zeros(jnp.shape(p), jnp.float32) for p in leaves]
-  if not _axes.vma_checked():
-    return zeros
-  own = frozenset(_axes.axis_names(axis_name))
-  return [
-    _axes.cast_varying(z, own | frozenset(_axes.varying_axes(p)))
-    for z, p in zip(zeros, leaves)
-  ]

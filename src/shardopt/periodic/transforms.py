@@ -385,9 +385,9 @@ def diloco(
   axis_name: Any,
   *,
   sync_period: int = 500,
-  outer_learning_rate: float = checks.DEFAULT_OUTER["outer_learning_rate"],
-  outer_momentum: float = checks.DEFAULT_OUTER["outer_momentum"],
-  nesterov: bool = checks.DEFAULT_OUTER["nesterov"],
+  outer_learning_rate: float = checks.OUTER_DEFAULTS["outer_learning_rate"],
+  outer_momentum: float = checks.OUTER_DEFAULTS["outer_momentum"],
+  nesterov: bool = checks.OUTER_DEFAULTS["nesterov"],
   outer_optimizer: optax.GradientTransformation | None = None,
   axis_index_groups=None,
   comm_dtype=None,
@@ -494,14 +494,15 @@ def diloco(
       trails ``local_sgd``, lower the rate to 1 or below (see
       ``docs/diloco.md``).
     outer_momentum: the outer momentum in ``[0, 1)``; 0.2 by default.
-    nesterov: whether the outer momentum is Nesterov's.
+    nesterov: whether the outer momentum is Nesterov's; True by default.
     outer_optimizer: any optax transform for the outer step instead (its
       gradient is the outer gradient, its params the center; its state is
       replicated, one per fragment with ``num_fragments``).
       ``outer_learning_rate``, ``outer_momentum`` and ``nesterov`` spell the
       default, ``optax.sgd(0.8, momentum=0.2, nesterov=True)``; leave them
-      as they are when you pass it. ``optax.sgd(1.0)`` is plain averaging
-      (:func:`local_sgd`'s outer step).
+      out when you pass it: giving any of them too raises a ``ValueError``,
+      whatever its value (the default's included). ``optax.sgd(1.0)`` is
+      plain averaging (:func:`local_sgd`'s outer step).
     axis_index_groups: optional equal-size groups; each group has its center.
     comm_dtype: optional wire dtype, floating or quantized (see
       :func:`agn`).
@@ -585,6 +586,14 @@ def diloco(
   name = "shardopt.diloco"
   checks.check_axis_name(axis_name, name)
   period = checks.check_period(sync_period, "sync_period", name)
+  given = checks.given_outer_args(
+    outer_learning_rate=outer_learning_rate,
+    outer_momentum=outer_momentum,
+    nesterov=nesterov,
+  )
+  outer_learning_rate = checks.outer_arg(outer_learning_rate)
+  outer_momentum = checks.outer_arg(outer_momentum)
+  nesterov = checks.outer_arg(nesterov)
   checks.check_outer_args(name, outer_learning_rate, outer_momentum, nesterov)
   if outer_optimizer is None:
     outer_optimizer = optax.sgd(
@@ -593,9 +602,7 @@ def diloco(
       nesterov=bool(nesterov),
     )
   else:
-    checks.check_outer_optimizer(
-      name, outer_optimizer, outer_learning_rate, outer_momentum, nesterov
-    )
+    checks.check_outer_optimizer(name, outer_optimizer, given)
   fragments = checks.check_num_fragments(num_fragments, period, name)
   tau, alpha = checks.check_overlap(overlap_steps, overlap_alpha, period, name)
   offset = checks.check_sync_offset(sync_offset, period, name)

@@ -1,0 +1,93 @@
+"""What crosses the wire: one protocol for every reduction in shardopt.
+
+``comm_dtype=`` (of :func:`shardopt.reduce`, the ``cross_shard``
+transforms, ``tower``, ``powersgd``, the periodic family and
+``shardopt.elastic``'s rounds) names a wire; :func:`of` turns it into a
+:class:`~shardopt.wire.Wire`, which says what it can do and does
+the encoding, the exchange's arithmetic and the decoding:
+
+- ``None`` or a float dtype (``jnp.bfloat16``, ``jnp.float16``):
+  :mod:`.dense`, a cast;
+- ``jnp.int8``, ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``, ``jnp.int4``
+  or :func:`shardopt.quantized`: :mod:`.blocks`, quantized blocks with
+  float32 scales, two phases;
+- :func:`shardopt.topk`: :mod:`.sparse`, the top k of every chunk, gathered
+  (needs error feedback).
+
+Error feedback lives in :mod:`.feedback`, the mean over the contributors in
+:mod:`.mean`, the protocol in :mod:`.protocol`; :func:`traffic` reads what a
+compiled step sends (:mod:`.traffic`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from shardopt.wire import blocks
+from shardopt.wire import dense
+from shardopt.wire import sparse
+from shardopt.wire.protocol import Wire
+from shardopt.wire.sparse import TopKSpec
+from shardopt.wire.traffic import Collective
+from shardopt.wire.traffic import Traffic
+from shardopt.wire.traffic import traffic
+
+# The specs' builders are shardopt.quantized and shardopt.topk.
+__all__ = ["Collective", "Traffic", "Wire", "of", "traffic"]
+
+_USE = (
+  "use a float dtype such as jnp.bfloat16 or jnp.float16, a quantized one"
+  " (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int4), or"
+  " shardopt.quantized(dtype, block_size=...), or a sparse one,"
+  " shardopt.topk(k) (with error_feedback=True)."
+)
+
+
+def of(comm_dtype: Any, transform: str = "shardopt.wire.of", axis_name=None):
+  """The :class:`Wire` a ``comm_dtype`` names.
+
+  None and float dtypes give a dense wire (``spec`` None or the
+  ``np.dtype``), ``jnp.int8``, ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``,
+  ``jnp.int4`` and :func:`shardopt.quantized` specs the quantized blocks
+  (``spec`` a ``QuantizedSpec``), :func:`shardopt.topk` specs the sparse
+  wire. Anything else raises ``TypeError`` naming ``transform``, the axis
+  and the dtypes that work.
+
+  Example:
+    >>> import jax.numpy as jnp, shardopt
+    >>> w = shardopt.wire.of(jnp.int8)
+    >>> w.spec, w.two_phase, w.takes_error_feedback, w.carries_counts
+    (quantized(int8, block_size=256), True, True, False)
+    >>> shardopt.wire.of(shardopt.topk(64)).needs_error_feedback
+    True
+    >>> shardopt.wire.of(None).carries_counts
+    True
+  """
+  if isinstance(comm_dtype, Wire):
+    return comm_dtype
+  if comm_dtype is None:
+    return dense.Dense(None)
+  if isinstance(comm_dtype, TopKSpec):
+    return sparse.Sparse(comm_dtype)
+  spec = blocks.as_spec(comm_dtype)
+  if spec is not None:
+    return blocks.Blocks(spec)
+  on = (
+    f" (the wire dtype of reductions over axis {axis_name!r})"
+    if axis_name is not None
+    else ""
+  )
+  try:
+    dtype = jnp.dtype(comm_dtype)
+  except TypeError as e:
+    raise TypeError(
+      f"{transform}: comm_dtype={comm_dtype!r}{on} is not a dtype; {_USE}"
+    ) from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+      f"{transform}: comm_dtype={dtype}{on} is neither a floating dtype nor"
+      f" a quantized one; {_USE}"
+    )
+  return dense.Dense(dtype)
