@@ -262,6 +262,7 @@ def main(
       )
     }
     section["ran_on"]["load_average_at_end"] = list(os.getloadavg())
+    section["ran_on"]["command"] = command
     results["sections"][name] = section
     print(f"[benchmarks] {name} done in {section['seconds']:.0f} s", flush=True)
   results["machine"]["load_average_at_end"] = list(os.getloadavg())

@@ -60,7 +60,7 @@ def init_mlp(seed: int, sizes=SIZES) -> dict:
   """float32 params {"w0", "b0", ...} (the same on every island)."""
   rng = np.random.default_rng(seed)
   params = {}
-  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
     params[f"w{i}"] = (rng.standard_normal((a, b)) / np.sqrt(a)).astype(
       np.float32
     )

@@ -33,6 +33,8 @@ def demo_run(tmp_path_factory):
       str(PERIOD),
       "--out",
       str(out),
+      "--json",
+      str(out / "demo.json"),
     ]
   )
   return out, results
@@ -57,6 +59,29 @@ def test_demo_table_lists_the_four_methods_with_accuracy_above_chance(
     # Ten balanced classes: chance is 10%. Even 32 steps get far above it.
     assert r.test_accuracy > 0.3, r
     assert f"{r.test_accuracy:.1%}" in table
+
+
+def test_demo_json_holds_the_results_and_what_produced_them(demo_run):
+  """``--json``: what ``python -m benchmarks.blocks`` renders the README's
+  table from (benchmarks/results/demo.json)."""
+  import datetime
+  import json
+
+  out, results = demo_run
+  data = json.loads((out / "demo.json").read_text())
+  assert data["command"].startswith("python -m shardopt.demo --steps 32 ")
+  assert f"--json {out / 'demo.json'}" in data["command"]
+  assert datetime.datetime.fromisoformat(data["measured_utc"]).tzinfo
+  assert data["commit"] is None or len(data["commit"]) >= 7
+  assert (data["devices"], data["steps"], data["sync_period"]) == (
+    N,
+    STEPS,
+    PERIOD,
+  )
+  assert [m["method"] for m in data["methods"]] == [r.method for r in results]
+  for m, r in zip(data["methods"], results, strict=True):
+    assert m["test_accuracy"] == r.test_accuracy
+    assert m["bytes_per_replica"] == r.bytes_per_replica
 
 
 def test_demo_bytes_equal_the_ring_all_reduce_formula(demo_run):

@@ -294,12 +294,17 @@ def test_island_restarted_heals_in_the_round_it_joins_twice(tmp_path):
     run.finish(survivors=[0, 1, 2])
 
     def expect(schedule):
+      # What the design guarantees, whatever the machine's load does to the
+      # timing (check() adds: every round once, the same hash on every
+      # island that logs it, the numpy reference of this membership): two
+      # healing rounds, each with island 2 in its live set, and island 2 out
+      # of some round between the two (the survivors went on without it).
       lives = _lives(schedule)
       assert lives[0] == [0, 1, 2] and lives[-1] == [0, 1, 2], lives
-      assert sum(1 for _, _, joined in schedule if joined == [2]) == 2, schedule
-      for k, (_, live, joined) in enumerate(schedule):
-        if joined:  # the round before it was one without island 2
-          assert lives[k - 1] == [0, 1], lives
+      heals = [k for k, (_, _, joined) in enumerate(schedule) if joined]
+      assert [schedule[k][2] for k in heals] == [[2], [2]], schedule
+      assert all(2 in lives[k] for k in heals), lives
+      assert any(lives[k] == [0, 1] for k in range(heals[0], heals[1])), lives
 
     run.check([0, 1, 2], expect)
 

@@ -19,7 +19,7 @@ import pytest
 
 import shardopt
 from shardopt.periodic import fragments as fragments_module
-from shardopt.periodic.fragments import describe_fragments
+from shardopt.periodic.describe import describe_fragments
 from shardopt.periodic.fragments import fragment_of
 
 R = 2  # replicas

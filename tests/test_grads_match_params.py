@@ -91,7 +91,10 @@ NOT_TRANSFORMS = {
   "topk": "a wire spec",
   "state_specs": "reads a transform's state layout",
   "vmap_axes": "reads a transform's state layout",
+  "describe_fragments": "reads streaming DiLoCo's split of the params",
+  "fragment_of": "reads streaming DiLoCo's split of the params",
   "elastic": "a module; its Island runs these transforms' update",
+  "wire": "a module of wire specs and collectives",
 }
 
 CHECKED = sorted(

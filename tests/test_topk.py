@@ -63,7 +63,7 @@ def np_formula_bytes(size, k, chunk_size, value_bits):
   per_chunk = (
     int(np.ceil(keep * index_bits / 8))
     + int(np.ceil(keep * value_bits / 8))
-    + 4
+    + (0 if value_bits in RAW_BITS else 4)  # raw values: no scale
   )
   return chunks * per_chunk
 
@@ -93,12 +93,48 @@ def np_pack(values, bits):
   )
 
 
+RAW_BITS = (16, 32)
+
+
+def np_bfloat16(values):
+  """(little-endian bfloat16 bytes, their float32 values) of finite or
+  infinite float32 ``values``: the top 16 bits, rounded to nearest, ties to
+  even."""
+  bits = np.asarray(values, np.float32).view(np.uint32).astype(np.uint64)
+  high = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+  back = (high.astype(np.uint32) << 16).view(np.float32)
+  return high.astype("<u2").tobytes(), back
+
+
+def np_encode_raw(padded, chunk, chunks, keep, index_bits, value_bits):
+  """:func:`np_encode` at 16 or 32 bits: indices, then the values as they
+  are (bfloat16 or float32, little-endian), no scale, no flag."""
+  payload, dense = [], np.zeros_like(padded)
+  for c in range(chunks):
+    row = padded[c * chunk : (c + 1) * chunk]
+    key = np.where(np.isnan(row), np.inf, np.abs(row))
+    index = np.argsort(-key, kind="stable")[:keep]  # ties: lower index
+    values = row[index]
+    if value_bits == 32:
+      raw, sent = values.astype("<f4").tobytes(), values
+    else:
+      raw, sent = np_bfloat16(values)
+    payload += [np_pack(index, index_bits), np.frombuffer(raw, np.uint8)]
+    dense[c * chunk + index] = sent
+  return np.concatenate(payload), dense
+
+
 def np_encode(x, k, chunk_size, value_bits):
   """(payload bytes, the dense float32 leaf it stands for)."""
   flat = np.asarray(x, np.float32).reshape(-1)
   chunk, chunks, keep, index_bits = np_layout(flat.size, k, chunk_size)
   padded = np.zeros(chunks * chunk, np.float32)
   padded[: flat.size] = flat
+  if value_bits in RAW_BITS:
+    payload, dense = np_encode_raw(
+      padded, chunk, chunks, keep, index_bits, value_bits
+    )
+    return payload, dense[: flat.size]
   levels = 2 ** (value_bits - 1)
   payload, dense = [], np.zeros_like(padded)
   for c in range(chunks):
@@ -152,6 +188,10 @@ CODEC_CASES = {
   "chunk_of_two": (5, 1, 2, 4),
   "sparse_input": (40, 6, 16, 1),
   "scalar": (1, 3, 8, 2),
+  "float32_values": (100, 7, 32, 32),
+  "bfloat16_values": (37, 4, 16, 16),
+  "bfloat16_short_leaf": (10, 4, 64, 16),
+  "float32_sparse_input": (40, 6, 16, 32),
 }
 
 
@@ -209,6 +249,20 @@ def test_a_non_finite_chunk_decodes_to_nan_at_its_k_entries():
   np.testing.assert_array_equal(dense[4:], [5, 2.5, 0, 0])  # levels 2.5, 5
   _, want = np_encode(x, 2, 4, 2)
   np.testing.assert_array_equal(dense, want)
+
+
+@pytest.mark.parametrize("value_bits", RAW_BITS)
+def test_raw_values_travel_as_they_are_nan_and_inf_included(value_bits):
+  spec = shardopt.topk(2, chunk_size=4, value_bits=value_bits)
+  x = np.array([1, np.nan, 2, 0, 5, -np.inf, 0, 0.25], np.float32)
+  dense = np.asarray(_round_trip(x, spec))
+  assert np.isnan(dense[1])
+  np.testing.assert_array_equal(dense[[0, 2, 3]], [0, 2, 0])
+  np.testing.assert_array_equal(dense[4:], [5, -np.inf, 0, 0])
+  # 3 + 1/128 is a bfloat16 tie between 3 and 3 + 1/64: to even, 3.
+  x = np.array([3 + 2.0**-7, 0, 0, 0], np.float32)
+  want = 3.0 if value_bits == 16 else x[0]
+  assert np.asarray(_round_trip(x, spec))[0] == want
 
 
 @pytest.mark.parametrize("case", CODEC_CASES)
@@ -335,6 +389,8 @@ def np_simulation(grads, k, chunk_size, value_bits, decay, groups, divide):
     pytest.param(0.5, 1, "mean", marks=SLOW),
     pytest.param(1.0, 4, "mean", marks=SLOW),
     pytest.param(0.95, 2, "mean", marks=SLOW),
+    pytest.param(1.0, 32, "mean", marks=SLOW),
+    pytest.param(0.5, 16, "sum", marks=SLOW),
   ],
 )
 def test_cross_shard_matches_the_numpy_simulation_bit_for_bit(
@@ -594,13 +650,10 @@ def test_stateless_reduce_refuses_topk_and_names_the_stateful_transforms():
     f(np.zeros((N, 16), np.float32))
 
 
-def test_tower_powersgd_and_elastic_refuse_topk():
+def test_tower_and_powersgd_refuse_topk():
+  """(shardopt.elastic takes it: tests/test_elastic_rounds.py.)"""
   spec = shardopt.topk(4)
   with pytest.raises(NotImplementedError, match=r"shardopt\.tower: .*top-k"):
     shardopt.tower(optax.sgd(1.0), AXIS, comm_dtype=spec)
   with pytest.raises(ValueError, match=r"shardopt\.powersgd: .*top-k"):
     shardopt.powersgd(AXIS, rank=2, comm_dtype=spec)
-  from shardopt.elastic.rows import Wire
-
-  with pytest.raises(NotImplementedError, match=r"shardopt\.elastic: .*top-k"):
-    Wire(spec).encode(jnp.zeros(8))

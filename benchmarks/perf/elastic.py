@@ -9,7 +9,8 @@ wire) for 2, 4 and 8 islands on forced CPU devices, reads what one island
 sends from the compiled HLO with ``shardopt.wire.traffic``, and prints one
 JSON line: ``{"payload_bytes": P, "round_bytes_per_island": {"2": B2, "4":
 B4, "8": B8}, ...}`` (plus, for comparison, the one ``all_gather`` of whole
-rows that rounds were before, ``all_gather_bytes_per_island``).
+rows that rounds were before, ``all_gather_bytes_per_island``), also saved
+to ``benchmarks/results/elastic_round_bytes.json``.
 
 Two parts, 3 processes x 2 CPU devices on localhost (gloo, heartbeat 5 s,
 CPU collective timeout 10 s), printed as tables and saved to
@@ -43,6 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "elastic.json"
+ROUND_BYTES = ROOT / "benchmarks" / "results" / "elastic_round_bytes.json"
 _spec = importlib.util.spec_from_file_location(
   "elastic_launch", ROOT / "examples" / "elastic_launch.py"
 )
@@ -218,7 +220,15 @@ def round_bytes(islands=(2, 4, 8), shape=(512, 512)) -> dict:
     "measured_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds"
     ),
+    "commit": _git_commit(),
   }
+
+
+def _git_commit() -> str:
+  """The checkout's short commit (``_report``'s), recorded with the numbers."""
+  from benchmarks import _report  # noqa: PLC0415
+
+  return _report._git_commit()  # noqa: SLF001
 
 
 def main() -> None:
@@ -232,7 +242,9 @@ def main() -> None:
   )
   args = ap.parse_args()
   if args.round_bytes:
-    print(json.dumps(round_bytes()))
+    measured = round_bytes()
+    ROUND_BYTES.write_text(json.dumps(measured, indent=1) + "\n")
+    print(json.dumps(measured))
     return
   started = datetime.datetime.now(datetime.timezone.utc)
   costs = round_costs(args.rounds)
@@ -279,9 +291,11 @@ def main() -> None:
   RESULTS.write_text(
     json.dumps(
       {
-        "command": "python -m benchmarks.perf.elastic "
-        + " ".join(sys.argv[1:]),
+        "command": " ".join(
+          ["python -m benchmarks.perf.elastic", *sys.argv[1:]]
+        ),
         "started_utc": started.isoformat(timespec="seconds"),
+        "commit": _git_commit(),
         "round_costs": costs,
         "detection": runs,
       },

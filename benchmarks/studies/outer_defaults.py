@@ -35,6 +35,7 @@ import optax  # noqa: E402
 
 import shardopt  # noqa: E402
 from benchmarks import RESULTS  # noqa: E402
+from benchmarks import _report  # noqa: E402
 from benchmarks.studies import workload  # noqa: E402
 
 NAME = "outer_defaults"
@@ -127,12 +128,19 @@ def lm_finals(paths) -> dict:
   """Final val bits/byte of :mod:`.outer_sweep` runs merged from its JSON
   files: ``{H: {"lr L momentum M": {seed: value}}}`` (the sync run under
   ``H = "sync"``)."""
+  sections = []
+  for path in paths:
+    with open(path) as f:
+      sections.append(json.load(f))
+  return lm_finals_of(sections)
+
+
+def lm_finals_of(sections) -> dict:
+  """:func:`lm_finals` of the loaded JSON of each file."""
   import re  # noqa: PLC0415
 
   out = {}
-  for path in paths:
-    with open(path) as f:
-      section = json.load(f)
+  for section in sections:
     first = section.get("first_seed", 0)
     for label, run_ in section["runs"].items():
       m = re.match(
@@ -232,6 +240,15 @@ def main(argv=None) -> int:
     outer = (*outer, PLAIN)
   section = run(args.steps, args.seeds, periods, outer)
   print(table(section))
+  # What produced the numbers, for the tables generated from this file
+  # (python -m benchmarks.blocks).
+  section["command"] = " ".join(
+    [
+      "python -m benchmarks.studies.outer_defaults",
+      *(sys.argv[1:] if argv is None else argv),
+    ]
+  )
+  section["commit"] = _report._git_commit()  # noqa: SLF001
   path = os.path.join(RESULTS, f"{NAME}.json")
   with open(path, "w") as f:
     json.dump(section, f, indent=1)

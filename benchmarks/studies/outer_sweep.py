@@ -40,6 +40,7 @@ import statistics  # noqa: E402
 
 import shardopt  # noqa: E402
 from benchmarks import RESULTS  # noqa: E402
+from benchmarks import _report  # noqa: E402
 from benchmarks.studies import workload as lm  # noqa: E402
 
 NAME = "outer_sweep"
@@ -213,6 +214,15 @@ def main(argv=None) -> int:
   print(table(section))
   directory = RESULTS
   png = plot(section, directory, args.name)
+  # What produced the numbers, for the tables generated from this file
+  # (python -m benchmarks.blocks).
+  section["command"] = " ".join(
+    [
+      "python -m benchmarks.studies.outer_sweep",
+      *(sys.argv[1:] if argv is None else argv),
+    ]
+  )
+  section["commit"] = _report._git_commit()  # noqa: SLF001
   path = os.path.join(directory, f"{args.name}.json")
   with open(path, "w") as f:
     json.dump(section, f, indent=1)

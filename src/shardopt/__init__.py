@@ -28,7 +28,7 @@ from shardopt.periodic import agn
 from shardopt.periodic import diloco
 from shardopt.periodic import hierarchical_local_sgd
 from shardopt.periodic import local_sgd
-from shardopt.periodic.fragments import describe_fragments
+from shardopt.periodic.describe import describe_fragments
 from shardopt.periodic.fragments import fragment_of
 from shardopt.powersgd import PowerSGDState
 from shardopt.powersgd import powersgd

@@ -6,7 +6,7 @@
   (:func:`is_integer` is the one test behind every integer argument).
 - A wrapped optimizer that is not an optax transform, a ``comm_dtype`` that
   is not a wire: ``TypeError`` (``_axes.check_transform``,
-  ``_axes.check_comm_dtype``).
+  ``shardopt.wire.of``).
 
 Every message names the transform, the argument, the value and the fix.
 """

@@ -139,7 +139,7 @@ def other_axes_present() -> bool:
     return False
   return any(
     kind != jax.sharding.AxisType.Manual and size > 1
-    for size, kind in zip(mesh.axis_sizes, mesh.axis_types)
+    for size, kind in zip(mesh.axis_sizes, mesh.axis_types, strict=True)
   )
 
 
@@ -264,17 +264,6 @@ def check_float_leaf(
       " Drop it from the gradient tree, or wrap the transform in"
       " optax.masked(...) so it only sees float leaves."
     )
-
-
-def check_comm_dtype(
-  comm_dtype: Any, transform: str, axis_name: AxisName = None
-):
-  """``comm_dtype`` in canonical form: :func:`shardopt.wire.of`'s ``spec``
-  (None, a float ``np.dtype``, a ``QuantizedSpec`` or a ``TopKSpec``), or a
-  TypeError naming the transform, the axis and the dtypes that work."""
-  from shardopt import wire  # noqa: PLC0415 (the wire package imports us)
-
-  return wire.of(comm_dtype, transform, axis_name).spec
 
 
 def check_transform(inner: Any, transform: str, arg: str = "inner") -> None:

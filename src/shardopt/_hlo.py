@@ -735,7 +735,7 @@ def _sync_bytes(
   if count == 1 or not values:
     return [float(sum(values))] * count, ""
   if len(values) == count:
-    for sync, label in zip(schedule.syncs, labels):
+    for sync, label in zip(schedule.syncs, labels, strict=True):
       found = _main_group_size(collectives, label)
       if sync.group_size is not None and found != sync.group_size:
         return values, (

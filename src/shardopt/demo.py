@@ -37,7 +37,7 @@ Usage::
     python -m shardopt.demo [--steps N] [--devices N] [--sync-period H]
                             [--method sync|powersgd|diloco|streaming|all]
                             [--outer-dtype int4|int8|float8_e4m3fn|bfloat16|float32]
-                            [--out DIR]
+                            [--out DIR] [--json PATH]
 
 It needs scikit-learn, matplotlib and tqdm, which shardopt itself does not
 install: ``pip install "shardopt[demo]"`` (the ``demo`` extra). Without them
@@ -157,7 +157,7 @@ def init_mlp(key, sizes: Sequence[int]):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   params = []
-  for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+  for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
     key, sub = jax.random.split(key)
     w = jax.nn.initializers.glorot_normal()(sub, (fan_in, fan_out), jnp.float32)
     params.append({"w": w, "b": jnp.zeros((fan_out,), jnp.float32)})
@@ -424,6 +424,68 @@ def plot_results(results: Sequence[RunResult], path: str) -> str:
   return path
 
 
+def _git_commit() -> str | None:
+  """The checkout's short commit, or None (not a git checkout, no git)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+
+  try:
+    out = subprocess.run(
+      ["git", "rev-parse", "--short", "HEAD"],
+      cwd=os.path.dirname(os.path.abspath(__file__)),
+      capture_output=True,
+      text=True,
+      timeout=10,
+    )
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip() or None
+
+
+def write_json(
+  path: str,
+  results: Sequence[RunResult],
+  devices: list,
+  args: argparse.Namespace,
+  argv: Sequence[str] | None,
+) -> None:
+  """The results as JSON, with the command, the date (UTC) and the commit:
+  what ``python -m benchmarks.blocks`` renders the README's table from."""
+  import datetime  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+
+  argv = sys.argv[1:] if argv is None else list(argv)
+  data = {
+    "command": " ".join(["python -m shardopt.demo", *argv]),
+    "measured_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds"
+    ),
+    "commit": _git_commit(),
+    "devices": len(devices),
+    "platform": devices[0].platform,
+    "steps": args.steps,
+    "sync_period": args.sync_period,
+    "outer_dtype": args.outer_dtype,
+    "methods": [
+      {
+        "method": r.method,
+        "test_accuracy": r.test_accuracy,
+        "bytes_per_replica": r.bytes_per_replica,
+        "steps": r.steps,
+        "wire": r.wire,
+        "wall_time_s": r.wall_time_s,
+        "replica_divergence": r.replica_divergence,
+        "final_loss": float(np.asarray(r.losses)[-1]),
+      }
+      for r in results
+    ],
+  }
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(data, f, indent=1)
+    f.write("\n")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
     prog="python -m shardopt.demo",
@@ -453,6 +515,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "--out",
     default="demo_out",
     help="directory for frontier.png and results.md (default ./demo_out)",
+  )
+  parser.add_argument(
+    "--json",
+    default=None,
+    metavar="PATH",
+    help="also write the results, the command, the date and the commit as"
+    " JSON to PATH (the README's table: benchmarks/results/demo.json)",
   )
   parser.add_argument(
     "--sync-period",
@@ -519,6 +588,8 @@ def main(argv: Sequence[str] | None = None) -> list:
   png = plot_results(results, os.path.join(args.out, "frontier.png"))
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write(table + "\n")
+  if args.json:
+    write_json(args.json, results, devices, args, argv)
   print()
   print(table)
   print(f"\nfrontier and loss curves: {png}")

@@ -27,8 +27,8 @@ import optax
 from shardopt import _args
 from shardopt import _axes
 from shardopt import _shapes
+from shardopt import wire
 from shardopt.collectives import reduce_for
-from shardopt.sparse import TopKSpec
 
 _POWERSGD = "shardopt.powersgd"
 # The factor matmuls run in full float32 on every backend (the default
@@ -233,8 +233,9 @@ def _check_args(
       f"{_POWERSGD}: seed={seed!r} (axis {axis_name!r}) must be"
       " an integer, the seed of the initial Q; e.g. seed=0."
     )
-  comm_dtype = _axes.check_comm_dtype(comm_dtype, _POWERSGD, axis_name)
-  if isinstance(comm_dtype, TopKSpec):
+  on_wire = wire.of(comm_dtype, _POWERSGD, axis_name)
+  comm_dtype = on_wire.spec
+  if on_wire.sparse:
     raise ValueError(
       f"{_POWERSGD}: comm_dtype={comm_dtype!r} (axis {axis_name!r}): the"
       " top-k wire does not carry powersgd's factors (already compressed,"

@@ -31,9 +31,9 @@ import optax
 
 from shardopt import _axes
 from shardopt import _shapes
-from shardopt import quantize
+from shardopt import wire
 from shardopt.collectives import reduce_on_wire
-from shardopt.sparse import TopKSpec
+from shardopt.wire import blocks
 
 _TOWER = "shardopt.tower"
 _CLIP = "shardopt.clip_by_global_norm"
@@ -195,11 +195,11 @@ def _quantized_owned_sum(
   names: tuple,
   varying: tuple,
   num_owners: int,
-  spec: quantize.QuantizedSpec,
+  spec: blocks.QuantizedSpec,
   reduction: str,
 ) -> jax.Array:
   """The owned chunk of the sum (or mean) of ``g`` over a quantized wire
-  (``shardopt.quantize.reduce_scatter``): each replica sends every
+  (``shardopt.wire.blocks.reduce_scatter``): each replica sends every
   owner its chunk in blocks of ``spec`` with float32 scales, and the owner
   sums them in float32. The updates then travel back exact (all-gather)."""
   layout = _layout(g, num_owners)
@@ -214,7 +214,7 @@ def _quantized_owned_sum(
       " comm_dtype=...)."
     )
   rows = _owners_view(g, layout)
-  owned = quantize.reduce_scatter(
+  owned = blocks.reduce_scatter(
     rows,
     _axes.as_axis(names),
     spec,
@@ -406,8 +406,9 @@ def tower(
       " under plain jax.jit over sharded arrays use `inner` directly."
     )
   _axes.check_reduction(reduction, _TOWER, axis_name)
-  comm_dtype = _axes.check_comm_dtype(comm_dtype, _TOWER, axis_name)
-  if isinstance(comm_dtype, TopKSpec):
+  on_wire = wire.of(comm_dtype, _TOWER, axis_name)
+  comm_dtype = on_wire.spec
+  if on_wire.sparse:
     raise NotImplementedError(
       f"{_TOWER}: comm_dtype={comm_dtype!r} (axis {axis_name!r}): the top-k"
       " wire needs an error buffer per replica, which tower does not keep."
@@ -443,7 +444,7 @@ def tower(
           if (reduction == "mean")
           else chunk
         )
-      if isinstance(comm_dtype, quantize.QuantizedSpec):
+      if isinstance(on_wire, blocks.Blocks):
         return _quantized_owned_sum(
           g, names, varying, num_owners, comm_dtype, reduction
         )

@@ -50,7 +50,7 @@ def candidates(islands: dict[int, list]):
   order, each with each of its devices; the sorted first-device list first."""
   ids = sorted(islands)
   for choice in itertools.product(*(range(len(islands[i])) for i in ids)):
-    pick = {i: islands[i][c] for i, c in zip(ids, choice)}
+    pick = {i: islands[i][c] for i, c in zip(ids, choice, strict=True)}
     for order in itertools.permutations(ids):
       yield [pick[i] for i in order]
 

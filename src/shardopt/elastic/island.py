@@ -12,15 +12,20 @@ island. :meth:`Island.sync` runs one round whenever a sync is due:
    committed round, else a *healing* one (:mod:`.rows`);
 3. the device list: one never used before for this membership and attempt
    (:mod:`.cliques`);
-4. this island's row: its contribution (weight 0 if it joins now);
-5. one ``all_gather`` of the rows over the live islands, blocked on inside
-   the block;
-6. on success everywhere, the commit: every island combines the same rows in
-   the same order (mean over the contributing islands), the outer optimizer
-   moves the center, the sync's leaves land on it; a joining island takes
-   the center, the outer state and the counters from the first up-to-date
-   island's row. On ``ProcessFailureError`` or a collective error nothing is
-   adopted and the same round is tried again over the new membership.
+4. this island's rows: its contribution on the transform's wire (weight 0
+   if it joins now; :mod:`.rows`);
+5. one collective program over the live islands, blocked on inside the
+   block: on a two-phase wire an ``all_to_all`` of the rows, each island's
+   owned chunk summed, and an ``all_gather`` of the sums (an island sends
+   about twice its payload, however many islands there are); on the top-k
+   wire, and in a healing round, one ``all_gather`` of the rows;
+6. on success everywhere, the commit: every island holds the same sums, in
+   the same (island) order, divides by the contributing islands
+   (:mod:`shardopt.wire.mean`), the outer optimizer moves the center, the
+   sync's leaves land on it; a joining island takes the center, the outer
+   state and the counters from the first up-to-date island's row. On
+   ``ProcessFailureError`` or a collective error nothing is adopted and the
+   same round is tried again over the new membership.
 """
 
 from __future__ import annotations
@@ -108,9 +113,10 @@ class Island:
 
   Args:
     tx: ``shardopt.diloco``, ``shardopt.local_sgd`` or ``shardopt.agn``
-      (fragments and a quantized ``comm_dtype`` with or without error
-      feedback included; not hierarchical, overlap, warm-up or
-      ``axis_index_groups``). Its ``axis_name`` names the islands; the
+      (fragments and every ``comm_dtype`` included: a float, quantized
+      blocks or ``shardopt.topk``, with error feedback where the wire takes
+      it; not hierarchical, overlap, warm-up or ``axis_index_groups``, which
+      are refused here, when the ``Island`` is built). Its ``axis_name`` names the islands; the
       island-local step never binds it.
     processes_per_island: processes per island (dividing the number of
       processes).

@@ -223,8 +223,13 @@ def _warm_up(step: _Step, count: jax.Array) -> tuple[_Step, list, jax.Array]:
   def follow(operands):
     center, order = operands
     updates = step.local_step(step.grads)[0]
-    local = [optax.apply_updates(p, u) for p, u in zip(step.leaves, updates)]
-    return [x.astype(c.dtype) for x, c in zip(local, center)], order
+    local = [
+      optax.apply_updates(p, u)
+      for p, u in zip(step.leaves, updates, strict=True)
+    ]
+    return [
+      x.astype(c.dtype) for x, c in zip(local, center, strict=True)
+    ], order
 
   center, order = _xla.cond(
     warm, follow, lambda o: o, (center, step.state.sync_count)
@@ -353,8 +358,10 @@ def _piecewise(pieces: Sequence[_fragments.Piece]):
     return [_fragments.take(leaves[slot[p.leaf]], p) for p in pieces]
 
   def put(leaves: list, values: list) -> list:
+    if not leaves:  # a field this engine does not carry (no accumulator)
+      return []
     leaves = list(leaves)
-    for p, value in zip(pieces, values):
+    for p, value in zip(pieces, values, strict=True):
       leaves[slot[p.leaf]] = _fragments.put(leaves[slot[p.leaf]], p, value)
     return leaves
 

@@ -231,14 +231,16 @@ class Traffic:
       for op in self.collectives
     ]
     if cells:
-      widths = [max(len(c) for c in col) for col in zip(columns, *cells)]
+      widths = [
+        max(len(c) for c in col) for col in zip(columns, *cells, strict=True)
+      ]
       lines.append("  collectives:")
       for row in [columns, *cells]:
         lines.append(
           "    "
           + "  ".join(
             c.ljust(w) if i < 3 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(row, widths))
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
           ).rstrip()
         )
     else:

@@ -1,0 +1,935 @@
+"""Results tables generated from committed results files.
+
+``python -m benchmarks.blocks`` rewrites, in place, every results block of
+README.md, docs/*.md and benchmarks/README.md from the file under
+``benchmarks/results/`` its numbers are in; ``python -m benchmarks.blocks
+--check`` rewrites nothing and exits 1, naming each block that differs from
+what its file gives (``tests/test_results_blocks.py`` runs the check). A
+block in a page::
+
+  <!-- results:NAME (python -m benchmarks.blocks; from benchmarks/results/FILE.json) -->
+
+  _`the command that measured the numbers`, its date, its commit; ..._
+
+  | the table |
+
+  <!-- /results:NAME -->
+
+Everything between the two markers is generated: edit the renderer in
+:data:`BLOCKS` (or rerun the measurement), not the page. The first line
+inside names the command, the date (UTC) and the commit that produced the
+numbers, read from the results file (``command``; ``measured_utc``,
+``date``, ``started_utc`` or ``date_utc``; ``commit`` or ``git_commit``);
+a file that does not record its commit says so, and ``git log -- FILE``
+tells which commit added it. To add a table: write the renderer (results
+file -> Markdown), add a :class:`Block` to :data:`BLOCKS`, put the two
+markers (empty between them) where the table goes, run ``python -m
+benchmarks.blocks``.
+
+The same command checks (or rewrites) what :mod:`benchmarks._report`
+writes from ``benchmarks/results/latest.json``: ``latest.md`` and the
+results block at the end of benchmarks/README.md (its own markers).
+
+The check reads only the results files and the pages (no git, no JAX, bar
+the DiLoCo outer-step tables, which reuse
+:mod:`benchmarks.studies.outer_defaults`'s renderers and so import it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import re
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = "python -m benchmarks.blocks"
+WIDTH = 100  # the pages' prose width
+# The pages scanned for markers (a block in any other file is not checked).
+PAGES = ("README.md", "benchmarks/README.md", "docs/*.md")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """One generated table: its results files, renderer and pages.
+
+  ``render(data)`` gets the loaded JSON of each of ``sources`` (in order)
+  and returns the Markdown between the markers, provenance line included.
+  """
+
+  name: str
+  sources: tuple[str, ...]  # relative to the repository root
+  render: Callable[[Sequence[dict]], str]
+  pages: tuple[str, ...]
+
+  def begin(self) -> str:
+    return (
+      f"<!-- results:{self.name} ({COMMAND}; from"
+      f" {', '.join(self.sources)}) -->"
+    )
+
+  def end(self) -> str:
+    return f"<!-- /results:{self.name} -->"
+
+  def load(self, root: Path | None = None) -> list[dict]:
+    root = ROOT if root is None else root
+    return [json.loads((root / s).read_text()) for s in self.sources]
+
+  def text(self, data: Sequence[dict]) -> str:
+    """The whole block, markers included; prose wrapped at :data:`WIDTH`."""
+    body = "\n\n".join(
+      p
+      if p.startswith("|")
+      else textwrap.fill(
+        " ".join(p.split()),
+        WIDTH,
+        break_long_words=False,
+        break_on_hyphens=False,
+      )
+      for p in self.render(data).strip("\n").split("\n\n")
+    )
+    return f"{self.begin()}\n\n{body}\n\n{self.end()}"
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def when(value: str | None) -> str:
+  """``2026-11-25T17:42:27+00:00`` -> ``2026-11-25 17:42 UTC``."""
+  if not value:
+    return "date not recorded"
+  stamp = datetime.datetime.fromisoformat(value)
+  if stamp.tzinfo is not None:
+    stamp = stamp.astimezone(datetime.timezone.utc)
+  return stamp.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def provenance(
+  source: str,
+  *,
+  command: str | None,
+  date: str | None,
+  commit: str | None,
+  extra: str = "",
+) -> str:
+  """The block's first line: command, date, commit, file (and ``extra``)."""
+  commit_text = (
+    f"commit {commit}"
+    if commit and commit != "unknown"
+    else f"commit not recorded (see `git log -- {source}`)"
+  )
+  command_text = f"`{command.strip()}`" if command else "command not recorded"
+  return (
+    f"_{command_text}, {when(date)}, {commit_text}; numbers from"
+    f" `{source}`{extra}._"
+  )
+
+
+def top_provenance(data: dict, source: str, extra: str = "") -> str:
+  """:func:`provenance` from a results file's top-level keys."""
+  date = next(
+    (
+      data[k]
+      for k in ("measured_utc", "date", "started_utc", "date_utc")
+      if data.get(k)
+    ),
+    None,
+  )
+  return provenance(
+    source,
+    command=data.get("command"),
+    date=date,
+    commit=data.get("commit") or data.get("git_commit"),
+    extra=extra,
+  )
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence], align="") -> str:
+  """A Markdown table; ``align`` one letter per column (``r``: right)."""
+  lines = ["| " + " | ".join(columns) + " |"]
+  lines.append(
+    "|"
+    + "".join(
+      "---:|" if (align[i : i + 1] == "r") else "---|"
+      for i in range(len(columns))
+    )
+  )
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def fraction(ratio: float) -> str:
+  """Bytes as a fraction of sync's: ``1``, ``1/2``, ``1/3.9``, ``1/123``."""
+  if abs(ratio - 1) < 1e-9:
+    return "1"
+  text = f"{ratio:.1f}" if ratio < 10 else f"{ratio:,.0f}"
+  return "1/" + (text[:-2] if text.endswith(".0") else text)
+
+
+def spread(values: Sequence[float], digits: int = 2) -> str:
+  """``1.10`` when every value rounds the same, else ``min-max``."""
+  lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+  return lo if lo == hi else f"{lo}-{hi}"
+
+
+# ------------------------------------------------------------------ demo
+
+DEMO = "benchmarks/results/demo.json"
+
+
+def render_demo(data: Sequence[dict]) -> str:
+  """README's ``make demo`` table: accuracy and bytes of the four methods."""
+  (d,) = data
+  labels = {
+    "sync": "sync (`cross_shard`)",
+    "powersgd": "`powersgd`, rank 2",
+    "diloco": f"`diloco`, H = {d['sync_period']}",
+    "streaming": (
+      f"streaming `diloco`, 2 fragments, {d['outer_dtype']} outer gradient"
+    ),
+  }
+  sync = next(m for m in d["methods"] if m["method"] == "sync")
+  rows = [
+    [
+      labels.get(m["method"], m["method"]),
+      f"{m['test_accuracy']:.1%}",
+      f"{m['bytes_per_replica'] / 1e6:,.2f} MB",
+      fraction(sync["bytes_per_replica"] / m["bytes_per_replica"]),
+    ]
+    for m in d["methods"]
+  ]
+  return (
+    top_provenance(
+      d,
+      DEMO,
+      f"; {d['devices']} {d['platform'].upper()} devices, {d['steps']} steps per"
+      " method",
+    )
+    + "\n\n"
+    + table(
+      ["method", "test accuracy", "bytes sent per replica", "vs sync"], rows
+    )
+  )
+
+
+# ---------------------------------------------- section 8: quality per byte
+
+LATEST = "benchmarks/results/latest.json"
+# README's rows: section 8's method label -> the README's words.
+LM_ROWS = {
+  "cross_shard(adamw) [sync]": "sync `cross_shard(adamw)`",
+  "chain(cross_shard_mean(int8+EF), adamw)": (
+    "`cross_shard_mean`, int8 wire + error feedback"
+  ),
+  "local_sgd(adamw, H=2)": "`local_sgd` H = 2",
+  "diloco(muon, H=16)": "`diloco(muon)` H = 16 (MuLoCo)",
+  "diloco(muon, H=64)": "`diloco(muon)` H = 64 (MuLoCo)",
+  "local_sgd(adamw, H=16, int4+EF)": "`local_sgd` H = 16, int4 + error feedback",
+  "diloco(adamw, H=4, topk 64/4096 2-bit+EF, outer sgd(1))": (
+    "`diloco` H = 4, top-k outer gradient + error feedback (SparseLoCo)"
+  ),
+}
+LM_SYNC = "cross_shard(adamw) [sync]"
+
+
+def section_provenance(results: dict, name: str, source: str) -> str:
+  """:func:`provenance` of one section of a report (``latest.json``)."""
+  ran = results["sections"][name]["ran_on"]
+  command = ran.get("command")
+  if command is None and ran["date_utc"] == results["machine"]["date_utc"]:
+    command = results["command"]  # the run that wrote the section last
+  return provenance(
+    source,
+    command=command,
+    date=ran["date_utc"],
+    commit=ran.get("git_commit"),
+    extra=f", section {name}",
+  )
+
+
+def render_lm_frontier(data: Sequence[dict]) -> str:
+  """README's byte-level LM table: chosen rows of section 8."""
+  (results,) = data
+  section = results["sections"]["quality_per_byte"]
+  d = section["data"]
+  columns = section["table"]["columns"]
+  final = columns.index("final val bits/byte")
+  by_label = {row[0]: row for row in section["table"]["rows"]}
+  sync_bytes = d["methods"][LM_SYNC]["total_bytes"]
+  rows = []
+  for label, words in LM_ROWS.items():
+    total = d["methods"][label]["total_bytes"]
+    verdict = d["verdicts"].get(label)
+    rows.append(
+      [
+        words,
+        f"{total / 1e6:,.1f}",
+        fraction(sync_bytes / total),
+        by_label[label][final],
+        "-" if verdict is None else f"{verdict['relative_delta_vs_sync']:+.1%}",
+      ]
+    )
+  on_frontier = [
+    i + 1 for i, label in enumerate(LM_ROWS) if label in d["frontier"]
+  ]
+  flat = d["sync_flattening"]
+  seeds = d["seeds"]
+  config = d["config"]
+  return (
+    section_provenance(results, "quality_per_byte", LATEST)
+    + "\n\n"
+    + table(
+      ["method", "MB sent", "vs sync", "val bits/byte", "Δ vs sync"],
+      rows,
+      "lrrrr",
+    )
+    + "\n\n"
+    + f"{d['params']:,} params, {d['replicas']} replicas,"
+    f" {config['steps']} steps, {len(seeds)} seeds ({', '.join(map(str, seeds))});"
+    f" sync's last {1 - flat['from_step'] / config['steps']:.0%} of steps"
+    f" gained {flat['relative_gain']:.2%}. Rows {_ranges(on_frontier)} are on"
+    f" the Pareto frontier of the {len(d['methods'])} methods."
+  )
+
+
+def _ranges(numbers: Sequence[int]) -> str:
+  """``[2, 4, 5, 6, 7]`` -> ``2 and 4-7``."""
+  parts, start = [], None
+  for i, n in enumerate(numbers):
+    if start is None:
+      start = n
+    if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+      parts.append(str(n) if n == start else f"{start}-{n}")
+      start = None
+  if not parts:
+    return "none"
+  return (
+    parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+  )
+
+
+# ---------------------------------------------------------------- elastic
+
+ELASTIC = "benchmarks/results/elastic.json"
+ROUND_BYTES = "benchmarks/results/elastic_round_bytes.json"
+
+
+def render_elastic_round_costs(data: Sequence[dict]) -> str:
+  """docs/elastic.md: an elastic round against today's sync."""
+  (d,) = data
+  costs = d["round_costs"]
+  m = costs["median_s"]
+  rows = [
+    ["inner step (island-local, 2 devices)", m["inner_step"]],
+    [
+      "elastic round (`island.sync`: `live_devices`, 1 all_gather, commit)",
+      m["elastic_round"],
+    ],
+    [
+      "today's `diloco` step over all 6 devices, without a sync",
+      m["plain_local"],
+    ],
+    ["today's `diloco` step over all 6 devices, with a sync", m["plain_sync"]],
+    ["today's sync (the difference)", costs["todays_sync_s"]],
+  ]
+  return (
+    top_provenance(
+      d, ELASTIC, f"; median of {costs['repeats']} interleaved repeats"
+    )
+    + "\n\n"
+    + table(["what", "seconds"], [[w, f"{s:.4f}"] for w, s in rows], "lr")
+    + "\n\n"
+    + f"An elastic round cost {costs['round_vs_todays_sync']:.2f}x today's"
+    f" sync, and an inner step plus a round"
+    f" {costs['step_plus_round_vs_todays_sync_step']:.2f}x today's step with a"
+    f" sync; today's step without a sync was"
+    f" {m['plain_local'] / m['inner_step']:.1f}x the island-local step."
+  )
+
+
+def render_elastic_detection(data: Sequence[dict]) -> str:
+  """docs/elastic.md: seconds from the kill to the failed round and to the
+  commit without the killed island, both survivors."""
+  (d,) = data
+  rows, between = [], sum(1 for w, _ in d["detection"] if w == "between")
+  seen = 0
+  for where, run in d["detection"]:
+    survivors = [run[k] for k in sorted(run) if k.startswith("p")]
+    if where == "between":
+      seen += 1
+      label = "between syncs" + (f" (run {seen})" if between > 1 else "")
+    else:
+      label = "inside a round"
+    rows.append(
+      [
+        label,
+        spread([s["failed_after_s"] for s in survivors]),
+        spread([s["committed_without_it_after_s"] for s in survivors]),
+      ]
+    )
+  return (
+    top_provenance(d, ELASTIC)
+    + "\n\n"
+    + table(
+      ["killed", "survivors' round failed", "committed without it"],
+      rows,
+      "lrr",
+    )
+  )
+
+
+def render_elastic_round_bytes(data: Sequence[dict]) -> str:
+  """docs/elastic.md: one island's bytes per plain round."""
+  (d,) = data
+  payload = d["payload_bytes"]
+  two, gather = d["round_bytes_per_island"], d["all_gather_bytes_per_island"]
+  rows = [
+    [
+      n,
+      f"{two[n]:,.0f}",
+      f"{two[n] / payload:.2f}",
+      f"{gather[n]:,.0f}",
+      f"{gather[n] / payload:.2f}",
+    ]
+    for n in sorted(two, key=int)
+  ]
+  return (
+    top_provenance(d, ROUND_BYTES, f"; payload {payload:,} bytes")
+    + "\n\n"
+    + table(
+      [
+        "islands",
+        "two-phase round (bytes)",
+        "/ payload",
+        "one `all_gather` of the rows, before (bytes)",
+        "/ payload",
+      ],
+      rows,
+      "rrrrr",
+    )
+  )
+
+
+# ------------------------------------------------------------ finite guards
+
+GUARDS = "benchmarks/results/cost_guards.json"
+# (group, a substring of the comparison's name) -> which comparison.
+FREE = "apply_if_finite(adam, 5, axis_name=None)"
+FLAG = "apply_if_finite(cross_shard(adam)"
+TOWER = "apply_if_finite(tower(adam)"
+FLOOR = "finite check"
+
+
+def _comparisons(d: dict, group: str, key: str, donated: bool) -> list[dict]:
+  """The comparison ``(group, key)`` of every run, in run order."""
+  out = []
+  for run in d["runs"]:
+    found = [
+      v
+      for name, v in run["comparisons"].items()
+      if v["group"] == group and key in name and v["donated"] == donated
+    ]
+    if len(found) != 1:
+      raise ValueError(
+        f"{GUARDS}: {len(found)} comparisons ({group!r}, {key!r},"
+        f" donated={donated}) in a run, expected 1"
+      )
+    out.append(found[0])
+  return out
+
+
+def guard_ratios(d: dict, group: str, key: str, fmt=spread) -> str:
+  """``not donated / donated``, each over the runs, e.g. ``1.10 / 1.12-1.13``."""
+  return " / ".join(
+    fmt([c["ratio"] for c in _comparisons(d, group, key, donated)])
+    for donated in (False, True)
+  )
+
+
+def _each(values: Sequence[float]) -> str:
+  """Every run's value: ``1.107, 1.111``."""
+  return ", ".join(f"{v:.3f}" for v in values)
+
+
+def _copied(copies: dict) -> str:
+  total = copies["top"] + sum(copies["conditional"].values())
+  return "0" if total == 0 else f"{total / 1e6:.3g}"
+
+
+def guard_copies(d: dict, group: str, key: str, baseline: bool = False) -> str:
+  """Copied MB/step of the first run, ``not donated / donated``."""
+  field = "baseline_copied_bytes" if baseline else "copied_bytes"
+  return " / ".join(
+    _copied(_comparisons(d, group, key, donated)[0][field])
+    for donated in (False, True)
+  )
+
+
+def guards_conditions(d: dict) -> str:
+  """The runs' dates, loads, spreads and workload, as one sentence."""
+  runs = d["runs"]
+  spreads = [
+    c["iqr_rel"] * 50 for run in runs for c in run["comparisons"].values()
+  ]
+  sizes = runs[0]["sizes"]
+  starts = ", ".join(when(r["started_utc"])[11:16] for r in runs)
+  loads = ", ".join(f"{r['load_average_at_start'][0]:.1f}" for r in runs)
+  rounds = re.search(r"median of (\d+) interleaved", runs[0]["notes"][0])
+  return (
+    f"{len(runs)} runs, started {starts} UTC (load average {loads} at the"
+    f" start, {d['machine']['cpu_count']} cores; spreads"
+    f" ±{min(spreads):.0f}-{max(spreads):.0f}%); MLP {sizes}"
+    f" ({runs[0]['params'] / 1e6:.2f}M params), Adam,"
+    f" {d['machine']['device_count']} {d['machine']['platform'].upper()}"
+    " devices,"
+    f" median of {rounds.group(1) if rounds else '?'} interleaved rounds"
+  )
+
+
+def render_guards_readme(data: Sequence[dict]) -> str:
+  """README's guard table: step time over the unguarded step, and over
+  optax's guard in the same place; not donated / donated, over the runs."""
+  (d,) = data
+  rows = [
+    [
+      "already reduced (`cross_shard_mean`)",
+      "`chain(cross_shard_mean(axis), apply_if_finite(adam, n, axis_name=None))`",
+      "none",
+      guard_ratios(d, "guard", FREE),
+      guard_ratios(d, "vs optax guard", FREE),
+    ],
+    [
+      "per replica (`cross_shard`)",
+      "`apply_if_finite(cross_shard(adam), n, axis_name=axis)`",
+      "a 4-byte flag, combined with the gradient's all-reduce",
+      guard_ratios(d, "guard", FLAG),
+      guard_ratios(d, "vs optax guard", FLAG),
+    ],
+    [
+      "per replica (`tower`)",
+      "`apply_if_finite(tower(adam), n, axis_name=axis)`",
+      "a 4-byte flag",
+      guard_ratios(d, "guard", TOWER),
+      "deadlocks",
+    ],
+    [
+      "floor: the check alone, deciding nothing",
+      "-",
+      "-",
+      guard_ratios(d, "floor", FLOOR),
+      "-",
+    ],
+  ]
+  return (
+    top_provenance(d, GUARDS, f"; {guards_conditions(d)}")
+    + "\n\n"
+    + table(
+      [
+        "where the gradients are",
+        "guard",
+        "collectives it adds",
+        "step time",
+        "vs `optax.apply_if_finite` there",
+      ],
+      rows,
+    )
+  )
+
+
+def render_guards_benchmarks(data: Sequence[dict]) -> str:
+  """benchmarks/README.md section 9c: every run's ratio, and the copies."""
+  (d,) = data
+  rows = [
+    [
+      "floor: `chain(cross_shard_mean, adam + all_finite(grads))`, deciding"
+      " nothing",
+      guard_ratios(d, "floor", FLOOR, _each),
+      "-",
+      guard_copies(d, "floor", FLOOR),
+    ],
+    [
+      "free guard `chain(cross_shard_mean, apply_if_finite(adam, 5,"
+      " axis_name=None))`",
+      guard_ratios(d, "guard", FREE, _each),
+      guard_ratios(d, "vs optax guard", FREE, _each),
+      f"{guard_copies(d, 'guard', FREE)} (optax's:"
+      f" {guard_copies(d, 'vs optax guard', FREE, baseline=True)})",
+    ],
+    [
+      "flag `apply_if_finite(cross_shard(adam), 5, axis_name=axis)`",
+      guard_ratios(d, "guard", FLAG, _each),
+      guard_ratios(d, "vs optax guard", FLAG, _each),
+      f"{guard_copies(d, 'guard', FLAG)} (optax's:"
+      f" {guard_copies(d, 'vs optax guard', FLAG, baseline=True)})",
+    ],
+    [
+      "flag `apply_if_finite(tower(adam), 5, axis_name=axis)`",
+      guard_ratios(d, "guard", TOWER, _each),
+      "- (optax's deadlocks)",
+      f"{guard_copies(d, 'guard', TOWER)} (unguarded tower:"
+      f" {guard_copies(d, 'guard', TOWER, baseline=True)})",
+    ],
+  ]
+  return (
+    top_provenance(d, GUARDS, f"; {guards_conditions(d)}")
+    + "\n\n"
+    + table(
+      [
+        "step",
+        "vs unguarded",
+        "vs `optax.apply_if_finite` in the same place",
+        "copied MB/step (HLO, not donated / donated)",
+      ],
+      rows,
+    )
+  )
+
+
+def render_guards_reliability(data: Sequence[dict]) -> str:
+  """docs/reliability.md's table: which guard each transform needs, what it
+  adds and (where timed) what it costs; every run's ratio."""
+  (d,) = data
+  rows = [
+    [
+      "`cross_shard_mean` then anything, e.g. `chain(cross_shard_mean(axis),"
+      " adam)`",
+      "free: `chain(cross_shard_mean(axis), apply_if_finite(adam, n,"
+      " axis_name=None))`",
+      "none: the compiled step has exactly one all-reduce, the gradient's"
+      " (`tests/test_finite.py::test_free_guard_step_has_exactly_one_all_reduce`)",
+      guard_ratios(d, "guard", FREE, _each),
+      guard_ratios(d, "vs optax guard", FREE, _each),
+    ],
+    [
+      "`cross_shard(inner)`",
+      "flag: `apply_if_finite(cross_shard(inner), n, axis_name=axis)`, or the"
+      " free guard after `cross_shard_mean`",
+      "the 4-byte flag, which XLA combines with the gradient's all-reduce: one"
+      " all-reduce of 4 bytes more"
+      " (`tests/test_finite.py::"
+      "test_the_guard_adds_only_the_4_byte_flag_to_the_inner_collectives`)",
+      guard_ratios(d, "guard", FLAG, _each),
+      guard_ratios(d, "vs optax guard", FLAG, _each)
+      + " (optax's deadlocks under pmap on a one-replica NaN)",
+    ],
+    [
+      "`tower(inner)` (each replica updates its own slice)",
+      "flag: `apply_if_finite(tower(inner), n, axis_name=axis)`",
+      "one 4-byte all-reduce",
+      guard_ratios(d, "guard", TOWER, _each),
+      "- (deadlocks)",
+    ],
+    [
+      "`powersgd` (each replica keeps its own error)",
+      "flag: `apply_if_finite(chain(powersgd(axis), opt), n, axis_name=axis)`",
+      "one 4-byte all-reduce",
+      "not timed",
+      "-",
+    ],
+    [
+      "`accumulate(inner, k)`",
+      "flag inside: `accumulate(apply_if_finite(inner, n, axis_name=axis), k)`",
+      "the 4-byte all-reduce, at emit steps only (see below)",
+      "not timed",
+      "-",
+    ],
+    [
+      "`agn`, `local_sgd`, `diloco`, `hierarchical_local_sgd`",
+      "none needed for the sync: a non-finite replica is left out of its"
+      " group's average",
+      "-",
+      "-",
+      "-",
+    ],
+    [
+      "the floor: `chain(cross_shard_mean(axis), adam)` plus"
+      " `all_finite(grads)` deciding nothing (one more read of the gradients)",
+      "-",
+      "-",
+      guard_ratios(d, "floor", FLOOR, _each),
+      "-",
+    ],
+  ]
+  return (
+    top_provenance(d, GUARDS, f"; {guards_conditions(d)}; each cell: every run")
+    + "\n\n"
+    + table(
+      [
+        "transform",
+        "guard",
+        "collectives the guard adds",
+        "step time vs unguarded (not donated / donated)",
+        "vs `optax.apply_if_finite` in the same place (not donated / donated)",
+      ],
+      rows,
+    )
+  )
+
+
+# ------------------------------------------------- DiLoCo's outer-step sweep
+
+OUTER_DIGITS = "benchmarks/results/outer_defaults.json"
+OUTER_LM = (
+  "benchmarks/results/outer_defaults_lm.json",
+  "benchmarks/results/outer_defaults_lm_seed1.json",
+  "benchmarks/results/outer_defaults_lm_low_momentum.json",
+)
+
+
+def render_outer_lm(data: Sequence[dict]) -> str:
+  """docs/diloco.md: section 8's LM, each outer step vs plain averaging
+  (:func:`benchmarks.studies.outer_defaults.lm_table` of the three files)."""
+  from benchmarks.studies import outer_defaults  # noqa: PLC0415
+
+  text = outer_defaults.lm_table(outer_defaults.lm_finals_of(data))
+  runs = "; ".join(
+    f"`{Path(s).name}` {when(d.get('date'))}, seed"
+    + ("s" if d["seeds"] > 1 else "")
+    + " "
+    + ", ".join(str(d.get("first_seed", 0) + i) for i in range(d["seeds"]))
+    for s, d in zip(OUTER_LM, data, strict=True)
+  )
+  return (
+    f"_`python -m benchmarks.studies.outer_sweep` runs ({runs}), commit not"
+    " recorded (see `git log -- benchmarks/results/outer_defaults_lm.json`);"
+    " merged by `outer_defaults --lm-report`._\n\n" + text
+  )
+
+
+def outer_digits_command(d: dict) -> str:
+  """The file's command, or (an older file) the command its settings give:
+  ``--outer`` less the plain step the script appends, other flags only
+  where they differ from the defaults."""
+  if d.get("command"):
+    return d["command"]
+  outer = [tuple(o) for o in d["outer_steps"]]
+  if outer[-1] == (1.0, 0.0):
+    outer = outer[:-1]
+  parts = ["python -m benchmarks.studies.outer_defaults"]
+  if d["steps"] != 512:
+    parts.append(f"--steps {d['steps']}")
+  if d["seeds"] != 3:
+    parts.append(f"--seeds {d['seeds']}")
+  periods = ",".join(d["runs"])
+  if periods != "4,8,16,32,64,128":
+    parts.append(f"--periods {periods}")
+  parts.append('--outer "' + ";".join(f"{a:g},{b:g}" for a, b in outer) + '"')
+  return " ".join(parts)
+
+
+def render_outer_digits(data: Sequence[dict]) -> str:
+  """docs/diloco.md: the digits MLP, every outer step
+  (:func:`benchmarks.studies.outer_defaults.table`)."""
+  from benchmarks.studies import outer_defaults  # noqa: PLC0415
+
+  (d,) = data
+  recorded = bool(d.get("command"))
+  return (
+    provenance(
+      OUTER_DIGITS,
+      command=outer_digits_command(d),
+      date=d.get("date"),
+      commit=d.get("commit"),
+      extra=("" if recorded else " (the command rebuilt from its settings)")
+      + f"; {d['steps']} steps, {d['seeds']} seeds, mean ± std",
+    )
+    + "\n\n"
+    + outer_defaults.table(d)
+  )
+
+
+# --------------------------------------------------------------- registry
+
+BLOCKS = (
+  Block("demo", (DEMO,), render_demo, ("README.md",)),
+  Block("lm-frontier", (LATEST,), render_lm_frontier, ("README.md",)),
+  Block("guards", (GUARDS,), render_guards_readme, ("README.md",)),
+  Block(
+    "guards-each-run",
+    (GUARDS,),
+    render_guards_benchmarks,
+    ("benchmarks/README.md",),
+  ),
+  Block(
+    "guards-which",
+    (GUARDS,),
+    render_guards_reliability,
+    ("docs/reliability.md",),
+  ),
+  Block(
+    "elastic-round-costs",
+    (ELASTIC,),
+    render_elastic_round_costs,
+    ("docs/elastic.md",),
+  ),
+  Block(
+    "elastic-detection",
+    (ELASTIC,),
+    render_elastic_detection,
+    ("docs/elastic.md",),
+  ),
+  Block(
+    "elastic-round-bytes",
+    (ROUND_BYTES,),
+    render_elastic_round_bytes,
+    ("docs/elastic.md",),
+  ),
+  Block("outer-lm", OUTER_LM, render_outer_lm, ("docs/diloco.md",)),
+  Block(
+    "outer-digits", (OUTER_DIGITS,), render_outer_digits, ("docs/diloco.md",)
+  ),
+)
+
+_FOUND = re.compile(
+  r"<!-- results:([\w-]+) .*?-->\n.*?<!-- /results:\1 -->", re.DOTALL
+)
+_BEGIN = re.compile(r"<!-- results:([\w-]+)[ >]")
+
+
+def pages(root: Path | None = None) -> list[Path]:
+  root = ROOT if root is None else root
+  out = []
+  for pattern in PAGES:
+    out += sorted(root.glob(pattern))
+  return out
+
+
+def _spans(text: str) -> dict[str, list[re.Match]]:
+  spans: dict[str, list[re.Match]] = {}
+  for m in _FOUND.finditer(text):
+    spans.setdefault(m.group(1), []).append(m)
+  return spans
+
+
+def run(
+  root: Path | None = None,
+  *,
+  write: bool,
+  blocks: Sequence[Block] = BLOCKS,
+) -> list[str]:
+  """Checks (``write=False``) or rewrites every block of ``blocks``; returns
+  the problems (for a check: every block that differs from its file, and
+  every marker that is unknown, unclosed, repeated or on a page its block
+  does not name)."""
+  root = ROOT if root is None else root
+  problems = []
+  by_name = {b.name: b for b in BLOCKS}
+  rendered = {b.name: b.text(b.load(root)) for b in blocks}
+  for page in pages(root):
+    rel = page.relative_to(root).as_posix()
+    text = page.read_text()
+    spans = _spans(text)
+    for name in _BEGIN.findall(text):
+      if name not in spans:
+        problems.append(f"{rel}: block {name!r} has no end marker")
+    for name, found in spans.items():
+      block = by_name.get(name)
+      if block is None:
+        problems.append(f"{rel}: unknown block {name!r} (not in BLOCKS)")
+      elif rel not in block.pages:
+        problems.append(f"{rel}: block {name!r} is not registered for it")
+      elif len(found) > 1:
+        problems.append(f"{rel}: block {name!r} appears {len(found)} times")
+    new = text
+    for block in blocks:
+      if rel not in block.pages:
+        continue
+      found = spans.get(block.name, [])
+      if not found:
+        problems.append(f"{rel}: block {block.name!r} is missing")
+        continue
+      if found[0].group(0) != rendered[block.name]:
+        if write:
+          new = new.replace(found[0].group(0), rendered[block.name])
+        else:
+          problems.append(
+            f"{rel}: block {block.name!r} differs from what"
+            f" {', '.join(block.sources)} gives (run {COMMAND})"
+          )
+    if write and new != text:
+      page.write_text(new)
+      print(f"{COMMAND}: rewrote {rel}")
+  for block in blocks:
+    for page in block.pages:
+      if not (root / page).exists():
+        problems.append(f"{page}: page of block {block.name!r} not found")
+  if blocks is BLOCKS:
+    problems += report(root, write=write)
+  return problems
+
+
+def report(root: Path | None = None, *, write: bool) -> list[str]:
+  """The whole report :mod:`benchmarks._report` writes from ``latest.json``:
+  ``latest.md`` and the results block at the end of benchmarks/README.md
+  (its own markers), checked (or rewritten) the same way."""
+  from benchmarks import _report  # noqa: PLC0415
+
+  root = ROOT if root is None else root
+  results = json.loads((root / LATEST).read_text())
+  problems = []
+  md = root / "benchmarks" / "results" / "latest.md"
+  expected = _report.markdown(results)
+  if md.read_text() != expected:
+    if write:
+      md.write_text(expected)
+    else:
+      problems.append(
+        f"{md.relative_to(root).as_posix()}: differs from what {LATEST}"
+        f" gives (run {COMMAND})"
+      )
+  page = root / "benchmarks" / "README.md"
+  text = page.read_text()
+  if _report.README_BEGIN not in text or _report.README_END not in text:
+    return [*problems, "benchmarks/README.md: the results block is missing"]
+  head, rest = text.split(_report.README_BEGIN, 1)
+  body, tail = rest.split(_report.README_END, 1)
+  block = _report.markdown(results, image_prefix="results/", heading="##")
+  if body != f"\n\n{block}\n":
+    if write:
+      page.write_text(
+        f"{head}{_report.README_BEGIN}\n\n{block}\n{_report.README_END}{tail}"
+      )
+    else:
+      problems.append(
+        "benchmarks/README.md: the results block (RESULTS:BEGIN) differs"
+        f" from what {LATEST} gives (run {COMMAND})"
+      )
+  return problems
+
+
+def check(
+  root: Path | None = None, blocks: Sequence[Block] = BLOCKS
+) -> list[str]:
+  """Every problem :func:`run` finds, changing nothing."""
+  return run(root, write=False, blocks=blocks)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+    prog=f"{COMMAND}", description=__doc__.split("\n\n")[0]
+  )
+  parser.add_argument(
+    "--check",
+    action="store_true",
+    help="rewrite nothing; exit 1 naming every block that differs from its"
+    " results file",
+  )
+  args = parser.parse_args(argv)
+  problems = run(write=not args.check)
+  for p in problems:
+    print(p, file=sys.stderr)
+  if not problems:
+    print(
+      f"{COMMAND}: {len(BLOCKS)} blocks, latest.md and the report block of"
+      " benchmarks/README.md match their results files"
+    )
+  return 1 if problems else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
