@@ -165,7 +165,11 @@ def main() -> None:
   ap.add_argument("--restart", action="append", default=[], help="I@SECONDS")
   ap.add_argument("--out", default="/tmp/elastic")
   ap.add_argument("--timeout", type=float, default=300)
-  args = ap.parse_args()
+  ap.epilog = (
+    "Any other option (e.g. --comm-dtype topk:64 --error-feedback) goes to"
+    " examples/elastic_diloco.py as it is."
+  )
+  args, extra = ap.parse_known_args()
   plan = sorted(
     [(float(t), "kill", int(i)) for i, t in (k.split("@") for k in args.kill)]
     + [
@@ -180,6 +184,7 @@ def main() -> None:
     sync_period=args.sync_period,
     step_seconds=args.step_seconds,
     processes_per_island=args.processes_per_island,
+    extra=tuple(extra),
   ) as islands:
     islands.start_all()
     for at, what, i in plan:

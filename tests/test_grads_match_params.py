@@ -42,6 +42,9 @@ TRANSFORMS = {
     optax.sgd(1.0), 2, axis_name=AXIS
   ),
   "powersgd": lambda: shardopt.powersgd(AXIS, rank=1),
+  "decoupled_momentum": lambda: shardopt.decoupled_momentum(
+    AXIS, k=2, chunk_size=4
+  ),
   "agn": lambda: shardopt.agn(optax.sgd(0.1), AXIS, sync_period=2),
   "local_sgd": lambda: shardopt.local_sgd(optax.sgd(0.1), AXIS, sync_period=2),
   "diloco": lambda: shardopt.diloco(optax.adam(0.1), AXIS, sync_period=1),
@@ -86,6 +89,7 @@ NOT_TRANSFORMS = {
   "AGNState": "a state",
   "PeriodicState": "a state",
   "PowerSGDState": "a state",
+  "DecoupledMomentumState": "a state",
   "AccumulateState": "a state",
   "quantized": "a wire spec",
   "topk": "a wire spec",

@@ -20,6 +20,8 @@ from shardopt.cross_shard import cross_shard
 from shardopt.cross_shard import cross_shard_mean
 from shardopt.cross_shard import cross_shard_sum
 from shardopt.cross_shard import scale_loss
+from shardopt.decoupled import DecoupledMomentumState
+from shardopt.decoupled import decoupled_momentum
 from shardopt.finite import all_finite
 from shardopt.finite import apply_if_finite
 from shardopt.periodic import AGNState
@@ -61,6 +63,8 @@ __all__ = [
   "local_sgd",
   "PowerSGDState",
   "powersgd",
+  "DecoupledMomentumState",
+  "decoupled_momentum",
   "quantized",
   "topk",
   "clip_by_global_norm",

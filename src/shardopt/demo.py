@@ -455,7 +455,7 @@ def write_json(
 
   argv = sys.argv[1:] if argv is None else list(argv)
   data = {
-    "command": " ".join(["python -m shardopt.demo", *argv]),
+    "command": " ".join(["python -m shardopt", *argv]),
     "measured_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds"
     ),

@@ -22,6 +22,7 @@ islands that are alive, on JAX's own fault-tolerance runtime
     params, state = inner_step(params, state, next_batch())
     if island.due(state):
       params, state, round = island.sync(params, state)
+  island.finish()  # ends the process; process 0 leaves last
 
 - **Inner steps never wait on another island.** ``island.tx`` is the
   transform's local step only; the sync runs as its own program, one

@@ -81,6 +81,10 @@ class Round(NamedTuple):
 WATCHDOG_EXIT_CODE = 75
 # How much later process 0's watchdog fires than the others'.
 _COORDINATOR_GRACE_S = 5.0
+# Island.finish: the key-value directory of the processes that are done, and
+# how long process 0 waits after the last of them said so.
+_FINISHED = "shardopt/finished/"
+_LEAVE_LAST_S = 0.5
 
 
 class RoundFailedError(RuntimeError):
@@ -168,7 +172,8 @@ class Island:
     )
     self._timeout_s = timeout_s
     self._round_timeout_s = round_timeout_s
-    self._cliques = _cliques.Cliques(_jax.KeyValueStore(), timeout_s=timeout_s)
+    self._store = _jax.KeyValueStore()
+    self._cliques = _cliques.Cliques(self._store, timeout_s=timeout_s)
     self._max_attempts = max_attempts
     self._on_event = on_event or (lambda name, info: None)
     self._fresh = True  # no round committed by this incarnation yet
@@ -187,6 +192,41 @@ class Island:
   def due(self, state) -> bool:
     """Whether a sync is due after the state's last local step."""
     return split.due(self._engine, _host_int(state.count)) > 0
+
+  # ------------------------------------------------------------------- end
+
+  def finish(self, *, timeout_s: float = 60.0, exit_code: int = 0):
+    """Ends this process so that no process of the job aborts: never
+    returns.
+
+    Process 0 hosts the coordination service; a process still connected
+    when it leaves is aborted (SIGABRT) by its client. So every other
+    process says in the key-value store that it is done and exits at once;
+    process 0 waits for the others that took part in the last committed
+    round (up to ``timeout_s``: a dead one never says so), then for a
+    moment, and exits last. Each process exits with ``exit_code`` through
+    ``os._exit``: a normal interpreter exit would run
+    ``jax.distributed.shutdown``'s barrier, which waits for every process of
+    the job, dead ones included.
+
+    Call it after the last round, on every process (the loop in
+    ``docs/elastic.md``); flushes stdout and stderr first.
+    """
+    store = self._store
+    if self._me != 0:
+      store.set(f"{_FINISHED}{self._me}", "1")
+    else:
+      others = {p for p, _ in self._last} - {0}
+      deadline = time.monotonic() + timeout_s
+      while others and time.monotonic() < deadline:
+        done = {int(k.rsplit("/", 1)[-1]) for k in store.keys(_FINISHED)}
+        others -= done
+        if others:
+          time.sleep(0.1)
+      time.sleep(_LEAVE_LAST_S)  # the others' os._exit has returned
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
   # ------------------------------------------------------------------ rounds
 

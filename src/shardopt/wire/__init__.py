@@ -2,21 +2,21 @@
 
 ``comm_dtype=`` (of :func:`shardopt.reduce`, the ``cross_shard``
 transforms, ``tower``, ``powersgd``, the periodic family and
-``shardopt.elastic``'s rounds) names a wire; :func:`of` turns it into a
+``shardopt.elastic``'s rounds) names a wire; ``of`` turns it into a
 :class:`~shardopt.wire.Wire`, which says what it can do and does
 the encoding, the exchange's arithmetic and the decoding:
 
 - ``None`` or a float dtype (``jnp.bfloat16``, ``jnp.float16``):
-  :mod:`.dense`, a cast;
+  ``dense``, a cast;
 - ``jnp.int8``, ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``, ``jnp.int4``
-  or :func:`shardopt.quantized`: :mod:`.blocks`, quantized blocks with
+  or :func:`shardopt.quantized`: ``blocks``, quantized blocks with
   float32 scales, two phases;
-- :func:`shardopt.topk`: :mod:`.sparse`, the top k of every chunk, gathered
+- :func:`shardopt.topk`: ``sparse``, the top k of every chunk, gathered
   (needs error feedback).
 
-Error feedback lives in :mod:`.feedback`, the mean over the contributors in
-:mod:`.mean`, the protocol in :mod:`.protocol`; :func:`traffic` reads what a
-compiled step sends (:mod:`.traffic`).
+Error feedback lives in ``feedback``, the mean over the contributors in
+``mean``, the protocol in ``protocol``; ``traffic`` reads what a
+compiled step sends (``traffic``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ _USE = (
 
 
 def of(comm_dtype: Any, transform: str = "shardopt.wire.of", axis_name=None):
-  """The :class:`Wire` a ``comm_dtype`` names.
+  """The ``Wire`` a ``comm_dtype`` names.
 
   None and float dtypes give a dense wire (``spec`` None or the
   ``np.dtype``), ``jnp.int8``, ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``,

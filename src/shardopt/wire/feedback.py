@@ -4,7 +4,7 @@ A wire that drops part of each contribution (quantized blocks' rounding,
 the top-k wire's unsent entries) loses it for good unless each replica keeps
 it: with error feedback it keeps a float32 buffer per leaf (its *error*),
 
-1. adds it to its next contribution (:func:`add`: ``x + error``, or ``x +
+1. adds it to its next contribution (``add``: ``x + error``, or ``x +
    error_decay * error`` on the top-k wire: SparseLoCo's ``e = beta e +
    delta``);
 2. and keeps what the wire dropped from that (the wire's *residual*, ``0``
@@ -89,7 +89,7 @@ def zeros(leaves: list, axis_name: Any = None) -> list:
 
 
 def zeros_like_tree(params: Any) -> Any:
-  """:func:`zeros` for a tree (``ErrorFeedbackState.error`` at ``init``)."""
+  """``zeros`` for a tree (``ErrorFeedbackState.error`` at ``init``)."""
   leaves, treedef = jax.tree.flatten(params)
   return treedef.unflatten(zeros(leaves))
 

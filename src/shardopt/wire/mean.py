@@ -5,13 +5,13 @@ the islands) averages only the contributions that count: finite ones, from
 replicas that are up to date, each with its weight. Whatever carries the
 bytes in between, the arithmetic is these two steps:
 
-1. :func:`weigh`, on the sender: a contribution that does not count is
+1. ``weigh``, on the sender: a contribution that does not count is
    replaced by zeros (a select, so that a left-out NaN cannot leak into the
    sum); one that counts is multiplied by its weight unless the weight is a
    flag (0/1);
 2. the wire sums the weighted contributions, and the weights, in member
    order;
-3. :func:`divide`, on every receiver: the sum over the total weight (at
+3. ``divide``, on every receiver: the sum over the total weight (at
    least 1: no contributor leaves a zero sum), for a mean; a sum stays.
 
 With weights 0/1 that is plain averaging over the contributors.

@@ -1,8 +1,8 @@
 """The wire protocol: what every wire does, and what each one can.
 
 A *wire* is how one reduction's contributions cross between replicas (or
-islands): a plain float dtype (:mod:`.dense`), quantized blocks
-(:mod:`.blocks`) or the top k of every chunk (:mod:`.sparse`). Whatever the
+islands): a plain float dtype (``dense``), quantized blocks
+(``blocks``) or the top k of every chunk (``sparse``). Whatever the
 wire, a reduction over the ``n`` members of a group is the same contract:
 
 1. **encode**: each member turns its float32 contribution into bytes;
@@ -11,23 +11,23 @@ wire, a reduction over the ``n`` members of a group is the same contract:
 3. **decode and sum in member order**: every member ends with the same
    bits, because it decodes the same bytes with the same float32 ops.
 
-Each wire states what it can do (:class:`Wire`'s capabilities), so that a
+Each wire states what it can do (``Wire``'s capabilities), so that a
 transform, or ``shardopt.elastic.Island``, refuses what a wire cannot do
 when it is built, not at its first sync.
 
 Two paths use the wires:
 
 - **inside a mapped step** (``jax.shard_map``, ``jax.pmap``):
-  :meth:`Wire.all_reduce`, over a named axis, within ``axis_index_groups``;
+  ``Wire.all_reduce``, over a named axis, within ``axis_index_groups``;
 - **over explicit rows** (``shardopt.elastic``'s rounds, where the islands'
   collective program is built by hand): a *two-phase* wire splits every leaf
-  into one chunk per member (:meth:`Wire.scatter`), each member sums the
-  chunk it owns (:meth:`Wire.sum_rows`), encodes the sum again
-  (:meth:`Wire.encode_owned`) and everyone decodes every owned chunk
-  (:meth:`Wire.decode_gathered`): a member sends about twice its payload,
+  into one chunk per member (``Wire.scatter``), each member sums the
+  chunk it owns (``Wire.sum_rows``), encodes the sum again
+  (``Wire.encode_owned``) and everyone decodes every owned chunk
+  (``Wire.decode_gathered``): a member sends about twice its payload,
   however many members there are. A wire that is not two-phase (top-k: the
   sum of ``n`` sparse contributions is not sparse) is gathered whole
-  (:meth:`Wire.encode_whole`, :meth:`Wire.sum_gathered`): its bytes grow
+  (``Wire.encode_whole``, ``Wire.sum_gathered``): its bytes grow
   with the members, as its all-gather does inside a step.
 """
 

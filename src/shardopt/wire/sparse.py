@@ -4,7 +4,8 @@
 periodic family: ``local_sgd``, ``diloco``, ``agn``) sends, of every chunk of
 ``chunk_size`` elements of a replica's contribution, only the ``k`` entries
 of largest magnitude: their in-chunk indices and their values at
-``value_bits`` bits, with one float32 scale per chunk (SparseLoCo, DeMo).
+``value_bits`` bits, with one float32 scale per chunk (SparseLoCo), or as
+they are, in bfloat16 or float32 (``value_bits`` 16 or 32, no scale; DeMo).
 What a replica does not send stays in its error buffer, which it adds
 (decayed by ``error_decay``) to its next contribution: error feedback is
 required. A reduction of a leaf over the ``n`` members of a group:
@@ -32,7 +33,10 @@ required. A reduction of a leaf over the ``n`` members of a group:
    that is not zero decodes to NaN, while selected zeros (a chunk with fewer
    than ``k`` non-zero entries) still stand for nothing, so ``[nan, 0, 0,
    0]`` with ``k = 2`` decodes to ``[nan, 0, 0, 0]`` and ``[nan, 1, 0, 0]``
-   to ``[nan, nan, 0, 0]``;
+   to ``[nan, nan, 0, 0]``. With ``value_bits`` 16 or 32 nothing is
+   quantized: a value travels as itself, in bfloat16 (rounded to nearest,
+   ties to even) or float32 (exact), a NaN or an inf included, and there is
+   no scale;
 4. the payload of a chunk is its indices packed at ``index_bits = max(1,
    ceil(log2(chunk)))`` bits each, then the codes (``sign << (value_bits -
    1) | (m - 1)``, the sign bit 1 for a negative value) packed at
@@ -45,7 +49,11 @@ required. A reduction of a leaf over the ``n`` members of a group:
 
      ceil(k * index_bits / 8) + ceil(k * value_bits / 8) + 4   bytes
 
-   (``k``: the entries a chunk keeps; ``payload_bytes(size, spec)``); a
+   (``k``: the entries a chunk keeps; ``payload_bytes(size, spec)``). With
+   ``value_bits`` 16 or 32 the values follow the indices as little-endian
+   bfloat16 or float32, and nothing else: a selected zero adds nothing, so
+   it needs no flag (``ceil(k * index_bits / 8) + k * value_bits / 8``
+   bytes). A
    leaf's payload is its chunks' in order, and the payloads of all leaves
    of one reduction are concatenated;
 5. one ``all_gather`` of those ``uint8`` payloads; every member decodes
@@ -86,7 +94,9 @@ from shardopt.wire import protocol
 
 __all__ = ["TopKSpec", "topk"]
 
-VALUE_BITS = (1, 2, 4, 8)
+VALUE_BITS = (1, 2, 4, 8, 16, 32)
+# Widths whose values travel as they are (no scale, no levels).
+RAW_DTYPES = {16: jnp.bfloat16, 32: jnp.float32}
 _TOPK = "shardopt.topk"
 
 
@@ -112,6 +122,11 @@ class TopKSpec:
     """Magnitude levels ``L = 2 ** (value_bits - 1)`` (no zero level)."""
     return 1 << (self.value_bits - 1)
 
+  @property
+  def raw(self) -> bool:
+    """Whether the values travel as they are (``value_bits`` 16 or 32)."""
+    return self.value_bits in RAW_DTYPES
+
 
 def topk(
   k: int,
@@ -126,16 +141,18 @@ def topk(
   gradient plus ``error_decay`` times its error buffer), the ``k`` entries
   of largest magnitude travel: their in-chunk indices at
   ``ceil(log2(chunk_size))`` bits, their values at ``value_bits`` bits with
-  one float32 scale per chunk. Every replica gathers every replica's
+  one float32 scale per chunk (or, at 16 or 32 bits, as bfloat16 or float32
+  values, with no scale). Every replica gathers every replica's
   payload (one ``all_gather`` of bytes) and adds them up in replica order,
   so the members of a group end with bit-identical results. What a replica
   does not send stays in its error buffer (SparseLoCo's ``e = beta e +
   delta; e -= sent``), so the wire needs ``error_feedback=True``: pass it
   to :func:`shardopt.cross_shard_mean`, :func:`shardopt.cross_shard_sum`,
   :func:`shardopt.cross_shard`, :func:`shardopt.local_sgd`,
-  :func:`shardopt.diloco` or :func:`shardopt.agn`. (:func:`shardopt.reduce`
-  keeps no state, and ``tower``, ``powersgd``, ``hierarchical_local_sgd``
-  and ``shardopt.elastic`` do not take this wire.)
+  :func:`shardopt.diloco` or :func:`shardopt.agn` (also in
+  ``shardopt.elastic``'s rounds). (:func:`shardopt.reduce` keeps no state,
+  and ``tower``, ``powersgd`` and ``hierarchical_local_sgd`` do not take
+  this wire.)
 
   The mean divides by the group size, as every shardopt mean does (not by
   the number of replicas that sent a coordinate). The quantizer, the
@@ -148,9 +165,10 @@ def topk(
       of the chunk, e.g. 64 of 4096).
     chunk_size: elements per chunk, >= 2. A leaf shorter than that is one
       chunk that keeps ``ceil(k * size / chunk_size)`` entries.
-    value_bits: bits per value, one of 1, 2, 4, 8 (1: the sign times the
-      chunk's mean magnitude; more: ``2 ** (value_bits - 1)`` magnitude
-      levels up to the chunk's largest).
+    value_bits: bits per value, one of 1, 2, 4, 8, 16, 32 (1: the sign
+      times the chunk's mean magnitude; 2 to 8: ``2 ** (value_bits - 1)``
+      magnitude levels up to the chunk's largest; 16: the value in
+      bfloat16; 32: the value itself, in float32).
     error_decay: ``0 < error_decay <= 1``, the factor of the error buffer
       before it is added to the next contribution (SparseLoCo's beta, 0.95,
       for outer gradients); 1 keeps all of it (classic error feedback,
@@ -230,17 +248,26 @@ class Layout(NamedTuple):
   index_bits: int
 
   def bytes_per_chunk(self, spec: TopKSpec) -> int:
-    """Indices, values, then the float32 scale."""
+    """Indices, values, then the float32 scale (none for raw values)."""
     return (
       _bytes(self.keep * self.index_bits)
       + _bytes(self.keep * spec.value_bits)
-      + 4
+      + (0 if spec.raw else 4)
     )
 
 
-def layout(size: int, spec: TopKSpec) -> Layout:
-  """The :class:`Layout` of a leaf of ``size`` (>= 1) elements."""
-  if size >= spec.chunk_size:
+def layout(size: int, spec: TopKSpec, chunk: int | None = None) -> Layout:
+  """The :class:`Layout` of a leaf of ``size`` (>= 1) elements; with
+  ``chunk``, chunks of that length instead of the spec's (``size`` a
+  multiple of it), each keeping ``min(k, chunk)`` entries."""
+  if chunk is not None:
+    if chunk < 1 or size % chunk:
+      raise ValueError(
+        f"{_TOPK}: a leaf of {size} elements is not a whole number of"
+        f" chunks of {chunk}."
+      )
+    keep = min(spec.k, chunk)
+  elif size >= spec.chunk_size:
     chunk, keep = spec.chunk_size, spec.k
   else:  # one chunk of its own length, at the spec's density
     chunk, keep = size, -(-spec.k * size // spec.chunk_size)
@@ -316,12 +343,32 @@ def _value(
   return jnp.where(negative, -magnitude, magnitude)
 
 
+def _select(rows: jax.Array, lay: Layout):
+  """Per chunk the ``keep`` entries of largest ``|x|`` (NaN as ``inf``),
+  ties to the lower index: ``(indices, values)``, ``(chunks, keep)``."""
+  key = jnp.where(jnp.isnan(rows), jnp.inf, jnp.abs(rows))
+  _, index = jax.lax.top_k(key, lay.keep)
+  return index, jnp.take_along_axis(rows, index, axis=-1)
+
+
+def _encode_raw(rows: jax.Array, lay: Layout, spec: TopKSpec):
+  """:func:`_encode_rows` at 16 or 32 bits: the indices, then the values
+  as bfloat16 or float32 (little-endian), no scale."""
+  index, values = _select(rows, lay)
+  sent = values.astype(RAW_DTYPES[spec.value_bits])
+  raw = jax.lax.bitcast_convert_type(sent, jnp.uint8)
+  payload = jnp.concatenate(
+    [_pack(index, lay.index_bits), raw.reshape(lay.chunks, -1)], axis=-1
+  )
+  return payload, index, sent.astype(jnp.float32)
+
+
 def _encode_rows(rows: jax.Array, lay: Layout, spec: TopKSpec):
   """``(chunks, chunk)`` -> (payload ``(chunks, bytes)`` uint8, selected
   indices ``(chunks, keep)`` int32, the values they stand for)."""
-  key = jnp.where(jnp.isnan(rows), jnp.inf, jnp.abs(rows))
-  _, index = jax.lax.top_k(key, lay.keep)
-  values = jnp.take_along_axis(rows, index, axis=-1)
+  if spec.raw:
+    return _encode_raw(rows, lay, spec)
+  index, values = _select(rows, lay)
   magnitude = jnp.abs(values)
   zero = magnitude == 0
   empty = jnp.sum(zero, axis=-1, dtype=jnp.int32)
@@ -372,6 +419,12 @@ def _decode_rows(payload: jax.Array, lay: Layout, spec: TopKSpec):
   index_bytes = _bytes(lay.keep * lay.index_bits)
   code_bytes = _bytes(lay.keep * spec.value_bits)
   index = _unpack(payload[..., :index_bytes], lay.keep, lay.index_bits)
+  if spec.raw:  # the values as they are; every entry stands for itself
+    raw = payload[..., index_bytes:]
+    raw = raw.reshape(raw.shape[:-1] + (lay.keep, spec.value_bits // 8))
+    dtype = RAW_DTYPES[spec.value_bits]
+    values = jax.lax.bitcast_convert_type(raw, dtype).astype(jnp.float32)
+    return index.astype(jnp.int32), values, jnp.ones(values.shape, bool)
   code = _unpack(
     payload[..., index_bytes : index_bytes + code_bytes],
     lay.keep,
@@ -430,10 +483,14 @@ def decode(payload: jax.Array, spec: TopKSpec, size: int) -> jax.Array:
 # The all-gather reduction, step by step.
 
 
-def _encode_leaves(leaves: list, spec: TopKSpec):
+def _encode_leaves(leaves: list, spec: TopKSpec, chunks: tuple | None = None):
   """Every leaf's rows, layout and encoding (payload, indices, kept values),
-  and one member's payload: the leaves' payloads concatenated."""
-  layouts = [layout(x.size, spec) for x in leaves]
+  and one member's payload: the leaves' payloads concatenated. ``chunks``:
+  per leaf, its chunk length instead of the spec's (see :func:`layout`)."""
+  chunks = (None,) * len(leaves) if chunks is None else chunks
+  layouts = [
+    layout(x.size, spec, c) for x, c in zip(leaves, chunks, strict=True)
+  ]
   rows = [_rows(x, lay) for x, lay in zip(leaves, layouts, strict=True)]
   encoded = [
     _encode_rows(r, lay, spec) for r, lay in zip(rows, layouts, strict=True)
@@ -497,9 +554,14 @@ def all_reduce(
   divisor: int,
   invariant_result: bool,
   residuals: bool = False,
+  chunks: tuple | None = None,
 ):
   """Top-k all-reduce of ``leaves`` (all varying over ``axis``): the contract
   of :func:`shardopt.wire.blocks.all_reduce`.
+
+  ``chunks`` (``shardopt.decoupled_momentum``'s tiles): per leaf, the length
+  of its chunks instead of ``spec.chunk_size``, each leaf a whole number of
+  them, each keeping ``min(k, chunk)`` entries; still one ``all_gather``.
 
   Returns the reduced leaves (``sum / divisor``, in each leaf's dtype) and,
   with ``residuals``, each replica's float32 residual in the leaf's shape:
@@ -510,7 +572,7 @@ def all_reduce(
   member order.
   """
   del members  # the gathered rows say it
-  layouts, rows, encoded, payload = _encode_leaves(leaves, spec)
+  layouts, rows, encoded, payload = _encode_leaves(leaves, spec, chunks)
   if invariant_result:
     gathered = jax.lax.all_gather(payload, axis, to="invarying")
   else:
