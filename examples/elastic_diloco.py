@@ -163,6 +163,15 @@ def parse(argv=None):
     help="exit (code 75) if a round does not commit within this",
   )
   ap.add_argument(
+    "--stall-timeout-seconds",
+    type=float,
+    default=None,
+    help=(
+      "evict a stuck island (exit code 76) this many seconds after the"
+      " others reached the end of a round, rather than end the job"
+    ),
+  )
+  ap.add_argument(
     "--processes-per-island",
     type=int,
     default=1,
@@ -224,6 +233,7 @@ def main(argv=None) -> None:
     tx,
     processes_per_island=k,
     round_timeout_s=args.round_timeout_seconds,
+    stall_timeout_s=args.stall_timeout_seconds,
     on_event=_events(say, args, me),
   )
 

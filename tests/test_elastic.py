@@ -390,6 +390,36 @@ def test_a_peer_that_hangs_alive_ends_the_job_with_a_clear_error(tmp_path):
       assert len(run.islands.rows(i)) == 2, run.islands.rows(i)
 
 
+def test_a_stuck_island_is_evicted_and_heals(tmp_path):
+  """Island 2 hangs alive inside round 3 (ELASTIC_EXAMPLE_HANG), with
+  ``--stall-timeout-seconds 5`` (issue 41 item 3): once the others reached
+  the end of that attempt, it exits by itself with code 76 and says why on
+  stderr; the others commit round 3 without it, well before the round
+  watchdog (60 s here) would have ended the job; restarted, it heals."""
+  from shardopt.elastic import stall
+
+  env = {"ELASTIC_EXAMPLE_HANG": "3", "ELASTIC_EXAMPLE_KILL_PROCESS": "2"}
+  extra = ("--stall-timeout-seconds", "5", "--round-timeout-seconds", "60")
+  with Scenario(tmp_path, steps=40, env=env, extra=extra) as run:
+    run.wait_round(0, 2 * H)
+    start = time.time()
+    code = run.islands.procs[2].wait(timeout=50)
+    assert code == stall.STALL_EXIT_CODE, run.islands.log(2)[-3000:]
+    assert time.time() - start < 50
+    assert "is stuck in round 3" in run.islands.log(2), run.islands.log(2)
+    run.wait_round(0, 3 * H)  # round 3, without island 2
+    run.restart(2)
+    run.finish(survivors=[0, 1, 2])
+
+    def expect(schedule):
+      lives = _lives(schedule)
+      assert lives[:2] == [[0, 1, 2]] * 2, lives
+      assert lives[2] == [0, 1], lives  # round 3 committed without it
+      assert lives[-1] == [0, 1, 2], lives
+
+    run.check([0, 1, 2], expect)
+
+
 # ------------------------------------------------------------------ JAX's side
 
 WORKER = Path(__file__).parent / "_workers" / "same_order_rejoin.py"

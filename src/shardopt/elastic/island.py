@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from shardopt import _jax
 from shardopt.elastic import cliques as _cliques
 from shardopt.elastic import rows
+from shardopt.elastic import stall
 from shardopt.periodic import split
 
 
@@ -137,6 +138,13 @@ class Island:
       Process 0 waits 5 s more, so that the others exit with their own
       message before its exit (it hosts the coordination service) aborts
       them. Keep it above ``timeout_s`` plus a few collective timeouts.
+    stall_timeout_s: evict a stuck island rather than end the job: a
+      process still inside a round's attempt this many seconds after every
+      other process of it reached its end prints why and exits with code 76
+      (``stall.STALL_EXIT_CODE``); the others go on without it, and it heals
+      when restarted (:mod:`.stall`). Keep it above the normal skew of the
+      islands' arrivals and below ``round_timeout_s``. None (the default):
+      no eviction; the round watchdog ends the job.
     on_event: ``on_event(name, info)`` at ``"round_started"`` (inside the
       round's ``live_devices`` block, before its collective),
       ``"round_gathered"`` (after it), ``"round_failed"`` and
@@ -156,6 +164,7 @@ class Island:
     timeout_s: float = 600.0,
     max_attempts: int = 100,
     round_timeout_s: float | None = 900.0,
+    stall_timeout_s: float | None = None,
     on_event: Callable[[str, dict], None] | None = None,
   ):
     self._engine = split.engine_of(tx, "shardopt.elastic.Island")
@@ -172,13 +181,15 @@ class Island:
     )
     self._timeout_s = timeout_s
     self._round_timeout_s = round_timeout_s
+    self._stall_timeout_s = _check_stall_timeout(stall_timeout_s)
     self._store = _jax.KeyValueStore()
     self._cliques = _cliques.Cliques(self._store, timeout_s=timeout_s)
     self._max_attempts = max_attempts
     self._on_event = on_event or (lambda name, info: None)
     self._fresh = True  # no round committed by this incarnation yet
     self._last: frozenset = frozenset()  # the last committed membership
-    self._attempts: collections.Counter = collections.Counter()
+    self._attempts: collections.Counter = collections.Counter()  # failed
+    self._blocks: collections.Counter = collections.Counter()  # all
     self._compiled: dict = {}
 
   @property
@@ -290,9 +301,18 @@ class Island:
         with _jax.live_devices(self._all) as live:
           members, live = self._taking_part(live)
           if members is not None:  # else this island is not complete yet
-            healing, exchanged, dropped = self._attempt(
-              members, live, sync, params, state
-            )
+            self._blocks[members] += 1  # every member counts alike
+            with stall.watched(
+              self._store,
+              self._me,
+              members,
+              self._blocks[members],
+              self._stall_timeout_s,
+              _host_int(state.sync_count) + 1,
+            ):
+              healing, exchanged, dropped = self._attempt(
+                members, live, sync, params, state
+              )
       except (_jax.process_failure_error(), jax.errors.JaxRuntimeError) as e:
         self._attempts[members] += 1
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -532,6 +552,23 @@ def _host_int(x) -> int:
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     x = x.addressable_data(0)
   return int(np.asarray(x))
+
+
+def _check_stall_timeout(seconds):
+  if seconds is None:
+    return None
+  if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    raise TypeError(
+      f"shardopt.elastic.Island: stall_timeout_s={seconds!r} must be a"
+      " number of seconds (or None: no stuck island is evicted)."
+    )
+  if not seconds > 0:
+    raise ValueError(
+      f"shardopt.elastic.Island: stall_timeout_s={seconds!r} must be > 0,"
+      " and above the normal skew between islands' arrivals (a joining"
+      " island's first compile), e.g. 30."
+    )
+  return float(seconds)
 
 
 def _check_processes_per_island(k) -> int:
