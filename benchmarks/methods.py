@@ -329,11 +329,42 @@ def hierarchical(
   )
 
 
+def demo(
+  lr_scale: float = 1.0,
+  k: int = 32,
+  chunk_size: int = 64,
+  decay: float = 0.999,
+  quick: bool = False,
+) -> Method:
+  """DeMo: ``chain(decoupled_momentum(k, chunk_size, decay), sign step)``
+  with the paper's defaults (32 DCT coefficients of every 64 x 64 tile,
+  float32 values, decay 0.999) and the sign step at ``lr_scale`` times the
+  study's schedule (``workload.OPTIMIZERS["sign"]``: the paper's DeMo runs
+  took AdamW's learning rate and schedule, without weight decay)."""
+  scale = f", lr x{lr_scale:g}" if lr_scale != 1 else ""
+  return Method(
+    f"chain(decoupled_momentum(k={k}, chunk={chunk_size},"
+    f" decay={decay:g}), sign step{scale})",
+    ("decoupled_momentum",),
+    lambda opt: optax.chain(
+      shardopt.decoupled_momentum(
+        AXIS, k=k, chunk_size=chunk_size, decay=decay
+      ),
+      opt(),
+      *([optax.scale(lr_scale)] if lr_scale != 1 else []),
+    ),
+    _hlo.Schedule(),
+    quick=quick,
+    family="demo",
+    optimizer="sign",
+  )
+
+
 def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
   """Issue 24's frontier (section 8) with issue 33's rows, for a run of
   ``steps`` steps.
 
-  Full (33 methods, about 80 min for 2 seeds on the shared 2-core
+  Full (36 methods, about 90 min for 2 seeds on the shared 2-core
   machine): sync and ``cross_shard_mean`` on an int8 wire with error
   feedback and on a top-k wire (32 of every 4096 entries, 2-bit values,
   error feedback without decay: DeMo's density on per-step gradients);
@@ -349,7 +380,9 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
   and ``diloco`` H = 16 and 64; ``diloco`` H = 64 after a synchronous warm
   start of ``steps / 6`` (rounded down to a multiple of 64); streaming
   ``diloco`` H = 64, F = 4 with overlap (1 step, alpha 0.5);
-  ``hierarchical_local_sgd`` pairs every 16 steps, all 8 every 64.
+  ``hierarchical_local_sgd`` pairs every 16 steps, all 8 every 64; DeMo
+  (:func:`demo`, issue 43) at the paper's defaults, its sign step at 1,
+  0.3 and 0.1 times the study's learning rate.
   ``quick`` (the CI smoke run): four methods that cover the code paths (a
   quantized wire with error feedback and a warm-up in one DiLoCo), with
   periods that fit a short run (H = 16).
@@ -396,4 +429,22 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
     diloco(64, warmup_steps=warm),
     streaming_diloco(64, 4, overlap_steps=1, overlap_alpha=0.5),
     hierarchical({16: 2, 64: 8}),
+    *(demo(scale) for scale in (1.0, 0.3, 0.1)),
+  ]
+
+
+def frontier() -> list[Method]:
+  """Issue 43's handful, the frontier that ``quality_per_byte --tiny`` and
+  ``python -m benchmarks.accelerator`` train: sync, ``cross_shard_mean`` on
+  int8 with error feedback, ``local_sgd`` H = 16, ``diloco`` H = 16 (AdamW
+  and Muon inside), SparseLoCo H = 4 (``diloco`` on ``topk(64)`` with error
+  feedback, outer ``sgd(1)``) and DeMo at the paper's defaults."""
+  return [
+    sync(),
+    cross_shard_mean(jnp.int8, error_feedback=True),
+    local_sgd(16),
+    diloco(16),
+    diloco(16, name="muon"),
+    diloco(4, comm_dtype=shardopt.topk(64), error_feedback=True, outer="sgd"),
+    demo(),
   ]

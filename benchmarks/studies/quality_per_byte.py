@@ -6,8 +6,9 @@ enough that synchronous training's validation curve has flattened. Every
 method wraps the same inner optimizer, AdamW with a linear warm-up and a
 cosine decay to zero (:func:`benchmarks.studies.workload.adamw`; Muon, on the
 same schedule, in the MuLoCo rows), and trains from the
-same seeds on the same data stream (issue 24's list and issue 33's rows,
-33 methods, about 80 min for 2 seeds on the shared 2-core machine:
+same seeds on the same data stream (issue 24's list, issue 33's rows and
+issue 43's DeMo rows, 36 methods, about 90 min for 2 seeds on the shared
+2-core machine:
 :func:`benchmarks.methods.quality_per_byte`): synchronous
 ``cross_shard(adamw)``, ``cross_shard_mean`` on an int8 wire with error
 feedback and on a top-k wire, ``accumulate`` k = 4, ``powersgd`` rank 2 and
@@ -17,7 +18,9 @@ H = 16..128 with a float32 outer gradient and int4 with and without error
 feedback, the paper's outer step at H = 16, SparseLoCo (a top-k outer
 gradient, outer ``sgd(1)``), MuLoCo (Muon inside, with its own sync), a
 synchronous warm start, streaming DiLoCo with F = 4 fragments and overlap,
-and hierarchical local SGD.
+hierarchical local SGD, and DeMo (``decoupled_momentum`` at the paper's
+defaults, its own sign step instead of AdamW, at 1, 0.3 and 0.1 times the
+schedule's learning rate).
 
 Bytes: each method's training chunk is compiled once; its HLO is read by
 :mod:`shardopt._hlo` (the loop body is one step) and weighted by the
@@ -47,7 +50,7 @@ if __name__ == "__main__":  # standalone: 8 CPU devices before jax is imported
 
   from benchmarks._xla_flags import force_cpu_devices
 
-  force_cpu_devices(quick="--quick" in sys.argv[1:])
+  force_cpu_devices(quick=bool({"--quick", "--tiny"} & set(sys.argv[1:])))
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -117,25 +120,38 @@ def measure(
   quick: bool,
   seeds: Sequence[int] | None = None,
   only: Sequence[str] | None = None,
+  *,
+  tiny: bool = False,
+  mapping: str = "pmap",
   **overrides,
 ) -> dict:
   """Trains every available method on every seed; returns curves and bytes.
 
   ``overrides``: fields of :class:`benchmarks.studies.workload.Config` to change (a
-  longer run: ``steps=2048``)."""
-  config = dataclasses.replace(
-    workload.QUICK if quick else workload.FULL, **overrides
-  )
-  seeds = tuple(seeds) if seeds is not None else harness.seeds(quick, 2)
-  task = workload.Workload(config)
+  longer run: ``steps=2048``). ``tiny``: :data:`workload.TINY` and
+  :func:`benchmarks.methods.frontier`'s handful of methods, one seed.
+  ``mapping``: the replicas under ``"pmap"`` (one per device) or ``"vmap"``
+  (stacked on one device; bytes from :func:`workload.update_bytes`, the
+  per-replica update compiled under ``pmap`` on the CPU devices)."""
+  base = workload.TINY if tiny else workload.QUICK if quick else workload.FULL
+  config = dataclasses.replace(base, **overrides)
+  seeds = tuple(seeds) if seeds is not None else harness.seeds(quick or tiny, 2)
+  task = workload.Workload(config, mapping)
   params = workload.init_params(config, 0)
   param_bytes = workload.tree_bytes(params)
   n = task.replicas
   sent = functools.partial(hlo.sent_bytes, num_devices=n)
   out = {}
   start = time.perf_counter()
-  for method in methods.quality_per_byte(config.steps, quick):
-    if (quick and not method.quick) or (only and method.label not in only):
+  listed = (
+    methods.frontier()
+    if tiny
+    else methods.quality_per_byte(config.steps, quick)
+  )
+  for method in listed:
+    if (quick and not tiny and not method.quick) or (
+      only and method.label not in only
+    ):
       continue
     updates = round(config.steps * method.updates_per_step)
     optimizer = workload.OPTIMIZERS[method.optimizer](config, updates)
@@ -153,17 +169,31 @@ def measure(
       continue
     t0, c0 = time.perf_counter(), _cpu_seconds()
     compiled, text = task.compile(tx)
-    ops = hlo.compiled_collectives(text, num_devices=n)
-    per_step = hlo.per_step(ops, method.schedule, measure=sent)
+    if mapping == "pmap":
+      ops = hlo.compiled_collectives(text, num_devices=n)
+      per_step = hlo.per_step(ops, method.schedule, measure=sent)
+      entry.update(
+        collectives=hlo.summarize(ops)["count"],
+        mean_bytes_per_step=per_step["mean_bytes"],
+        peak_bytes_per_step=per_step["peak_bytes"],
+        warmup_bytes_per_step=per_step["warmup_bytes"],
+        total_bytes=hlo.run_bytes(per_step, method.schedule, config.steps),
+        bytes_warning=per_step["warning"],
+        bytes_from="the training chunk's compiled HLO",
+      )
+    else:  # no collectives under vmap: the per-replica update's
+      entry.update(
+        workload.update_bytes(
+          tx,
+          params,
+          method.schedule,
+          config.steps,
+          devices=jax.devices("cpu")[:n],
+        )
+      )
     entry.update(
       compile_seconds=time.perf_counter() - t0,
       compile_cpu_seconds=_cpu_seconds() - c0,
-      collectives=hlo.summarize(ops)["count"],
-      mean_bytes_per_step=per_step["mean_bytes"],
-      peak_bytes_per_step=per_step["peak_bytes"],
-      warmup_bytes_per_step=per_step["warmup_bytes"],
-      total_bytes=hlo.run_bytes(per_step, method.schedule, config.steps),
-      bytes_warning=per_step["warning"],
       runs=[],
     )
     for seed in seeds:
@@ -194,7 +224,7 @@ def measure(
     )
     for r in entry["runs"]:
       del r["train_bpb"]  # per-step training loss: nothing reads it
-    if not quick:  # what is done so far, should the run not finish
+    if not quick and not tiny:  # what is done so far, should it not finish
       os.makedirs(PARTIAL_DIR, exist_ok=True)
       with open(os.path.join(PARTIAL_DIR, f"{NAME}.partial.json"), "w") as f:
         json.dump(out, f, default=str)
@@ -204,6 +234,7 @@ def measure(
     "params": workload.count_params(params),
     "param_bytes": param_bytes,
     "replicas": n,
+    "mapping": mapping,
     "workload": task.info,
     "methods": out,
   }
@@ -427,11 +458,11 @@ def run(
   quick: bool,
   seeds: Sequence[int] | None = None,
   only: Sequence[str] | None = None,
-  **overrides,
+  **options,
 ) -> dict:
   """Runs :func:`measure` and formats the section (table, notes, data)."""
   start = time.perf_counter()
-  data = measure(quick, seeds, only, **overrides)
+  data = measure(quick, seeds, only, **options)
   return report(data, time.perf_counter() - start)
 
 
@@ -480,8 +511,9 @@ def report(data: dict, seconds_in_all: float) -> dict:
     f"Byte-level transformer ({c['depth']} blocks, width {c['width']},"
     f" {c['heads']} heads, context {c['context']}; {data['params']:,} params,"
     f" {data['param_bytes']:,} bytes float32), {data['replicas']} replicas"
-    f" under pmap, {c['batch_per_replica']} windows of {c['context']} bytes"
-    f" per replica per step, {c['steps']} steps; inside every method AdamW"
+    f" under {data.get('mapping', 'pmap')}, {c['batch_per_replica']}"
+    f" windows of {c['context']} bytes per replica per step, {c['steps']}"
+    " steps; inside every method AdamW"
     f" (or Muon where the label says so: consistent RMS 0.2, the same"
     f" schedule; weight decay {c['weight_decay']}), learning rate warmed up linearly"
     f" from 0 to {c['learning_rate']} over {c['warmup_fraction']:.0%} of its"
@@ -504,6 +536,12 @@ def report(data: dict, seconds_in_all: float) -> dict:
     " between evaluations) reaches the method's final loss; 'wins per"
     " byte' = that is more than the method's whole run (within 5%: a tie).",
   ]
+  if data.get("mapping") == "vmap":
+    notes.append(
+      "Replicas under vmap on one device: no collectives to read there; the"
+      " bytes are those of each method's per-replica update compiled (not"
+      " run) under pmap on the CPU devices (workload.update_bytes)."
+    )
   if sync:
     flat = flattening(sync["steps"], sync["val_mean"])
     data["sync_flattening"] = flat
@@ -783,9 +821,31 @@ def calibrate(config: workload.Config, seed: int = 0) -> dict:
   return flat
 
 
+def summarize(data: dict) -> dict:
+  """``--json``'s content: per method its final validation bits per byte
+  (mean over the seeds) and the bytes one replica sent over the run."""
+  return {
+    "config": data["config"],
+    "replicas": data["replicas"],
+    "mapping": data.get("mapping", "pmap"),
+    "seeds": data["seeds"],
+    "params": data["params"],
+    "methods": {
+      label: {
+        "val_bits_per_byte": e["final_mean"],
+        "bytes_per_replica": e["total_bytes"],
+      }
+      if e["available"]
+      else {"why": e.get("why", "not available")}
+      for label, e in data["methods"].items()
+    },
+  }
+
+
 def main(argv=None) -> int:
-  """``python -m benchmarks.studies.quality_per_byte [--quick] [--seeds N]
-  [--only LABEL] [--steps N] [--out DIR]``, or ``--calibrate [--steps N]
+  """``python -m benchmarks.studies.quality_per_byte [--quick | --tiny]
+  [--replicas {pmap,vmap}] [--seeds N] [--only LABEL] [--steps N] [--out
+  DIR] [--json PATH]``, or ``--calibrate [--steps N]
   [--seed S] [--set FIELD=VALUE]``: the sync baseline alone, or ``--report
   FILE [--out DIR]``: the table, notes and plot again from a saved run
   (``benchmarks/results/latest.json`` or a section's JSON), training
@@ -794,6 +854,26 @@ def main(argv=None) -> int:
 
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument(
+    "--tiny",
+    action="store_true",
+    help="a tiny LM, 64 steps, one seed and a handful of methods"
+    " (benchmarks.methods.frontier): a couple of minutes on a CPU",
+  )
+  parser.add_argument(
+    "--replicas",
+    choices=workload.MAPPINGS,
+    default="pmap",
+    help="the replicas under jax.pmap, one per device (default), or"
+    " stacked on one device under jax.vmap (8 of them)",
+  )
+  parser.add_argument(
+    "--json",
+    default=None,
+    metavar="PATH",
+    help="write each method's final val bits/byte and bytes per replica"
+    ' here ({"methods": {label: {"val_bits_per_byte", "bytes_per_replica"}}})',
+  )
   parser.add_argument(
     "--seeds",
     type=int,
@@ -835,7 +915,13 @@ def main(argv=None) -> int:
   )
   args = parser.parse_args(argv)
   overrides = {} if args.steps is None else {"steps": args.steps}
-  base = workload.QUICK if args.quick else workload.FULL
+  base = (
+    workload.TINY
+    if args.tiny
+    else workload.QUICK
+    if args.quick
+    else workload.FULL
+  )
   for item in args.set:
     field, _, value = item.partition("=")
     if field not in workload.Config.__dataclass_fields__:
@@ -852,7 +938,14 @@ def main(argv=None) -> int:
     saved = saved.get("sections", {}).get(NAME, saved)
     section = report(saved["data"], saved.get("seconds", 0.0))
   else:
-    section = run(args.quick, seeds, args.only, **overrides)
+    section = run(
+      args.quick,
+      seeds,
+      args.only,
+      tiny=args.tiny,
+      mapping=args.replicas,
+      **overrides,
+    )
   table = section["table"]
   print("| " + " | ".join(table["columns"]) + " |")
   for row in table["rows"]:
@@ -868,6 +961,11 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "quality_per_byte.json"), "w") as f:
       json.dump(section, f, indent=1, default=str)
     plot(section, args.out)
+  if args.json:
+    summary = summarize(section["data"])
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+      json.dump(summary, f, indent=1)
   return 0
 
 

@@ -25,11 +25,13 @@ and a GELU MLP, the output layer tied to the byte embedding. Attention
 projections are plain 2-D ``Dense`` kernels, so every weight matrix is a
 matrix (``powersgd`` views a leaf as ``shape[0] x rest``).
 
-Training: 8 replicas under ``jax.pmap`` (axis ``"batch"``); the training
-bytes are cut into 8 contiguous shards, one per replica, and every step each
-replica draws its own ``batch_per_replica`` random windows of ``context + 1``
-bytes from its shard (keys folded from seed, step and replica index). Steps
-run in ``lax.scan`` chunks of ``eval_every`` steps.
+Training: 8 replicas under ``jax.pmap`` (axis ``"batch"``), or stacked on
+one device under ``jax.vmap`` (``mapping="vmap"``, the state's axes from
+``shardopt.vmap_axes``: the route of drjax and MaxText, the same numbers);
+the training bytes are cut into 8 contiguous shards, one per replica, and
+every step each replica draws its own ``batch_per_replica`` random windows
+of ``context + 1`` bytes from its shard (keys folded from seed, step and
+replica index). Steps run in ``lax.scan`` chunks of ``eval_every`` steps.
 
 Validation: every ``eval_every`` steps, the mean next-byte cross-entropy
 over fixed windows spread evenly over the validation text, in bits per byte
@@ -47,6 +49,7 @@ calibration aid).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import math
 import os
@@ -112,6 +115,129 @@ def replicate(tree: Any, n: int) -> Any:
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree)
 
 
+# ----------------------------------------------------------------- replicas
+
+MAPPINGS = ("pmap", "vmap")
+REPLICAS = 8  # replicas under vmap unless a caller says otherwise
+
+
+def replica_count(mapping: str, replicas: int | None = None) -> int:
+  """The replicas a study runs: every device under ``pmap``, :data:`REPLICAS`
+  on one device under ``vmap`` (unless ``replicas`` says otherwise)."""
+  if mapping not in MAPPINGS:
+    raise ValueError(f"mapping={mapping!r}: use one of {MAPPINGS}")
+  if replicas is not None:
+    return replicas
+  return jax.device_count() if mapping == "pmap" else REPLICAS
+
+
+def state_axes(tx, params: Any, mapping: str, replicas: int) -> Any:
+  """The state's replica axes: ``0`` (a copy per device) under ``pmap``,
+  ``shardopt.vmap_axes`` under ``vmap`` (per-replica leaves stacked,
+  counters and centers once)."""
+  if mapping == "pmap":
+    return 0
+  return shardopt.vmap_axes(tx, params, AXIS, axis_size=replicas)
+
+
+def replica_map(
+  fn,
+  mapping: str,
+  in_axes: tuple,
+  out_axes: Any,
+  replicas: int,
+  donate_argnums: tuple = (),
+):
+  """``fn`` run once per replica with axis name :data:`AXIS`: ``jax.pmap``
+  over ``replicas`` devices, or ``jax.jit(jax.vmap(...))`` on one device
+  (the route of drjax and MaxText). Under ``pmap`` every axis is 0 or None
+  (the state is a copy per device)."""
+  if mapping == "pmap":
+    return jax.pmap(
+      fn, axis_name=AXIS, in_axes=in_axes, donate_argnums=donate_argnums
+    )
+  mapped = jax.vmap(
+    fn,
+    in_axes=in_axes,
+    out_axes=out_axes,
+    axis_name=AXIS,
+    axis_size=replicas,
+  )
+  return jax.jit(mapped, donate_argnums=donate_argnums)
+
+
+def place(tree: Any, mapping: str) -> Any:
+  """Stacked arrays where the replicas run: one row per device under
+  ``pmap``, on the default device under ``vmap``."""
+  if mapping == "pmap":
+    return jax.pmap(lambda t: t)(tree)
+  return jax.device_put(tree)
+
+
+def init_replicas(tx, params: Any, mapping: str, replicas: int):
+  """``(stacked params, state, state axes)``: every replica starts from
+  ``params``, and ``tx.init`` runs per replica."""
+  stacked = place(replicate(params, replicas), mapping)
+  axes = state_axes(tx, params, mapping, replicas)
+  if mapping == "pmap":
+    return stacked, jax.pmap(tx.init, axis_name=AXIS)(stacked), axes
+  init = jax.vmap(
+    tx.init, in_axes=None, out_axes=axes, axis_name=AXIS, axis_size=replicas
+  )
+  return stacked, jax.jit(init)(params), axes
+
+
+def update_bytes(tx, params: Any, schedule, steps: int, devices=None) -> dict:
+  """What one replica sends for ``tx`` in a run of ``steps`` steps, read
+  from the compiled HLO of ``tx``'s update under ``jax.pmap`` over
+  ``devices`` (default: the CPU devices), compiled and not run.
+
+  For the ``vmap`` route, which has no collectives to read: the model's
+  forward and backward pass communicates nothing, so ``tx.update``'s
+  collectives are the step's (``tests/test_study_replicas.py`` checks it
+  against the training chunk's HLO). ``schedule`` is the method's
+  :class:`shardopt._hlo.Schedule`. Returns ``{"total_bytes",
+  "mean_bytes_per_step", "peak_bytes_per_step", "warmup_bytes_per_step",
+  "collectives", "bytes_warning", "bytes_from"}``.
+  """
+  from shardopt import _hlo as hlo
+
+  devices = jax.devices("cpu") if devices is None else devices
+  n = len(devices)
+  shapes = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct((n,) + tuple(x.shape), x.dtype), params
+  )
+
+  # The state as pmap's init lays it out: every leaf a copy per device. An
+  # argument, not built inside the step: a constant step counter would let
+  # XLA fold the conditional syncs away.
+  state = jax.eval_shape(jax.vmap(tx.init, axis_name=AXIS, axis_size=n), shapes)
+
+  def step(grads, state, params):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  text = (
+    jax.pmap(step, axis_name=AXIS, devices=devices)
+    .lower(shapes, state, shapes)
+    .compile()
+    .as_text()
+  )
+  ops = hlo.compiled_collectives(text, num_devices=n)
+  sent = functools.partial(hlo.sent_bytes, num_devices=n)
+  per_step = hlo.per_step(ops, schedule, measure=sent)
+  return {
+    "total_bytes": hlo.run_bytes(per_step, schedule, steps),
+    "mean_bytes_per_step": per_step["mean_bytes"],
+    "peak_bytes_per_step": per_step["peak_bytes"],
+    "warmup_bytes_per_step": per_step["warmup_bytes"],
+    "collectives": hlo.summarize(ops)["count"],
+    "bytes_warning": per_step["warning"],
+    "bytes_from": f"tx.update under pmap over {n} {devices[0].platform}"
+    " devices, compiled, not run",
+  }
+
+
 # ----------------------------------------------------------------- digits
 
 SIZES = (64, 64, 10)
@@ -140,9 +266,17 @@ def digits(replicas: int):
   )
 
 
-def digits_chunk(tx, steps: int, batch_size: int):
-  """pmap-ed: ``steps`` local steps from ``first_step``; returns params,
-  state and the params' ``replica_divergence``."""
+def digits_chunk(
+  tx,
+  steps: int,
+  batch_size: int,
+  mapping: str = "pmap",
+  axes: Any = 0,
+  replicas: int | None = None,
+):
+  """Per replica (:func:`replica_map`; ``axes``: the state's, from
+  :func:`state_axes`): ``steps`` local steps from ``first_step``; returns
+  params, state and the params' ``replica_divergence``."""
 
   def chunk(params, state, x, y, key, first_step):
     replica = jax.lax.axis_index(AXIS)
@@ -161,31 +295,49 @@ def digits_chunk(tx, steps: int, batch_size: int):
     divergence = shardopt.replica_divergence(params, AXIS)
     return params, state, divergence
 
-  return jax.pmap(chunk, axis_name=AXIS, in_axes=(0, 0, 0, 0, None, None))
+  return replica_map(
+    chunk,
+    mapping,
+    (0, axes, 0, 0, None, None),
+    (0, axes, 0),
+    replica_count(mapping, replicas),
+  )
 
 
-def train_digits(tx, seeds, total_steps: int, batch_size: int = 16):
-  """Trains the digits MLP with ``tx`` on every device, once per seed
-  (params init ``100 + seed``, data order ``seed``).
+def train_digits(
+  tx,
+  seeds,
+  total_steps: int,
+  batch_size: int = 16,
+  *,
+  mapping: str = "pmap",
+  replicas: int | None = None,
+  keep_params: bool = False,
+):
+  """Trains the digits MLP with ``tx``, once per seed (params init ``100 +
+  seed``, data order ``seed``), its replicas on every device (``mapping=
+  "pmap"``) or stacked on one (``"vmap"``, :data:`REPLICAS` of them unless
+  ``replicas`` says otherwise): the same numbers either way.
 
   Returns:
     ``(per_seed, divergence)``: test accuracy every ``EVAL_EVERY`` steps
     (step 0 first) for each seed, and the largest final
-    ``replica_divergence`` of the params over the seeds.
+    ``replica_divergence`` of the params over the seeds; with
+    ``keep_params``, also each seed's final stacked params (numpy).
   """
-  n = jax.device_count()
+  n = replica_count(mapping, replicas)
   train_x, train_y, test_x, test_y = digits(n)
-  identity = jax.pmap(lambda t: t)
-  train_x, train_y = identity((train_x, train_y))
+  train_x, train_y = place((train_x, train_y), mapping)
   accuracy = jax.jit(
     lambda p: jnp.mean(jnp.argmax(mlp_apply(p, test_x), -1) == test_y)
   )
-  chunk = digits_chunk(tx, EVAL_EVERY, batch_size)
-  per_seed, final_divergence = [], 0.0
+  first_params = mlp_init(jax.random.key(100), SIZES)
+  axes = state_axes(tx, first_params, mapping, n)
+  chunk = digits_chunk(tx, EVAL_EVERY, batch_size, mapping, axes, n)
+  per_seed, final_divergence, finals = [], 0.0, []
   for seed in seeds:
     params = mlp_init(jax.random.key(100 + seed), SIZES)
-    p_params = identity(replicate(params, n))
-    state = jax.pmap(tx.init, axis_name=AXIS)(p_params)
+    p_params, state, _ = init_replicas(tx, params, mapping, n)
     key = jax.random.key(seed)
     acc = [float(accuracy(params))]
     for first in range(0, total_steps, EVAL_EVERY):
@@ -195,6 +347,9 @@ def train_digits(tx, seeds, total_steps: int, batch_size: int = 16):
       acc.append(float(accuracy(jax.tree.map(lambda a: a[0], p_params))))
     final_divergence = max(final_divergence, float(divergence[0]))
     per_seed.append(acc)
+    finals.append(jax.tree.map(np.asarray, p_params))
+  if keep_params:
+    return per_seed, final_divergence, finals
   return per_seed, final_divergence
 
 
@@ -245,6 +400,10 @@ QUICK = Config(
   eval_every=32,
   val_windows=16,
 )
+# quality_per_byte --tiny and the accelerator command's --tiny frontier: the
+# QUICK model, evaluated every 16 steps (a multiple of every period of
+# benchmarks.methods.frontier).
+TINY = dataclasses.replace(QUICK, eval_every=16)
 
 
 # ----------------------------------------------------------------- data
@@ -418,7 +577,15 @@ def muon(config: Config, updates: int | None = None):
   )
 
 
-OPTIMIZERS = {"adamw": adamw, "muon": muon}
+def sign_step(config: Config, updates: int | None = None):
+  """The step after ``shardopt.decoupled_momentum`` (DeMo, which returns the
+  sign of its synchronized update): the learning rate on
+  :func:`learning_rate`'s schedule, without weight decay, as the paper's
+  DeMo runs took AdamW's learning rate and schedule with weight decay 0."""
+  return lambda: optax.scale_by_learning_rate(learning_rate(config, updates))
+
+
+OPTIMIZERS = {"adamw": adamw, "muon": muon, "sign": sign_step}
 
 
 # ----------------------------------------------------------------- training
@@ -450,8 +617,16 @@ def pmapped_step(tx: optax.GradientTransformation, config: Config):
   return jax.pmap(train_step(tx, config), axis_name=AXIS)
 
 
-def train_chunk(tx: optax.GradientTransformation, config: Config):
-  """pmapped: ``eval_every`` steps from ``first_step``; per-step local losses."""
+def train_chunk(
+  tx: optax.GradientTransformation,
+  config: Config,
+  mapping: str = "pmap",
+  axes: Any = 0,
+  replicas: int | None = None,
+):
+  """Per replica (:func:`replica_map`; ``axes``: the state's, from
+  :func:`state_axes`): ``eval_every`` steps from ``first_step``; per-step
+  local losses."""
   step = train_step(tx, config)
 
   def chunk(params, state, shard, key, first_step):
@@ -468,17 +643,33 @@ def train_chunk(tx: optax.GradientTransformation, config: Config):
     )
     return params, state, losses
 
-  return jax.pmap(
-    chunk, axis_name=AXIS, in_axes=(0, 0, 0, None, None), donate_argnums=(0, 1)
+  return replica_map(
+    chunk,
+    mapping,
+    (0, axes, 0, None, None),
+    (0, axes, 0),
+    replica_count(mapping, replicas),
+    donate_argnums=(0, 1),
   )
 
 
 class Workload:
-  """Data on the devices and the evaluation, built once for every method."""
+  """Data on the devices and the evaluation, built once for every method.
 
-  def __init__(self, config: Config = FULL):
+  ``mapping``: the replicas on every device (``"pmap"``: as many as there
+  are devices) or stacked on the default device (``"vmap"``: ``replicas``,
+  default :data:`REPLICAS`); the same numbers either way.
+  """
+
+  def __init__(
+    self,
+    config: Config = FULL,
+    mapping: str = "pmap",
+    replicas: int | None = None,
+  ):
     self.config = config
-    self.replicas = jax.device_count()
+    self.mapping = mapping
+    self.replicas = replica_count(mapping, replicas)
     data = corpus(config)
     self.info = {
       "stdlib": data["stdlib"],
@@ -487,33 +678,57 @@ class Workload:
       "train_bytes": int(len(data["train"])),
       "validation_bytes": int(len(data["validation"])),
     }
-    self.shards = jax.pmap(lambda s: s)(shards(data["train"], self.replicas))
+    self.shards = place(shards(data["train"], self.replicas), mapping)
     self.validation = jnp.asarray(
       validation_windows(data["validation"], config)
     )
     self.info["validation_windows"] = list(self.validation.shape)
     self._val_loss = jax.jit(lambda p: loss_fn(p, self.validation, config))
-    self._place = jax.pmap(lambda p: p)
-    self._inits: dict = {}  # id(tx) -> (tx, its pmapped init): one compile
+    self._inits: dict = {}  # id(tx) -> (tx, its mapped init): one compile
+
+  def axes(self, tx: optax.GradientTransformation) -> Any:
+    """``tx``'s state axes (:func:`state_axes`) on this workload."""
+    params = jax.eval_shape(lambda: init_params(self.config, 0))
+    return state_axes(tx, params, self.mapping, self.replicas)
+
+  def chunk(self, tx: optax.GradientTransformation):
+    """``tx``'s :func:`train_chunk` on this workload's replicas."""
+    return train_chunk(
+      tx, self.config, self.mapping, self.axes(tx), self.replicas
+    )
 
   def initial(self, tx: optax.GradientTransformation, seed: int):
     """Replicated params (``init_params(1000 + seed)``) and ``tx``'s state."""
     params = init_params(self.config, 1000 + seed)
-    p_params = self._place(replicate(params, self.replicas))
+    p_params = place(replicate(params, self.replicas), self.mapping)
     if id(tx) not in self._inits:
-      self._inits = {id(tx): (tx, jax.pmap(tx.init, axis_name=AXIS))}
-    return p_params, self._inits[id(tx)][1](p_params)
+      if self.mapping == "pmap":  # from each device's copy of the params
+        init = jax.pmap(tx.init, axis_name=AXIS)
+      else:  # from the params, once: counters and centers unbatched
+        init = jax.jit(
+          jax.vmap(
+            tx.init,
+            in_axes=None,
+            out_axes=self.axes(tx),
+            axis_name=AXIS,
+            axis_size=self.replicas,
+          )
+        )
+      self._inits = {id(tx): (tx, init)}
+    init = self._inits[id(tx)][1]
+    return p_params, init(p_params if self.mapping == "pmap" else params)
 
   def compile(self, tx: optax.GradientTransformation):
     """Compiles ``tx``'s :func:`train_chunk` once: ``(callable, HLO text)``.
 
     The HLO is the chunk's: one step is the body of its ``while`` loop, so
     every collective runs once per step, or once per step that takes its
-    conditional branch.
+    conditional branch. Under ``vmap`` it has no collectives (the replicas
+    share one device): read the bytes with :func:`update_bytes`.
     """
     p_params, state = self.initial(tx, 0)
     compiled = (
-      train_chunk(tx, self.config)
+      self.chunk(tx)
       .lower(p_params, state, self.shards, jax.random.key(0), jnp.int32(0))
       .compile()
     )
@@ -541,7 +756,7 @@ class Workload:
       |param difference| across replicas at the end, "seconds"}``.
     """
     c = self.config
-    chunk = chunk or train_chunk(tx, c)
+    chunk = chunk or self.chunk(tx)
     p_params, state = self.initial(tx, seed)
     key = jax.random.key(seed)
     start = time.perf_counter()

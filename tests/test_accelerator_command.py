@@ -1,0 +1,94 @@
+"""``python -m benchmarks.accelerator --tiny`` (issue 43) runs every section
+on this CPU, so the command is ready whenever an accelerator is at hand.
+
+One subprocess, the way the GPU machine runs it (``PYTHONPATH=src``, from
+the working tree); the test reads its JSON: every section present and free
+of errors, every transform's vmapped run on the default device equal to the
+same run on the CPU backend (here the same device: a difference is a bug of
+the command, not rounding), and the frontier's rows with finite losses and
+bytes that order the methods as their schedules say.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = ("backend", "transforms", "wires", "overhead", "frontier")
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_every_section(tmp_path):
+  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+  env.pop("XLA_FLAGS", None)  # the command sets its own host devices
+  done = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "benchmarks.accelerator",
+      "--tiny",
+      "--out",
+      str(tmp_path),
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  with open(tmp_path / "accelerator.json") as f:
+    result = json.load(f)
+  sections = result["sections"]
+  assert tuple(sections) == SECTIONS
+  for name in SECTIONS:
+    assert "error" not in sections[name], (name, sections[name]["error"])
+    assert f"== {name}" in done.stdout
+  assert sections["backend"]["platform"] == "cpu"
+
+  rows = sections["transforms"]["rows"]
+  assert len(rows) >= 16 and not sections["transforms"]["skipped"]
+  for name, row in rows.items():
+    if "unsupported" in row:  # jax.vmap has no axis_index_groups
+      assert "axis_index_groups" in row["unsupported"], name
+      continue
+    assert "error" not in row, (name, row)
+    assert math.isfinite(row["max_abs_diff"]), name
+    assert row["max_abs_diff"] <= 1e-6, (name, row)
+    assert row["finite"] and row["moved"] > 1e-3, (name, row)
+  assert [n for n, r in rows.items() if "unsupported" in r] == [
+    "hierarchical_local_sgd(adam, {2: 2, 4: 8})"
+  ]
+
+  wires = sections["wires"]
+  assert wires["copy_gbps"] > 0
+  timed = {k: r for k, r in wires["rows"].items() if "gbps" in r}
+  assert {"float32", "bfloat16", "int8", "int8+EF", "int4+EF"} <= set(timed)
+  assert {"float8_e4m3fn+EF", "topk 64/4096+EF"} <= set(timed)
+  for row in timed.values():
+    assert row["gbps"] > 0 and 0 < row["share_of_step"] < 1
+
+  overhead = sections["overhead"]["rows"]
+  assert overhead["optax adam"]["ratio"] == 1.0
+  for name in ("local_sgd", "diloco", "agn"):
+    assert overhead[f"{name} (non-sync step)"]["ratio"] > 0
+
+  frontier = sections["frontier"]["rows"]
+  assert len(frontier) == 7 and not sections["frontier"]["skipped"]
+  for name, row in frontier.items():
+    assert "error" not in row, (name, row)
+    assert 0 < row["val_bits_per_byte"] < 8, name
+    assert row["bytes_per_replica"] > 0, name
+  sync = frontier["cross_shard(adamw) [sync]"]["bytes_per_replica"]
+  # H = 16 averages the params (sync's size) once in 16 steps
+  h16 = frontier["diloco(adamw, H=16)"]["bytes_per_replica"]
+  assert h16 == pytest.approx(sync / 16, rel=0.01)
+  assert (
+    frontier["chain(cross_shard_mean(int8+EF), adamw)"]["bytes_per_replica"]
+    < sync / 3
+  )
+  assert result["seconds"] < 240, result["seconds"]
