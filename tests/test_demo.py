@@ -69,7 +69,7 @@ def test_demo_json_holds_the_results_and_what_produced_them(demo_run):
 
   out, results = demo_run
   data = json.loads((out / "demo.json").read_text())
-  assert data["command"].startswith("python -m shardopt.demo --steps 32 ")
+  assert data["command"].startswith("python -m shardopt --steps 32 ")
   assert f"--json {out / 'demo.json'}" in data["command"]
   assert datetime.datetime.fromisoformat(data["measured_utc"]).tzinfo
   assert data["commit"] is None or len(data["commit"]) >= 7

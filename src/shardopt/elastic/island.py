@@ -356,8 +356,8 @@ class Island:
     info = {"live": _processes(members), "healing": healing}
     self._on_event("round_started", info)
     if healing:
-      row = self._healing_row(sync, params, state)
-      exchanged, dropped = self._gather(order, row), None
+      row, dropped = self._healing_row(sync, params, state)
+      exchanged = self._gather(order, row)
     else:
       row, dropped = self._plain_rows(order, sync, params, state)
       exchanged = self._exchange(order, row, sync, params)
@@ -413,7 +413,8 @@ class Island:
     return self._compiled[key]
 
   def _healing_row(self, sync: int, params, state):
-    """This island's row of a healing round (on its devices)."""
+    """This island's row of a healing round (on its devices), and what the
+    wire's encoding dropped from its contribution (error feedback)."""
     engine, me, island = self._engine, self._me, self._me // self._k
     up = not self._fresh
     fn = self._jit(
@@ -513,11 +514,11 @@ class Island:
       fresh = self._fresh
       fn = self._jit(
         ("heal", sync, fresh),
-        lambda g, p, s, lo, sk: _heal(
-          self._engine, sync, fresh, g, p, s, lo, sk
+        lambda g, p, s, lo, sk, d: _heal(
+          self._engine, sync, fresh, g, p, s, lo, sk, d
         ),
       )
-      params, state = fn(exchanged, *args)
+      params, state = fn(exchanged, *args, dropped)
     else:
       owners = rows.islands_of([d.process_index for d in order], self._k)
       chunk = int(owners[[d.process_index for d in order].index(self._me)])
@@ -634,7 +635,9 @@ def _apply_plain(
   )
 
 
-def _heal(engine, sync, fresh, gathered, params, state, left_out, skipped):
+def _heal(
+  engine, sync, fresh, gathered, params, state, left_out, skipped, dropped=()
+):
   """A healing round: everyone adopts the source's center, outer state and
   counters (bit for bit what the up-to-date islands hold); a fresh island
   also its params (the center) and a restarted local optimizer."""
@@ -663,24 +666,30 @@ def _heal(engine, sync, fresh, gathered, params, state, left_out, skipped):
     )
   if sync:
     params, state = _heal_sync(
-      engine, sync, received, params, state, left_out, skipped
+      engine, sync, received, params, state, left_out, skipped, dropped
     )
   if fresh:  # the inner optimizer restarts where the island trains from
     state = state._replace(local_state=engine.optimizer.init(params))
   return params, state
 
 
-def _heal_sync(engine, sync, received, params, state, left_out, skipped):
-  """The sync of a healing round, on the adopted state: its float32 wire
-  drops nothing, so error feedback's pieces restart at zero."""
+def _heal_sync(
+  engine, sync, received, params, state, left_out, skipped, dropped
+):
+  """The sync of a healing round, on the adopted state. Its rows carry what
+  a plain round's wire would have delivered (:func:`.rows.on_the_wire`), so
+  error feedback's pieces are what that encoding dropped (``dropped``; zero
+  for a fresh island, which contributed nothing)."""
   parts = split.pieces(engine, params, sync)
   combined, count = rows.combined_healing(engine, received, params, parts)
   error = None
   if engine.error_feedback:
-    error = [
-      jnp.zeros(jnp.shape(x), jnp.float32)
-      for x in split.take(jax.tree.leaves(params), parts)
-    ]
+    likes = split.take(jax.tree.leaves(params), parts)
+    error = (
+      [d.reshape(np.shape(x)) for d, x in zip(dropped, likes, strict=True)]
+      if len(dropped)
+      else [jnp.zeros(np.shape(x), jnp.float32) for x in likes]
+    )
   return split.apply(
     engine,
     sync,

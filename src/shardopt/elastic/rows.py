@@ -296,11 +296,34 @@ def with_owned(dropped: list, owned: list, chunk, islands: int) -> list:
   return out
 
 
+def on_the_wire(engine, flats: list) -> tuple[list, list]:
+  """``(kept, dropped)``: what a plain round's encoding on the transform's
+  wire delivers of each piece (flat float32) and what it drops (error
+  feedback keeps it). A healing round carries ``kept`` in float32, so that
+  error feedback's buffer is spent as a plain round spends it: sent whole,
+  the top-k wire's buffer (most of every outer gradient since the last
+  rounds) would land on the center at once."""
+  wire = wire_of(engine)
+  if wire.two_phase:
+    sizes = tuple(f.size for f in flats)
+    _, dropped = wire.scatter(flats, wire.plan(sizes, 1))
+  else:
+    _, dropped = wire.encode_whole(flats)
+  kept = [f - d for f, d in zip(flats, dropped, strict=True)]
+  return kept, dropped
+
+
 def healing_row(
   engine, island: int, process: int, sync: int, up_to_date, state, params
 ):
-  """A healing round's row (see the module docstring)."""
+  """A healing round's row (see the module docstring) and, with error
+  feedback, what the wire's encoding dropped from this island's
+  contribution (:func:`on_the_wire`; empty without a sync)."""
   mine, finite = contribution(engine, sync, state, params, up_to_date)
+  dropped = []
+  if sync and engine.error_feedback:
+    mine, dropped = on_the_wire(engine, mine)
+    dropped = mean.weigh(dropped, finite)
   # Every leaf, zeros outside the sync's pieces (all zeros without a sync).
   full = [jnp.zeros(jnp.shape(p), jnp.float32) for p in jax.tree.leaves(params)]
   if sync:
@@ -316,7 +339,7 @@ def healing_row(
   parts += [to_bytes(c) for c in jax.tree.leaves(state.center)]
   parts += [to_bytes(g) for g in jax.tree.leaves(state.global_state)]
   parts.append(to_bytes(_flat(full)))
-  return jnp.concatenate(parts)
+  return jnp.concatenate(parts), dropped
 
 
 def sort_key(island, process):
