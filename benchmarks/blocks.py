@@ -233,6 +233,9 @@ LM_ROWS = {
   "diloco(adamw, H=4, topk 64/4096 2-bit+EF, outer sgd(1))": (
     "`diloco` H = 4, top-k outer gradient + error feedback (SparseLoCo)"
   ),
+  "chain(decoupled_momentum(k=32, chunk=64, decay=0.999), sign step)": (
+    "`decoupled_momentum` (DeMo), the paper's defaults"
+  ),
 }
 LM_SYNC = "cross_shard(adamw) [sync]"
 
@@ -294,6 +297,36 @@ def render_lm_frontier(data: Sequence[dict]) -> str:
     f" sync's last {1 - flat['from_step'] / config['steps']:.0%} of steps"
     f" gained {flat['relative_gain']:.2%}. Rows {_ranges(on_frontier)} are on"
     f" the Pareto frontier of the {len(d['methods'])} methods."
+    + _added(d.get("added", []))
+    + (
+      f" Moonshot, against the best synchronous run"
+      f" ({d['moonshot']['reference']}): "
+      + ("reached." if d["moonshot"]["reached"] else "not reached.")
+      if "reference" in d.get("moonshot", {})
+      else ""
+    )
+  )
+
+
+def _added(notes: Sequence[str]) -> str:
+  """Section 8's rows run later (``--add-to``), in a few words each: when,
+  at which commit, how many (the full command is in section 8's notes)."""
+  parts = []
+  for note in notes:
+    found = re.match(
+      r"Rows added (\S+?)T(\d\d:\d\d).*? at commit (\S+) by", note
+    )
+    if found:
+      date, time, commit = found.groups()
+      rows = note.count("--only")
+      plural = "s" if rows != 1 else ""
+      parts.append(f"{date} {time} UTC, commit {commit}, {rows} row{plural}")
+  if not parts:
+    return ""
+  return (
+    " Rows added later by `python -m benchmarks.studies.quality_per_byte"
+    " --only LABEL --add-to benchmarks/results/latest.json` (the commands in"
+    " section 8's notes): " + "; ".join(parts) + "."
   )
 
 

@@ -7,7 +7,7 @@ method wraps the same inner optimizer, AdamW with a linear warm-up and a
 cosine decay to zero (:func:`benchmarks.studies.workload.adamw`; Muon, on the
 same schedule, in the MuLoCo rows), and trains from the
 same seeds on the same data stream (issue 24's list, issue 33's rows and
-issue 43's DeMo rows, 36 methods, about 90 min for 2 seeds on the shared
+issue 43's DeMo rows, 37 methods, about 95 min for 2 seeds on the shared
 2-core machine:
 :func:`benchmarks.methods.quality_per_byte`): synchronous
 ``cross_shard(adamw)``, ``cross_shard_mean`` on an int8 wire with error
@@ -608,6 +608,7 @@ def report(data: dict, seconds_in_all: float) -> dict:
     )
   notes += _grid_notes(data)
   notes += verdict_notes
+  notes += data.get("added", [])  # rows run later (--add-to)
   warnings = [
     f"{label}: {e['bytes_warning']}"
     for label, e in m.items()
@@ -973,7 +974,9 @@ def main(argv=None) -> int:
     if args.add_to:
       if not args.only:
         parser.error("--add-to runs the --only methods: name them")
-      section = add_rows(section, args.add_to, argv)
+      section = add_rows(
+        section, args.add_to, argv, time.perf_counter() - start
+      )
   table = section["table"]
   print("| " + " | ".join(table["columns"]) + " |")
   for row in table["rows"]:
@@ -997,7 +1000,7 @@ def main(argv=None) -> int:
   return 0
 
 
-def add_rows(new: dict, path: str, argv) -> dict:
+def add_rows(new: dict, path: str, argv, seconds: float = 0.0) -> dict:
   """``new``'s methods added to the section saved in ``path`` (a report's
   JSON, e.g. ``benchmarks/results/latest.json``), which is rebuilt and
   written back with its ``latest.md``, ``benchmarks/README.md``'s results
@@ -1016,18 +1019,19 @@ def add_rows(new: dict, path: str, argv) -> dict:
       )
   data = dict(old["data"])
   data["methods"] = {**old["data"]["methods"], **new["data"]["methods"]}
-  section = report(data, old.get("seconds", 0.0) + new.get("seconds", 0.0))
+  seconds += old.get("seconds", 0.0)
   added = ", ".join(new["data"]["methods"])
   machine = _report.machine()
-  section["notes"].append(
+  data["added"] = list(old["data"].get("added", [])) + [
     f"Rows added {machine['date_utc']} at commit {machine['git_commit']} by"
     f" `python -m benchmarks.studies.quality_per_byte {' '.join(argv or [])}`:"
     f" {added}."
-  )
+  ]
+  section = report(data, seconds)
   section["ran_on"] = old.get("ran_on", {})
   out = os.path.dirname(os.path.abspath(path))
   section["plots"] = [os.path.relpath(p, out) for p in plot(section, out)]
-  section["seconds"] = old.get("seconds", 0.0) + new.get("seconds", 0.0)
+  section["seconds"] = seconds
   results["sections"][NAME] = section
   with open(path, "w") as f:
     json.dump(results, f, indent=1, default=str)
