@@ -31,6 +31,11 @@ def test_tiny_run_writes_every_section(tmp_path):
       "-m",
       "benchmarks.accelerator",
       "--tiny",
+      # Budgets 20x: the test checks that every section runs whole, not how
+      # fast (on a loaded machine the default budgets skipped 2 transforms;
+      # the quiet --tiny run takes 82 s, benchmarks/README.md).
+      "--scale",
+      "20",
       "--out",
       str(tmp_path),
     ],
@@ -91,4 +96,4 @@ def test_tiny_run_writes_every_section(tmp_path):
     frontier["chain(cross_shard_mean(int8+EF), adamw)"]["bytes_per_replica"]
     < sync / 3
   )
-  assert result["seconds"] < 240, result["seconds"]
+  assert all(not s.get("skipped") for s in sections.values()), sections
