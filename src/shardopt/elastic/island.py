@@ -140,11 +140,11 @@ class Island:
       them. Keep it above ``timeout_s`` plus a few collective timeouts.
     stall_timeout_s: evict a stuck island rather than end the job: a
       process still inside a round's attempt this many seconds after every
-      other process of it reached its end prints why and exits with code 76
-      (``stall.STALL_EXIT_CODE``); the others go on without it, and it heals
-      when restarted (:mod:`.stall`). Keep it above the normal skew of the
-      islands' arrivals and below ``round_timeout_s``. None (the default):
-      no eviction; the round watchdog ends the job.
+      other process of it reached its end prints why and exits with code 76;
+      the others go on without it, and it heals when restarted
+      (``docs/elastic.md``). Keep it above the normal skew of the islands'
+      arrivals and below ``round_timeout_s``. None (the default): no
+      eviction; the round watchdog ends the job.
     on_event: ``on_event(name, info)`` at ``"round_started"`` (inside the
       round's ``live_devices`` block, before its collective),
       ``"round_gathered"`` (after it), ``"round_failed"`` and
