@@ -360,7 +360,7 @@ def render_elastic_round_costs(data: Sequence[dict]) -> str:
   rows = [
     ["inner step (island-local, 2 devices)", m["inner_step"]],
     [
-      "elastic round (`island.sync`: `live_devices`, 1 all_gather, commit)",
+      "elastic round (`island.sync`: `live_devices`, one collective program, commit)",
       m["elastic_round"],
     ],
     [
