@@ -428,8 +428,7 @@ class Island:
     """This island's rows of a plain round for the processes of ``order``
     (on its devices), and what the wire dropped from its contribution."""
     engine, me, island = self._engine, self._me, self._me // self._k
-    owners = rows.islands_of([d.process_index for d in order], self._k)
-    islands = int(owners.max()) + 1
+    owners, islands = self._owners(order)
     fn = self._jit(
       ("plain_rows", sync, islands, len(order)),
       lambda s, p, o: rows.plain_rows(
@@ -438,6 +437,12 @@ class Island:
       out_shardings=self._replicated,
     )
     return fn(state, params, jnp.asarray(owners))
+
+  def _owners(self, order: list) -> tuple[np.ndarray, int]:
+    """Per process of ``order``, the chunk its island owns on a two-phase
+    wire (:func:`.rows.islands_of`), and the number of islands."""
+    owners = rows.islands_of([d.process_index for d in order], self._k)
+    return owners, int(owners.max()) + 1
 
   def _program(self, key, order: list, body, row: jax.Array):
     """``body`` (of this process's ``row``) as one collective program over
@@ -474,9 +479,7 @@ class Island:
     """A plain round's :func:`.rows.exchange` over ``order``."""
     engine = self._engine
     sizes = rows.sizes_of(engine, sync, params)
-    islands = (
-      int(rows.islands_of([d.process_index for d in order], self._k).max()) + 1
-    )
+    _, islands = self._owners(order)
     return self._program(
       ("exchange", sync, islands),
       order,
@@ -520,9 +523,8 @@ class Island:
       )
       params, state = fn(exchanged, *args, dropped)
     else:
-      owners = rows.islands_of([d.process_index for d in order], self._k)
+      owners, islands = self._owners(order)
       chunk = int(owners[[d.process_index for d in order].index(self._me)])
-      islands = int(owners.max()) + 1
       fn = self._jit(
         ("apply", sync, islands),
         lambda x, p, s, lo, sk, d, c: _apply_plain(
@@ -615,12 +617,24 @@ def _apply_plain(
   combined, count = rows.combined_plain(engine, exchanged, params, sync)
   error = None
   if engine.error_feedback:
+    error = rows.with_owned(dropped, exchanged.dropped, chunk, islands)
+  return _apply(
+    engine, sync, state, params, combined, count, left_out, skipped, error
+  )
+
+
+def _apply(
+  engine, sync, state, params, combined, count, left_out, skipped, error
+):
+  """:func:`.split.apply` of a round's combined pieces; ``error``: error
+  feedback's new pieces, flat (used only with error feedback)."""
+  pieces = None
+  if engine.error_feedback:
     likes = split.take(
       jax.tree.leaves(params), split.pieces(engine, params, sync)
     )
-    flat = rows.with_owned(dropped, exchanged.dropped, chunk, islands)
-    error = [
-      f.reshape(np.shape(like)) for f, like in zip(flat, likes, strict=True)
+    pieces = [
+      e.reshape(np.shape(like)) for e, like in zip(error, likes, strict=True)
     ]
   return split.apply(
     engine,
@@ -631,7 +645,7 @@ def _apply_plain(
     any_contribution=count > 0,
     left_out=left_out,
     skipped=skipped,
-    error=error,
+    error=pieces,
   )
 
 
@@ -682,22 +696,11 @@ def _heal_sync(
   for a fresh island, which contributed nothing)."""
   parts = split.pieces(engine, params, sync)
   combined, count = rows.combined_healing(engine, received, params, parts)
-  error = None
-  if engine.error_feedback:
-    likes = split.take(jax.tree.leaves(params), parts)
-    error = (
-      [d.reshape(np.shape(x)) for d, x in zip(dropped, likes, strict=True)]
-      if len(dropped)
-      else [jnp.zeros(np.shape(x), jnp.float32) for x in likes]
-    )
-  return split.apply(
-    engine,
-    sync,
-    state,
-    params,
-    combined,
-    any_contribution=count > 0,
-    left_out=left_out,
-    skipped=skipped,
-    error=error,
+  if not len(dropped):  # a fresh island: nothing was sent, nothing dropped
+    dropped = [
+      jnp.zeros(np.size(x), jnp.float32)
+      for x in split.take(jax.tree.leaves(params), parts)
+    ]
+  return _apply(
+    engine, sync, state, params, combined, count, left_out, skipped, dropped
   )

@@ -378,17 +378,10 @@ def combined_healing(engine, received: Received, params, parts) -> tuple:
   """A healing round's mean over the contributing islands (each once, in
   island order), as the sync's pieces; and their count."""
   keep = counted(received.header)
-  total = protocol_sum(received.contributions, keep)
+  total = _wire.protocol.sum_in_order(received.contributions, keep)
   count = jnp.sum(keep.astype(jnp.float32))
   (total,) = mean.divide([total], count, engine.reduction)
   return split.take(_unflat(total, jax.tree.leaves(params)), parts), count
-
-
-def protocol_sum(contributions: jax.Array, keep: jax.Array) -> jax.Array:
-  """The kept rows' sum, in row order (float32)."""
-  return _wire.protocol.sum_in_order(
-    _wire.protocol.kept_rows(contributions, keep)
-  )
 
 
 def combined_plain(engine, exchanged: Exchanged, params, sync: int) -> tuple:

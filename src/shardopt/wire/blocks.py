@@ -328,9 +328,7 @@ def _sum_received(
   its loop cost 7-9% more.
   """
   if spec.bits == 4:  # unpacking nibbles row by row costs more than it saves
-    return protocol.sum_in_order(
-      protocol.kept_rows(decode(received, spec, block, blocks), keep)
-    )
+    return protocol.sum_in_order(decode(received, spec, block, blocks), keep)
 
   def row(j):
     decoded = decode(received[j], spec, block, blocks)

@@ -101,7 +101,7 @@ class Dense(protocol.Wire):
 
   def sum_rows(self, received, keep, p):
     return [
-      protocol.sum_in_order(protocol.kept_rows(self._decode(part, per), keep))
+      protocol.sum_in_order(self._decode(part, per), keep)
       for part, per in zip(
         protocol.split_bytes(received, self._widths(p)), p.per, strict=True
       )

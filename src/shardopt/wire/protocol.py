@@ -147,9 +147,11 @@ def kept_rows(rows: jax.Array, keep) -> jax.Array:
   return jnp.where(mask, rows, jnp.zeros((), rows.dtype))
 
 
-def sum_in_order(terms: jax.Array) -> jax.Array:
+def sum_in_order(terms: jax.Array, keep=None) -> jax.Array:
   """``terms[0] + terms[1] + ...`` in float32, left to right (the member
-  order: every member adds the same terms in the same order)."""
+  order: every member adds the same terms in the same order); rows where
+  ``keep`` is False count as zeros (:func:`kept_rows`)."""
+  terms = kept_rows(terms, keep)
   total = terms[0]
   for j in range(1, terms.shape[0]):
     total = total + terms[j]
