@@ -41,7 +41,7 @@ ORDER = (
 )
 HERE = os.path.dirname(os.path.abspath(__file__))
 GPU_NOTE = (
-  "No GPU figure exists yet: no accelerator was available to this run,"
+  "No GPU figure for this run: no accelerator was available to it,"
   " so sections 1 and 3 have not been repeated as a single-device GPU"
   " sanity run."
 )

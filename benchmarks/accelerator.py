@@ -67,19 +67,24 @@ import shardopt  # noqa: E402
 from benchmarks import methods  # noqa: E402
 from benchmarks.perf.harness import compare  # noqa: E402
 from benchmarks.studies import workload  # noqa: E402
+from shardopt import _hlo  # noqa: E402
 
 AXIS = workload.AXIS
 R = 8  # replicas
 SECTIONS = ("backend", "transforms", "wires", "overhead", "frontier")
 # Seconds per section: the full run fits 8 minutes on one H100 with room
 # for start-up; --tiny, every section on the shared 2-core CPU in under 4.
+# On the H100 of 2026-11-27 (benchmarks/results/accelerator_h100.json) the
+# transforms took 37 s, the wires 41 s and the overhead 7 s; the frontier is
+# mostly compiles (12-70 s per method, against 7-23 s of training for 704
+# steps), so it gets what is left.
 BUDGETS = {
   False: {
     "backend": 10,
-    "transforms": 75,
-    "wires": 75,
-    "overhead": 45,
-    "frontier": 220,
+    "transforms": 50,
+    "wires": 50,
+    "overhead": 25,
+    "frontier": 335,
   },
   True: {
     "backend": 10,
@@ -497,6 +502,9 @@ def overhead(tiny: bool, clock: Clock) -> dict:
         state = init(params)
         step = jax.jit(step, donate_argnums=(0, 1))
       holder = {"p": _stacked(params, jax.devices()[0]), "s": state}
+      copied = _hlo.copied_bytes(
+        step.lower(holder["p"], holder["s"], grads).compile().as_text()
+      )
 
       def call(step=step, holder=holder):
         holder["p"], holder["s"] = step(holder["p"], holder["s"], grads)
@@ -504,7 +512,10 @@ def overhead(tiny: bool, clock: Clock) -> dict:
 
       jax.block_until_ready(call())
       candidates[name] = call
-      rows[name] = {}
+      rows[name] = {
+        "copied_bytes": copied["top"],
+        "copied_bytes_in_branches": copied["conditional"],
+      }
     except Exception as exc:  # noqa: BLE001
       rows[name] = {"error": _error(exc)}
   if "optax adam" in candidates and len(candidates) > 1:
@@ -574,9 +585,11 @@ def frontier(tiny: bool, clock: Clock) -> dict:
     out["calibration"] = cal
     per_method = clock.left() / len(listed)
     # compile, bytes (a CPU compile of the update) and evaluation: about
-    # 2.5 compiles of sync; the rest trains
-    train_s = per_method - 2.5 * cal["compile_seconds"]
-    steps = int(train_s / (1.2 * cal["step_seconds"]))
+    # 2 compiles of sync; a step with its share of evaluation and slower
+    # optimizers (Muon), about 2.5 of sync's calibrated step (on the H100,
+    # 2026-11-27: 1.8-3.5 compiles, 0.8-3.5 steps)
+    train_s = per_method - 2.0 * cal["compile_seconds"]
+    steps = int(train_s / (2.5 * cal["step_seconds"]))
     steps = max(config.eval_every, min(4096, steps))
     steps -= steps % config.eval_every
     config = dataclasses.replace(config, steps=steps)
@@ -724,13 +737,18 @@ def table(name: str, section: dict) -> list[str]:
     cells = [
       [k]
       + (
-        ["-", "-", problem(r) or "not timed"]
+        ["-", "-", "-", problem(r) or "not timed"]
         if problem(r) or "ratio" not in r
-        else [f"{r['seconds'] * 1e3:.3f}", f"{r['ratio']:.3f}", ""]
+        else [
+          f"{r['seconds'] * 1e3:.3f}",
+          f"{r['ratio']:.3f}",
+          f"{r.get('copied_bytes', 0) / 2**20:.1f}",
+          "",
+        ]
       )
       for k, r in section["rows"].items()
     ]
-    lines += rows(["step", "ms", "vs optax adam", ""], cells)
+    lines += rows(["step", "ms", "vs optax adam", "MiB copied", ""], cells)
   elif name == "frontier":
     c = section.get("config", {})
     lines.append(
@@ -771,6 +789,34 @@ RUNNERS = {
 }
 
 
+def _commit() -> str:
+  """The working tree's commit (``+dirty`` with local changes), or
+  ``"unknown"`` where the copy has no git history."""
+  import subprocess
+
+  here = os.path.dirname(os.path.abspath(__file__))
+  try:
+    head = subprocess.run(
+      ["git", "rev-parse", "--short", "HEAD"],
+      cwd=here,
+      capture_output=True,
+      text=True,
+      timeout=10,
+      check=True,
+    ).stdout.strip()
+    dirty = subprocess.run(
+      ["git", "status", "--porcelain", "--untracked-files=no"],
+      cwd=here,
+      capture_output=True,
+      text=True,
+      timeout=10,
+      check=True,
+    ).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+  return head + ("+dirty" if dirty else "")
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument(
@@ -794,7 +840,8 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   result = {
     "command": " ".join(["python -m benchmarks.accelerator", *sys.argv[1:]]),
-    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+    "commit": _commit(),
     "tiny": args.tiny,
     "budgets_s": {k: v * args.scale for k, v in BUDGETS[args.tiny].items()},
     "sections": {},

@@ -148,7 +148,7 @@ def run(quick: bool) -> dict:
     " one all-gather (no copies); XLA's CPU backend runs that pair slower"
     " than its single all-reduce (two rendezvous of 8 device threads on a"
     " shared 2-core machine). On GPU/TPU a ring all-reduce is itself a"
-    " reduce-scatter + all-gather; no GPU figure exists yet.",
+    " reduce-scatter + all-gather; no multi-GPU figure exists yet.",
   ]
   return {
     "title": "2. Grouped all-reduce: shardopt under shard_map vs pmap native",
