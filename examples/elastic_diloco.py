@@ -19,6 +19,17 @@ Each committed round appends one JSON line to ``DIR/p{I}.jsonl``::
   {"round": r, "step": t, "live": [process ids], "params_sha256": hex,
    "loss": held-out MSE of the center}
 
+(and ``"time"``, the Unix time of the log; with ``"resumed": true`` on the
+row of an island that returned after every island died and took the
+dedicated coordinator's last committed round: no new round, the same bits
+as that round's).
+
+``--dedicated-coordinator``: process 0 trains nothing and keeps the center
+(it writes no ``p0.jsonl`` but ``coordinator.jsonl``, one row per committed
+round with its contributors); the islands are processes 1..N-1, and any of
+them may die, all of them at once too. Each island incarnation keeps the
+number of inner steps it took in ``DIR/steps.{I}.{pid}`` (for goodput).
+
 (rounds 1, 2, ... at steps H, 2H, ..., S; the start-up handshake is not
 logged), and the process exits 0 after S steps, leaving its final params
 in ``DIR/p{I}.npz``. ``--step-seconds X`` sleeps
@@ -35,6 +46,8 @@ For tests: ``ELASTIC_EXAMPLE_KILL=R:started`` (or ``R:gathered``) makes the
 process ``ELASTIC_EXAMPLE_KILL_PROCESS`` (default: the last) SIGKILL itself
 inside round R's ``live_devices`` block, before (after) its collective, once
 per ``DIR``; ``ELASTIC_EXAMPLE_HANG=R`` makes it hang there instead, alive.
+``ELASTIC_EXAMPLE_STOP=PATH``: an island ends after the first round it
+commits once ``PATH`` exists (the chaos run's end).
 """
 
 from __future__ import annotations
@@ -172,6 +185,14 @@ def parse(argv=None):
     ),
   )
   ap.add_argument(
+    "--dedicated-coordinator",
+    action="store_true",
+    help=(
+      "process 0 trains nothing: it keeps the center, so that any island"
+      " may die, all of them at once too (islands: processes 1..N-1)"
+    ),
+  )
+  ap.add_argument(
     "--processes-per-island",
     type=int,
     default=1,
@@ -216,6 +237,7 @@ def main(argv=None) -> None:
     process_id=me,
     heartbeat_timeout_seconds=args.heartbeat_seconds,
     processes_per_island=k,
+    dedicated_coordinator=args.dedicated_coordinator,
   )
 
   tx = shardopt.diloco(
@@ -234,6 +256,7 @@ def main(argv=None) -> None:
     processes_per_island=k,
     round_timeout_s=args.round_timeout_seconds,
     stall_timeout_s=args.stall_timeout_seconds,
+    dedicated_coordinator=args.dedicated_coordinator,
     on_event=_events(say, args, me),
   )
 
@@ -242,11 +265,14 @@ def main(argv=None) -> None:
   mesh = Mesh(np.array(island.devices), ("data",))
   replicated = NamedSharding(mesh, P())
   split_batch = NamedSharding(mesh, P("data"))
-  rows_here = slice(me % k * BATCH // k, (me % k + 1) * BATCH // k)
+  rank = island.devices[0].process_index  # the island's first process
+  rank = me - rank  # this process's rank in its island
+  rows_here = slice(rank * BATCH // k, (rank + 1) * BATCH // k)
+  data_shard = island.island - (1 if args.dedicated_coordinator else 0)
 
   def island_batch(step):
     """This process's rows of its island's batch, as the island's array."""
-    x, y = batch(me // k, step)
+    x, y = batch(data_shard, step)
     return (
       jax.make_array_from_process_local_data(split_batch, a[rows_here])
       for a in (x, y)
@@ -267,8 +293,33 @@ def main(argv=None) -> None:
 
   params = jax.device_put(init_mlp(0), replicated)
   state = jax.jit(island.tx.init, out_shardings=replicated)(params)
+  if not island.trains:  # the dedicated coordinator: rounds only
 
-  def log(done) -> None:
+    def committed(params, state, done):
+      row = {
+        "round": done.number,
+        "step": done.step,
+        "live": list(done.live),
+        "contributors": list(done.contributors),
+        "joined": list(done.joined),
+        "attempts": done.attempts,
+        "params_sha256": params_sha256(host(params)),
+        "time": time.time(),
+      }
+      with open(os.path.join(args.out, "coordinator.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+    params, state = island.coordinate(params, state, on_round=committed)
+    held = sum(np.asarray(x).nbytes for x in jax.tree.leaves((params, state)))
+    size = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+    say(
+      f"islands done; the center's loss {eval_loss(host(state.center)):.5f};"
+      f" the coordinator held {held:,} bytes of params and state"
+      f" ({held / size:.2f}x the params)"
+    )
+    island.finish()
+
+  def log(done, resumed: bool = False) -> None:
     center = host(state.center)
     row = {
       "round": done.number,
@@ -277,6 +328,9 @@ def main(argv=None) -> None:
       "params_sha256": params_sha256(host(params)),
       "loss": eval_loss(center),
     }
+    if resumed:  # took the last committed round's center, committed none
+      row["resumed"] = True
+    row["time"] = time.time()
     with open(os.path.join(args.out, f"p{me}.jsonl"), "a") as f:
       f.write(json.dumps(row) + "\n")
     say(
@@ -288,9 +342,12 @@ def main(argv=None) -> None:
   # Join: the handshake at the job's start, or the healing round of a
   # restarted island (weight 0; it takes the center and the counters).
   params, state, done = island.sync(params, state)
-  if done.number:
-    log(done)
+  if done.number:  # a heal, or a resume from the coordinator's last round
+    log(done, resumed=not done.contributors)
   count = done.step
+  stop = os.environ.get("ELASTIC_EXAMPLE_STOP")
+  trained = 0  # inner steps this incarnation took
+  steps_file = os.path.join(args.out, f"steps.{me}.{os.getpid()}")
   while count < args.steps:
     count += 1
     try:
@@ -300,17 +357,22 @@ def main(argv=None) -> None:
       if k == 1:
         raise
       raise shardopt.elastic.IslandBrokenError(
-        f"island {me // k} lost a process during a local step; restart"
+        f"island {island.island} lost a process during a local step; restart"
         " all of its processes"
       ) from e
     if args.step_seconds:
       time.sleep(args.step_seconds)
+    trained += 1
+    with open(steps_file, "w") as f:  # survives a SIGKILL: the chaos count
+      f.write(str(trained))
     due = island.due(state)
     # A last round at the end, due or not (one fragment only).
     if due or (count == args.steps and args.num_fragments == 1):
       params, state, done = island.sync(params, state, early=not due)
       count = done.step
       log(done)
+      if stop and os.path.exists(stop):  # the chaos run is over
+        break
   np.savez(os.path.join(args.out, f"p{me}.npz"), **host(params))
   say("done")
   island.finish()  # process 0 hosts the coordination service: it leaves last

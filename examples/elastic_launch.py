@@ -165,11 +165,27 @@ def main() -> None:
   ap.add_argument("--restart", action="append", default=[], help="I@SECONDS")
   ap.add_argument("--out", default="/tmp/elastic")
   ap.add_argument("--timeout", type=float, default=300)
+  ap.add_argument(
+    "--chaos",
+    type=int,
+    metavar="SEED",
+    default=None,
+    help=(
+      "kill random islands at random moments (under a dedicated"
+      " coordinator) for --duration seconds: examples/elastic_chaos.py"
+    ),
+  )
+  ap.add_argument("--duration", type=float, default=60.0)
+  ap.add_argument(
+    "--kills", type=int, default=None, help="--chaos: stop after N kills"
+  )
   ap.epilog = (
     "Any other option (e.g. --comm-dtype topk:64 --error-feedback) goes to"
     " examples/elastic_diloco.py as it is."
   )
   args, extra = ap.parse_known_args()
+  if args.chaos is not None:
+    return _chaos(args, extra)
   plan = sorted(
     [(float(t), "kill", int(i)) for i, t in (k.split("@") for k in args.kill)]
     + [
@@ -202,5 +218,44 @@ def main() -> None:
         )
 
 
+def _chaos(args, extra) -> None:
+  import elastic_chaos  # noqa: PLC0415 (beside this file)
+
+  if args.kill or args.restart:
+    raise SystemExit("--chaos chooses its own kills: drop --kill/--restart")
+  if "--dedicated-coordinator" not in extra:
+    extra = [*extra, "--dedicated-coordinator"]
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  env = {
+    "ELASTIC_EXAMPLE_STOP": str(out / "stop"),
+    # 4 devices per process: 4^m m! device orders per membership of m
+    # processes (each failed attempt and each membership uses one up).
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=4"
+    " --xla_cpu_collective_timeout_seconds=10",
+  }
+  with Islands(
+    out,
+    num_processes=args.num_processes,
+    steps=args.steps,
+    sync_period=args.sync_period,
+    step_seconds=args.step_seconds,
+    processes_per_island=args.processes_per_island,
+    env=env,
+    extra=tuple(extra),
+  ) as islands:
+    result = elastic_chaos.run(
+      islands,
+      seed=args.chaos,
+      duration_s=args.duration,
+      timeout_s=args.timeout,
+      max_kills=args.kills,
+    )
+  result.update(seed=args.chaos, duration_s=args.duration)
+  (out / "chaos.json").write_text(json.dumps(result, indent=1))
+  print(elastic_chaos.show(result))
+
+
 if __name__ == "__main__":
+  sys.path.insert(0, str(Path(__file__).resolve().parent))
   main()

@@ -62,7 +62,7 @@ RUN_TIMEOUT_S = 150  # one scenario, start to last exit
 OUTER_LR, OUTER_MOMENTUM = 0.8, 0.2
 
 
-def _reference(schedule: list[tuple[int, list[int], list[int]]]) -> dict:
+def _reference(schedule: list[tuple]) -> dict:
   """DiLoCo over the islands of ``schedule``, in this process.
 
   ``schedule``: per committed round, ``(step, live, joined)``: the islands
@@ -71,6 +71,9 @@ def _reference(schedule: list[tuple[int, list[int], list[int]]]) -> dict:
   gradient of a Nesterov SGD step (diloco's default: lr 0.8, momentum 0.2,
   ``OUTER_LR``, ``OUTER_MOMENTUM``, in numpy); every
   live island then holds the center, a joined one with a fresh AdamW state.
+  An optional fourth element lists islands that restart (a fresh AdamW
+  state, from the center) before the round's inner steps: islands that
+  resumed from a dedicated coordinator after every island died.
   Returns the center after each round, by round number.
   """
   inner = optax.adamw(example.LEARNING_RATE, weight_decay=example.WEIGHT_DECAY)
@@ -86,7 +89,10 @@ def _reference(schedule: list[tuple[int, list[int], list[int]]]) -> dict:
   center = {k: v.copy() for k, v in example.init_mlp(0).items()}
   momentum = {k: np.zeros_like(v) for k, v in center.items()}
   params, states, last_step, centers = {}, {}, 0, {}
-  for number, (step, live, joined) in enumerate(schedule, start=1):
+  for number, (step, live, joined, *fresh) in enumerate(schedule, start=1):
+    for i in fresh[0] if fresh else ():
+      params[i] = jax.tree.map(jnp.asarray, center)
+      states[i] = inner.init(params[i])
     contributors = [i for i in live if i not in joined]
     locals_ = []
     for i in contributors:
@@ -130,12 +136,16 @@ class Scenario:
     k: int = 1,
     islands: int = N,
     extra: tuple = (),
+    coordinator: bool = False,
   ):
     self.steps = steps
     self.k = k  # processes per island
+    self.coordinator = coordinator  # process 0 trains nothing
+    if coordinator:
+      extra = (*extra, "--dedicated-coordinator")
     self.islands = launch.Islands(
       tmp_path,
-      num_processes=islands * k,
+      num_processes=islands * k + (1 if coordinator else 0),
       steps=steps,
       sync_period=H,
       step_seconds=STEP_S,
@@ -177,6 +187,12 @@ class Scenario:
     self.report = report
     return codes
 
+  def shard(self, process: int):
+    """The island (its data shard) of a process; None: the coordinator."""
+    if self.coordinator:
+      return None if process == 0 else (process - 1) // self.k
+    return process // self.k
+
   def schedule(self, survivors) -> list[tuple[int, list[int], list[int]]]:
     """Per round, from the survivors' logs: ``(step, live, joined)``; an
     island joined in the first round its restarted incarnation logged."""
@@ -216,10 +232,14 @@ class Scenario:
         if number >= since[i]:
           assert i in logged, (number, i, self.report)
     expect_live(schedule)
-    k = self.k
+    shard = self.shard
     centers = _reference(
       [
-        (step, sorted({p // k for p in live}), sorted({p // k for p in joined}))
+        (
+          step,
+          sorted({shard(p) for p in live if shard(p) is not None}),
+          sorted({shard(p) for p in joined}),
+        )
         for step, live, joined in schedule
       ]
     )
@@ -573,3 +593,128 @@ def test_one_process_of_an_island_dies_its_island_stops_with_a_clear_error(
       assert _lives(schedule)[-1] == [0, 1], schedule
 
     run.check([0, 1], expect)
+
+
+# --------------------------------------------------- a dedicated coordinator
+
+
+def test_the_first_island_dies_under_a_dedicated_coordinator_and_heals(
+  tmp_path,
+):
+  """Issue 41 item 2: process 0 trains nothing (``--dedicated-coordinator``),
+  so the first island (process 1) may die: the others go on, it heals when
+  restarted, the coordinator writes no rows and exits 0 after the islands.
+  The islands' params equal the numpy reference of the membership (the
+  coordinator contributes nothing)."""
+  with Scenario(tmp_path, steps=40, coordinator=True) as run:
+    run.wait_round(1, 2 * H)
+    run.kill(1)
+    run.wait_round(2, 4 * H)
+    run.restart(1)
+    run.wait_round(1, 6 * H)
+    codes = run.finish(survivors=[0, 1, 2, 3])
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}, run.report
+    assert not (run.islands.out / "p0.jsonl").exists()
+    assert "islands done" in run.islands.log(0), run.report
+
+    def expect(schedule):
+      lives = _lives(schedule)
+      assert lives[0] == [0, 1, 2, 3] and lives[-1] == [0, 1, 2, 3], lives
+      assert [0, 2, 3] in lives, lives
+      assert [j for _, _, j in schedule if j] == [[1]], schedule
+
+    run.check([2, 3, 1], expect)  # the schedule from an island never killed
+
+
+def test_every_island_dies_at_once_and_resumes_from_the_coordinator(
+  tmp_path,
+):
+  """Issue 41 item 2: every island SIGKILLed at once, then restarted: they
+  resume from the coordinator's last committed round (a "resumed" row with
+  that round's number and bits), the round numbers go on, no number is
+  logged with two different hashes, and the final params equal the numpy
+  reference in which every island restarted its AdamW from that center."""
+  islands = (1, 2, 3)
+  with Scenario(tmp_path, steps=32, coordinator=True) as run:
+    run.wait_round(1, 2 * H)
+    for i in islands:
+      run.kill(i)
+    time.sleep(3.0)  # the coordinator alone for a while
+    for i in islands:
+      run.restart(i)
+    codes = run.finish(survivors=[0, *islands])
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}, run.report
+    rows = {i: run.islands.rows(i) for i in islands}
+    by_round: dict = {}
+    for i in islands:
+      for r in rows[i]:
+        by_round.setdefault(r["round"], []).append(r)
+    assert sorted(by_round) == list(range(1, 32 // H + 1)), run.report
+    for number, logged in by_round.items():
+      assert len({r["params_sha256"] for r in logged}) == 1, (number, logged)
+    resumed = {
+      i: [r["round"] for r in rows[i] if r.get("resumed")] for i in islands
+    }
+    assert all(len(v) == 1 for v in resumed.values()), resumed
+    (back,) = {v[0] for v in resumed.values()}  # the same round for all
+    assert back >= 2, resumed
+    for i in islands:  # from the resumed row on, every round once, in order
+      j = next(j for j, r in enumerate(rows[i]) if r.get("resumed"))
+      numbers = [r["round"] for r in rows[i][j:]]
+      assert numbers == list(range(back, 32 // H + 1)), (i, rows[i])
+    schedule = []
+    for number in range(1, 32 // H + 1):
+      r = next(r for r in by_round[number] if not r.get("resumed"))
+      live = sorted(p - 1 for p in r["live"] if p != 0)
+      fresh = live if number == back + 1 else []
+      schedule.append((r["step"], live, [], fresh))
+    centers = _reference(schedule)
+    final = centers[len(schedule)]
+    for i in islands:
+      got = dict(np.load(run.islands.out / f"p{i}.npz"))
+      for k in final:
+        np.testing.assert_allclose(
+          got[k], final[k], rtol=1e-4, atol=1e-6, err_msg=k
+        )
+
+
+def test_a_chaos_run_of_20_kills_loses_no_round(tmp_path):
+  """Issue 41 item 5, the slow tier's share: ``elastic_launch.py --chaos``
+  for 20 kills (random islands, one in ten every island at once, restarts
+  1-6 s later) under a dedicated coordinator. No committed round is lost,
+  no island ever logs a round with bits other than the coordinator's
+  center, every process exits 0, and some inner steps reach a committed
+  center (the 100-kill figures: ``python -m benchmarks.perf.elastic
+  --chaos``, docs/elastic.md)."""
+  chaos = _load("elastic_chaos")
+  env = {
+    "ELASTIC_EXAMPLE_STOP": str(tmp_path / "stop"),
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=4"
+    " --xla_cpu_collective_timeout_seconds=10",
+  }
+  with launch.Islands(
+    tmp_path,
+    num_processes=4,
+    steps=100_000,
+    sync_period=H,
+    step_seconds=0.05,
+    env=env,
+    extra=("--dedicated-coordinator",),
+  ) as islands:
+    result = chaos.run(
+      islands,
+      seed=0,
+      duration_s=240,
+      timeout_s=RUN_TIMEOUT_S,
+      gap_s=(2.0, 5.0),
+      max_kills=20,
+    )
+    report = "\n".join(
+      f"--- {i}:\n{islands.log(i)[-3000:]}" for i in range(islands.n)
+    )
+  assert result["kills"] == 20, result
+  assert set(result["exit_codes"].values()) == {0}, (result, report)
+  assert result["rounds_lost"] == [], result
+  assert result["rounds_with_other_bits"] == [], result
+  assert result["rounds_committed"] >= 5, (result, report)
+  assert result["inner_steps_in_committed_rounds"] > 0, result

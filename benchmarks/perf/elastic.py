@@ -2,6 +2,15 @@
 
     python -m benchmarks.perf.elastic [--rounds 200] [--kills 2]
     python -m benchmarks.perf.elastic --round-bytes
+    python -m benchmarks.perf.elastic --chaos 100 [--seed 0]
+
+``--chaos N`` alone: ``examples/elastic_launch.py``'s chaos run
+(:mod:`examples.elastic_chaos`) under a dedicated coordinator, 3 islands x
+4 CPU devices, H=4, 0.05 s per inner step, until N kills (a kill every 3-8
+s, one in ten of every island at once, each island back 1-6 s later); its
+report (kills, rounds committed and lost, rounds with other bits, goodput,
+the stall after a kill) printed and saved to
+``benchmarks/results/elastic_chaos.json``.
 
 ``--round-bytes`` alone (no processes, under a minute): compiles one plain
 round's collective program (``shardopt.elastic.rows.exchange``, float32
@@ -45,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "elastic.json"
 ROUND_BYTES = ROOT / "benchmarks" / "results" / "elastic_round_bytes.json"
+CHAOS = ROOT / "benchmarks" / "results" / "elastic_chaos.json"
 _spec = importlib.util.spec_from_file_location(
   "elastic_launch", ROOT / "examples" / "elastic_launch.py"
 )
@@ -224,6 +234,52 @@ def round_bytes(islands=(2, 4, 8), shape=(512, 512)) -> dict:
   }
 
 
+def chaos(kills: int, seed: int) -> dict:
+  """The chaos run of ``--chaos``: the report of
+  ``examples/elastic_chaos.py``, with its settings."""
+  spec = importlib.util.spec_from_file_location(
+    "elastic_chaos", ROOT / "examples" / "elastic_chaos.py"
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  settings = {
+    "islands": N,
+    "devices_per_process": 4,
+    "sync_period": H,
+    "step_seconds": 0.05,
+    "kill_every_s": [3.0, 8.0],
+    "back_after_s": [1.0, 6.0],
+    "seed": seed,
+  }
+  with tempfile.TemporaryDirectory() as out:
+    with launch.Islands(
+      out,
+      num_processes=N + 1,
+      steps=10**6,
+      sync_period=H,
+      step_seconds=settings["step_seconds"],
+      env={
+        "ELASTIC_EXAMPLE_STOP": str(Path(out) / "stop"),
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4"
+        " --xla_cpu_collective_timeout_seconds=10",
+      },
+      extra=("--dedicated-coordinator",),
+    ) as islands:
+      start = time.time()
+      result = module.run(
+        islands,
+        seed=seed,
+        duration_s=3600,
+        timeout_s=300,
+        gap_s=tuple(settings["kill_every_s"]),
+        down_s=tuple(settings["back_after_s"]),
+        max_kills=kills,
+      )
+      result["wall_s"] = time.time() - start
+  print(module.show(result))
+  return {"settings": settings, **result}
+
+
 def _git_commit() -> str:
   """The checkout's short commit (``_report``'s), recorded with the numbers."""
   from benchmarks import _report  # noqa: PLC0415
@@ -236,11 +292,33 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=200)
   ap.add_argument("--kills", type=int, default=2)
   ap.add_argument(
+    "--chaos", type=int, default=None, metavar="KILLS", help="the chaos run"
+  )
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument(
     "--round-bytes",
     action="store_true",
     help="only the bytes one island sends per plain round at 2, 4, 8 islands",
   )
   args = ap.parse_args()
+  if args.chaos is not None:
+    started = datetime.datetime.now(datetime.timezone.utc)
+    result = chaos(args.chaos, args.seed)
+    CHAOS.write_text(
+      json.dumps(
+        {
+          "command": " ".join(
+            ["python -m benchmarks.perf.elastic", *sys.argv[1:]]
+          ),
+          "started_utc": started.isoformat(timespec="seconds"),
+          "commit": _git_commit(),
+          **result,
+        },
+        indent=1,
+      )
+      + "\n"
+    )
+    return
   if args.round_bytes:
     measured = round_bytes()
     ROUND_BYTES.write_text(json.dumps(measured, indent=1) + "\n")

@@ -254,8 +254,12 @@ class KeyValueStore:
       )
     self._client = client
 
-  def set(self, key: str, value: str) -> None:
-    self._client.key_value_set(key, value)
+  def set(self, key: str, value: str, *, overwrite: bool = False) -> None:
+    """Sets ``key``; an existing key raises unless ``overwrite``."""
+    if overwrite:
+      self._client.key_value_set(key, value, allow_overwrite=True)
+    else:
+      self._client.key_value_set(key, value)
 
   def get(self, key: str, timeout_s: float) -> str:
     """The value of ``key``, waiting up to ``timeout_s`` for it to be set."""
@@ -264,6 +268,13 @@ class KeyValueStore:
   def keys(self, directory: str) -> list[str]:
     # The _bytes variant: gloo's values are binary.
     return [k for k, _ in self._client.key_value_dir_get_bytes(directory)]
+
+  def items(self, directory: str) -> list[tuple[str, str]]:
+    """``(key, value)`` of the keys under ``directory`` (values as text)."""
+    return [
+      (k, v.decode(errors="replace") if isinstance(v, bytes) else v)
+      for k, v in self._client.key_value_dir_get_bytes(directory)
+    ]
 
   def delete(self, key: str) -> None:
     self._client.key_value_delete(key)

@@ -40,8 +40,11 @@ islands that are alive, on JAX's own fault-tolerance runtime
   restarts (:class:`Island` says why).
 
 What cannot be survived (process 0's death: it hosts the coordination
-service; a peer that hangs but keeps heartbeating) ends the job with an
-error, never a hang. ``docs/elastic.md`` has the details and the timings;
+service; a peer that hangs but keeps heartbeating, without
+``stall_timeout_s``) ends the job with an error, never a hang. With
+``Island(tx, dedicated_coordinator=True)`` process 0 trains nothing and
+keeps the center (``island.coordinate``), so any island may die, every one
+of them at once too. ``docs/elastic.md`` has the details and the timings;
 ``examples/elastic_diloco.py`` runs it.
 """
 
@@ -50,6 +53,7 @@ from __future__ import annotations
 import jax
 
 from shardopt import _jax
+from shardopt.elastic import rows
 from shardopt.elastic.island import Island
 from shardopt.elastic.island import IslandBrokenError
 from shardopt.elastic.island import Round
@@ -73,6 +77,7 @@ def initialize(
   collective_timeout_seconds: int = 10,
   initialization_timeout: int = 300,
   processes_per_island: int = 1,
+  dedicated_coordinator: bool = False,
 ) -> None:
   """``jax.distributed.initialize`` for elastic islands.
 
@@ -100,6 +105,8 @@ def initialize(
       those of the cliques within this island's devices. (No process of the
       island runs a local collective before all of them have passed this
       call: each one's first ``Island.sync`` waits for the others.)
+    dedicated_coordinator: as :class:`Island`'s (process 0 trains nothing;
+      the islands are processes 1..N-1).
   """
   if _jax.backends_initialized():
     raise RuntimeError(
@@ -119,12 +126,14 @@ def initialize(
     heartbeat_timeout_seconds=heartbeat_timeout_seconds,
     initialization_timeout=initialization_timeout,
   )
-  island = process_id // processes_per_island
+
+  def island_of(process):
+    return int(
+      rows.island_of(process, processes_per_island, dedicated_coordinator)
+    )
+
+  island = island_of(process_id)
   _jax.forget_cliques_within(
     _jax.KeyValueStore(),
-    [
-      d.id
-      for d in jax.devices()
-      if d.process_index // processes_per_island == island
-    ],
+    [d.id for d in jax.devices() if island_of(d.process_index) == island],
   )

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardopt import _jax
 from shardopt.elastic import cliques as _cliques
+from shardopt.elastic import coordinator as _coordinator
 from shardopt.elastic import rows
 from shardopt.elastic import stall
 from shardopt.periodic import split
@@ -108,7 +109,9 @@ class Island:
   them dies, the island's others cannot go on (their next local collective
   fails, or their next round raises :class:`IslandBrokenError`); the island
   takes part again once all of its processes are back. Island 0 holds
-  process 0, which hosts the coordination service: its death ends the job.
+  process 0, which hosts the coordination service: its death ends the job
+  (with ``dedicated_coordinator=True`` island 0 is process 0 alone, which
+  trains nothing).
 
   A joining island's inner optimizer *restarts* (``optimizer.init``) rather
   than copying a peer's: an island's moments describe its own data and its
@@ -145,15 +148,23 @@ class Island:
       (``docs/elastic.md``). Keep it above the normal skew of the islands'
       arrivals and below ``round_timeout_s``. None (the default): no
       eviction; the round watchdog ends the job.
+    dedicated_coordinator: process 0 trains nothing: it calls
+      :meth:`coordinate` (not :meth:`sync`), takes part in every round with
+      weight 0 and keeps the center, the outer state and the counters, so
+      that any island may die, every one of them at once too (they resume
+      from it); the islands are processes 1..N-1 (``processes_per_island``
+      consecutive ones each). Pass the same value on every process (and to
+      :func:`shardopt.elastic.initialize`).
     on_event: ``on_event(name, info)`` at ``"round_started"`` (inside the
       round's ``live_devices`` block, before its collective),
       ``"round_gathered"`` (after it), ``"round_failed"`` and
       ``"round_committed"``; for logs and fault injection.
 
   After construction, ``island.tx`` is the island-local transform (put its
-  ``update`` in the island's jitted step, ``init`` builds the state) and
+  ``update`` in the island's jitted step, ``init`` builds the state),
   ``island.devices`` the island's devices, sorted by id (build the island's
-  mesh from them).
+  mesh from them), ``island.island`` its index and ``island.trains`` False
+  on a dedicated coordinator.
   """
 
   def __init__(
@@ -165,16 +176,20 @@ class Island:
     max_attempts: int = 100,
     round_timeout_s: float | None = 900.0,
     stall_timeout_s: float | None = None,
+    dedicated_coordinator: bool = False,
     on_event: Callable[[str, dict], None] | None = None,
   ):
     self._engine = split.engine_of(tx, "shardopt.elastic.Island")
     self._init = tx.init
     self.tx = optax.GradientTransformationExtraArgs(self._init, self._update)
-    self._k = _check_processes_per_island(processes_per_island)
+    self._dedicated = _check_dedicated(dedicated_coordinator)
+    self._k = _check_processes_per_island(processes_per_island, self._dedicated)
     self._me = jax.process_index()
     self._all = jax.devices()
+    self.trains = not (self._dedicated and self._me == 0)
+    self.island = self._island_of(self._me)
     self.devices = [
-      d for d in self._all if d.process_index // self._k == self._me // self._k
+      d for d in self._all if self._island_of(d.process_index) == self.island
     ]
     self._replicated = NamedSharding(
       Mesh(np.array(self.devices), ("island_devices",)), P()
@@ -191,6 +206,12 @@ class Island:
     self._attempts: collections.Counter = collections.Counter()  # failed
     self._blocks: collections.Counter = collections.Counter()  # all
     self._compiled: dict = {}
+    self._heartbeat = None
+    if self._dedicated and self.trains:
+      self._heartbeat = _coordinator.Heartbeat(self._store, self._me)
+
+  def _island_of(self, process: int) -> int:
+    return int(rows.island_of(process, self._k, self._dedicated))
 
   @property
   def fresh(self) -> bool:
@@ -239,6 +260,90 @@ class Island:
     sys.stderr.flush()
     os._exit(exit_code)
 
+  # ------------------------------------------------------------ coordinator
+
+  def coordinate(
+    self,
+    params,
+    state,
+    *,
+    on_round: Callable | None = None,
+    poll_s: float = 0.05,
+  ):
+    """Process 0's loop under ``dedicated_coordinator=True``: it takes part
+    in every round, contributing nothing, until every island of the last
+    committed round has finished (:meth:`finish`); then returns ``(params,
+    state)``: the last committed center (as params) and state. Call
+    :meth:`finish` after it.
+
+    It keeps the center, the outer state and the counters, so islands that
+    return after every one of them died resume from the last committed
+    round (:mod:`.coordinator` says how it learns when to take part).
+
+    Args:
+      params: the initial params (the center every island starts from).
+      state: ``island.tx.init(params)``.
+      on_round: ``on_round(params, state, round)`` after each committed
+        round (a :class:`Round`; for logs).
+      poll_s: how often it reads the key-value store while waiting.
+    """
+    if self.trains:
+      raise ValueError(
+        "shardopt.elastic.Island.coordinate: only process 0 under"
+        " dedicated_coordinator=True coordinates; islands call sync."
+      )
+    watcher = _coordinator.Watcher(self._store)
+    tokens: dict = {}  # the islands of the last committed round: tokens
+    while True:
+      alive = watcher.alive()
+      up = [p for p, t in tokens.items() if t and alive.get(p) == t]
+      if up:
+        ready = watcher.wanted(self._next_due(state))
+      else:
+        ready = bool(watcher.joining(alive))
+        if not ready and self._last and self._finished():
+          return params, state
+      if not ready:
+        time.sleep(poll_s)
+        continue
+      done = self._rounds(0, params, state)
+      if done is None:  # every island died in the round
+        continue
+      params, state, done = done
+      if on_round is not None:
+        on_round(params, state, done)
+      tokens = watcher.tokens(p for p in done.live if p != 0)
+      watcher.forget(_host_int(state.count), done.live)
+
+  def _finished(self) -> bool:
+    """Whether every island of the last committed round has finished."""
+    others = {p for p, _ in self._last} - {0}
+    done = {int(k.rsplit("/", 1)[-1]) for k in self._store.keys(_FINISHED)}
+    return others <= done
+
+  def _next_due(self, state) -> int:
+    """The local step after which the islands' next sync is due."""
+    step = _host_int(state.count) + 1
+    while not split.due(self._engine, step):
+      step += 1
+    return step
+
+  def _as_coordinator(self, members, sync: int, state):
+    """The sync and state this process rounds with: its own for an island;
+    for the coordinator, the sync due next if an island it committed with
+    takes part (its count set to that step), else 0 (a handshake: the
+    joining islands take its center and counters)."""
+    if self.trains:
+      return sync, state
+    up = {p for p, _ in frozenset(members) & self._last} - {0}
+    if self._fresh or not up:
+      return 0, state
+    step = self._next_due(state)
+    count = jax.device_put(
+      np.asarray(step, np.dtype(state.count.dtype)), state.count.sharding
+    )
+    return split.due(self._engine, step), state._replace(count=count)
+
   # ------------------------------------------------------------------ rounds
 
   def sync(self, params, state, *, early: bool = False):
@@ -257,7 +362,18 @@ class Island:
     Returns:
       ``(params, state, round)``; ``round`` is a :class:`Round`.
     """
+    if not self.trains:
+      raise ValueError(
+        "shardopt.elastic.Island.sync: process 0 is the dedicated"
+        " coordinator (dedicated_coordinator=True): it trains nothing; call"
+        " island.coordinate(params, state) there instead."
+      )
     sync = self._sync_index(state, early)
+    if self._heartbeat is not None:  # tell the coordinator (it trains not)
+      if self._fresh:
+        self._heartbeat.join()
+      else:
+        self._heartbeat.want(_host_int(state.count))
     watchdog = self._watchdog(_host_int(state.sync_count) + 1)
     try:
       return self._rounds(sync, params, state)
@@ -301,6 +417,7 @@ class Island:
         with _jax.live_devices(self._all) as live:
           members, live = self._taking_part(live)
           if members is not None:  # else this island is not complete yet
+            sync_now, state_now = self._as_coordinator(members, sync, state)
             self._blocks[members] += 1  # every member counts alike
             with stall.watched(
               self._store,
@@ -311,7 +428,7 @@ class Island:
               _host_int(state.sync_count) + 1,
             ):
               healing, exchanged, dropped = self._attempt(
-                members, live, sync, params, state
+                members, live, sync_now, params, state_now
               )
       except (_jax.process_failure_error(), jax.errors.JaxRuntimeError) as e:
         self._attempts[members] += 1
@@ -328,14 +445,16 @@ class Island:
           ) from e
         continue
       if members is None:
+        if not self.trains:  # the coordinator alone: back to waiting
+          return None
         if time.monotonic() - since > self._timeout_s:
           raise RoundFailedError(
-            f"shardopt.elastic: island {self._me // self._k}'s other"
+            f"shardopt.elastic: island {self.island}'s other"
             f" processes did not come up within {self._timeout_s} s."
           )
         continue
       params, state, done = self._commit(
-        healing, sync, exchanged, params, state, dropped
+        healing, sync_now, exchanged, params, state_now, dropped
       )
       done = done._replace(
         live=_processes(members),
@@ -370,14 +489,20 @@ class Island:
     their devices; ``(None, None)`` if this process's island is not complete
     and it is joining (IslandBrokenError if it was training)."""
     members = _cliques.membership(live, _jax.incarnations())
-    count = collections.Counter(p // self._k for p, _ in members)
-    members = tuple(m for m in members if count[m[0] // self._k] == self._k)
+    count = collections.Counter(self._island_of(p) for p, _ in members)
+    members = tuple(
+      m for m in members if count[self._island_of(m[0])] == self._size(m[0])
+    )
+    if not self.trains and all(p == 0 for p, _ in members):
+      return None, None  # the coordinator alone: no round without an island
     if all(p != self._me for p, _ in members):
       if not self._fresh:
+        first = min(
+          p for p in range(self._me + 1) if self._island_of(p) == self.island
+        )
         raise IslandBrokenError(
-          f"shardopt.elastic: island {self._me // self._k} (processes"
-          f" {self._me // self._k * self._k}.."
-          f"{self._me // self._k * self._k + self._k - 1}) lost a process;"
+          f"shardopt.elastic: island {self.island} (processes"
+          f" {first}..{first + self._k - 1}) lost a process;"
           " an island of several processes cannot train without it. Exit"
           " this process and restart all of the island's processes (with"
           " the same process ids): the island heals in the round it joins."
@@ -385,6 +510,10 @@ class Island:
       return None, None
     processes = {p for p, _ in members}
     return members, [d for d in live if d.process_index in processes]
+
+  def _size(self, process: int) -> int:
+    """Processes in the island of ``process``."""
+    return 1 if self._dedicated and process == 0 else self._k
 
   def _sync_index(self, state, early: bool) -> int:
     if self._fresh:
@@ -399,6 +528,13 @@ class Island:
           " early=True for a last round."
         )
       return sync
+    if self._dedicated:
+      raise ValueError(
+        "shardopt.elastic.Island.sync: early=True cannot run with a"
+        " dedicated coordinator, which trains nothing and so learns when a"
+        " round is due from the schedule alone; end training on a due step"
+        " (steps a multiple of the sync period)."
+      )
     if len(self._engine.syncs) != 1:
       raise ValueError(
         "shardopt.elastic.Island.sync: early=True runs the transform's only"
@@ -415,11 +551,11 @@ class Island:
   def _healing_row(self, sync: int, params, state):
     """This island's row of a healing round (on its devices), and what the
     wire's encoding dropped from its contribution (error feedback)."""
-    engine, me, island = self._engine, self._me, self._me // self._k
-    up = not self._fresh
+    engine, me, island = self._engine, self._me, self.island
+    up, trains = not self._fresh, self.trains
     fn = self._jit(
       ("healing_row", sync, up),
-      lambda s, p: rows.healing_row(engine, island, me, sync, up, s, p),
+      lambda s, p: rows.healing_row(engine, island, me, sync, up, s, p, trains),
       out_shardings=self._replicated,
     )
     return fn(state, params)
@@ -427,12 +563,13 @@ class Island:
   def _plain_rows(self, order: list, sync: int, params, state):
     """This island's rows of a plain round for the processes of ``order``
     (on its devices), and what the wire dropped from its contribution."""
-    engine, me, island = self._engine, self._me, self._me // self._k
+    engine, me, island = self._engine, self._me, self.island
     owners, islands = self._owners(order)
+    trains = self.trains
     fn = self._jit(
       ("plain_rows", sync, islands, len(order)),
       lambda s, p, o: rows.plain_rows(
-        engine, island, me, sync, s, p, o, islands
+        engine, island, me, sync, s, p, o, islands, trains
       ),
       out_shardings=self._replicated,
     )
@@ -441,7 +578,9 @@ class Island:
   def _owners(self, order: list) -> tuple[np.ndarray, int]:
     """Per process of ``order``, the chunk its island owns on a two-phase
     wire (:func:`.rows.islands_of`), and the number of islands."""
-    owners = rows.islands_of([d.process_index for d in order], self._k)
+    owners = rows.islands_of(
+      [d.process_index for d in order], self._k, self._dedicated
+    )
     return owners, int(owners.max()) + 1
 
   def _program(self, key, order: list, body, row: jax.Array):
@@ -510,7 +649,9 @@ class Island:
     me = int(np.flatnonzero(head["process"] == self._me)[0])
     left_out = bool(up[me] and not contributing[me])
     first = rows.first_of_island(head["island"])
-    skipped = int(np.sum(up & ~contributing & first))
+    trains = (head["process"] != 0) if self._dedicated else True
+    skipped = int(np.sum(up & ~contributing & first & trains))
+    left_out = left_out and self.trains
     exchanged = jax.tree.map(self._on_island, exchanged)
     args = (params, state, jnp.asarray(left_out), jnp.int32(skipped))
     if healing:
@@ -574,14 +715,34 @@ def _check_stall_timeout(seconds):
   return float(seconds)
 
 
-def _check_processes_per_island(k) -> int:
-  n = jax.process_count()
-  if isinstance(k, bool) or not isinstance(k, int) or k < 1 or n % k:
+def _check_processes_per_island(k, dedicated: bool = False) -> int:
+  n = jax.process_count() - (1 if dedicated else 0)
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1 or n % k or n < 1:
+    what = (
+      f"the number of processes but the coordinator ({n})"
+      if dedicated
+      else f"the number of processes ({n})"
+    )
     raise ValueError(
       f"shardopt.elastic.Island: processes_per_island={k!r} must be a"
-      f" positive integer dividing the number of processes ({n})."
+      f" positive integer dividing {what}."
     )
   return k
+
+
+def _check_dedicated(flag) -> bool:
+  if not isinstance(flag, bool):
+    raise TypeError(
+      f"shardopt.elastic.Island: dedicated_coordinator={flag!r} must be True"
+      " (process 0 trains nothing and keeps the center) or False."
+    )
+  if flag and jax.process_count() < 2:
+    raise ValueError(
+      "shardopt.elastic.Island: dedicated_coordinator=True needs at least 2"
+      f" processes (the coordinator and an island); there are"
+      f" {jax.process_count()}."
+    )
+  return flag
 
 
 def _headers(head_bytes: np.ndarray) -> dict:

@@ -181,10 +181,22 @@ def sizes_of(engine, sync: int, params) -> tuple:
   )
 
 
-def islands_of(processes, processes_per_island: int) -> np.ndarray:
+def island_of(process, processes_per_island: int, coordinator: bool = False):
+  """The island of a process (or an array of them): ``processes_per_island``
+  consecutive processes form one; with a dedicated coordinator, process 0
+  is island 0 alone and the islands start at process 1."""
+  process = np.asarray(process)
+  if not coordinator:
+    return process // processes_per_island
+  return np.where(process == 0, 0, (process - 1) // processes_per_island + 1)
+
+
+def islands_of(
+  processes, processes_per_island: int, coordinator: bool = False
+) -> np.ndarray:
   """Per process (in mesh order), the rank of its island among the live
   islands: the chunk of a two-phase wire its island owns."""
-  islands = np.asarray(processes) // processes_per_island
+  islands = island_of(processes, processes_per_island, coordinator)
   return np.searchsorted(np.unique(islands), islands).astype(np.int32)
 
 
@@ -197,6 +209,7 @@ def plain_rows(
   params,
   owners,
   islands: int,
+  trains: bool = True,
 ):
   """A plain round's rows: ``(rows, dropped)``.
 
@@ -205,8 +218,9 @@ def plain_rows(
   destination process's island rank, :func:`islands_of`); on the top-k wire
   one row, the header and the payload. ``dropped``: per piece, flat, what
   the encoding dropped from the contribution (error feedback keeps it).
+  A dedicated coordinator (``trains`` False) contributes nothing.
   """
-  flats, finite = contribution(engine, sync, state, params, True)
+  flats, finite = contribution(engine, sync, state, params, trains)
   wire = wire_of(engine)
   head = to_bytes(header(island, 1, finite, state, sync, process))
   if wire.two_phase:
@@ -314,12 +328,22 @@ def on_the_wire(engine, flats: list) -> tuple[list, list]:
 
 
 def healing_row(
-  engine, island: int, process: int, sync: int, up_to_date, state, params
+  engine,
+  island: int,
+  process: int,
+  sync: int,
+  up_to_date,
+  state,
+  params,
+  trains: bool = True,
 ):
   """A healing round's row (see the module docstring) and, with error
   feedback, what the wire's encoding dropped from this island's
-  contribution (:func:`on_the_wire`; empty without a sync)."""
-  mine, finite = contribution(engine, sync, state, params, up_to_date)
+  contribution (:func:`on_the_wire`; empty without a sync). A dedicated
+  coordinator (``trains`` False) contributes nothing."""
+  mine, finite = contribution(
+    engine, sync, state, params, up_to_date and trains
+  )
   dropped = []
   if sync and engine.error_feedback:
     mine, dropped = on_the_wire(engine, mine)
