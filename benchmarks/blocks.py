@@ -448,6 +448,97 @@ def render_elastic_round_bytes(data: Sequence[dict]) -> str:
   )
 
 
+MODEL_PARALLEL = "benchmarks/results/elastic_model_parallel.json"
+CHAOS = "benchmarks/results/elastic_chaos.json"
+
+
+def render_elastic_model_parallel(data: Sequence[dict]) -> str:
+  """docs/elastic.md: bytes per device of a model-parallel island."""
+  (d,) = data
+
+  def held(r: dict) -> int:
+    return r["params_bytes_per_device"] + r["state_bytes_per_device"]
+
+  base = held(d["by_m"]["1"])
+  rows = []
+  for m, r in d["by_m"].items():
+    rows.append(
+      [
+        m,
+        f"{r['params_bytes_per_device']:,}",
+        f"{r['state_bytes_per_device']:,}",
+        f"{r['plain_round_rows_bytes_per_device']:,}",
+        f"{r['healing_row_bytes_per_device']:,}",
+        f"{held(r) / base:.3f}",
+      ]
+    )
+  return (
+    top_provenance(
+      d,
+      MODEL_PARALLEL,
+      f"; {d['layers']} layers of width {d['width']}, {d['devices']} CPU"
+      " devices per island",
+    )
+    + "\n\n"
+    + table(
+      [
+        "M (model-parallel)",
+        "params / device (bytes)",
+        "state / device",
+        "a plain round's rows",
+        "a healing round's row",
+        "params + state vs M = 1",
+      ],
+      rows,
+      "rrrrrr",
+    )
+  )
+
+
+def render_elastic_chaos(data: Sequence[dict]) -> str:
+  """docs/elastic.md: the chaos run's report."""
+  (d,) = data
+  st = d["settings"]
+  stall = d["stall_after_kill_s"]
+  codes = sorted(set(d["exit_codes"].values()), key=str)
+  rows = [
+    [
+      "kills",
+      f"{d['kills']} ({d['kills_of_every_island']} of every island at once)",
+    ],
+    [
+      "rounds committed",
+      f"{d['rounds_committed']} ({d['failed_attempts']} failed attempts)",
+    ],
+    ["rounds lost", f"{len(d['rounds_lost'])}"],
+    ["rounds whose bits differ", f"{len(d['rounds_with_other_bits'])}"],
+    [
+      "goodput (inner steps that reached a committed center)",
+      f"{d['goodput']:.1%} ({d['inner_steps_in_committed_rounds']:,} of {d['inner_steps']:,})",
+    ],
+    [
+      "stall from a kill to the next committed round",
+      f"median {stall['median']:.1f} s, max {stall['max']:.1f} s"
+      f" ({stall['count']} kills with survivors)",
+    ],
+    ["exit codes", ", ".join(map(str, codes))],
+    ["wall time", f"{d['wall_s']:.0f} s"],
+  ]
+  return (
+    top_provenance(
+      d,
+      CHAOS,
+      f"; {st['islands']} islands x {st['devices_per_process']} CPU devices"
+      f" and a dedicated coordinator, H = {st['sync_period']},"
+      f" {st['step_seconds']} s per inner step, a kill every"
+      f" {st['kill_every_s'][0]:g}-{st['kill_every_s'][1]:g} s, back after"
+      f" {st['back_after_s'][0]:g}-{st['back_after_s'][1]:g} s, seed {st['seed']}",
+    )
+    + "\n\n"
+    + table(["what", "measured"], rows, "lr")
+  )
+
+
 # ------------------------------------------------------------ finite guards
 
 GUARDS = "benchmarks/results/cost_guards.json"
@@ -967,6 +1058,13 @@ BLOCKS = (
     ("docs/elastic.md",),
   ),
   Block("outer-lm", OUTER_LM, render_outer_lm, ("docs/diloco.md",)),
+  Block(
+    "elastic-model-parallel",
+    (MODEL_PARALLEL,),
+    render_elastic_model_parallel,
+    ("docs/elastic.md",),
+  ),
+  Block("elastic-chaos", (CHAOS,), render_elastic_chaos, ("docs/elastic.md",)),
   Block(
     "accelerator",
     (ACCELERATOR,),

@@ -185,6 +185,16 @@ def parse(argv=None):
     ),
   )
   ap.add_argument(
+    "--model-parallel",
+    type=int,
+    default=1,
+    metavar="M",
+    help=(
+      "shard the MLP's hidden dimension over M of each island's devices"
+      " (data parallel over the rest); rounds run shard by shard"
+    ),
+  )
+  ap.add_argument(
     "--dedicated-coordinator",
     action="store_true",
     help=(
@@ -261,10 +271,31 @@ def main(argv=None) -> None:
   )
 
   # The island: its devices, data parallel (params replicated, the batch
-  # split; XLA sums the gradients over the island's devices only).
-  mesh = Mesh(np.array(island.devices), ("data",))
+  # split; XLA sums the gradients over the island's devices only); with
+  # --model-parallel M, the hidden dimension split over M of them.
+  m = args.model_parallel
+  devices = np.array(island.devices)
+  if m > 1 and (devices.size % m or D_HIDDEN % m or k > 1):
+    raise SystemExit(
+      f"--model-parallel {m}: M must divide the island's {devices.size}"
+      f" devices and the hidden width {D_HIDDEN}, with one process per island"
+    )
+  mesh = (
+    Mesh(devices.reshape(-1, m), ("data", "model"))
+    if m > 1
+    else Mesh(devices, ("data",))
+  )
   replicated = NamedSharding(mesh, P())
   split_batch = NamedSharding(mesh, P("data"))
+  layout = {  # the hidden dimension over "model" (all replicated if M = 1)
+    "w0": P(None, "model"),
+    "b0": P("model"),
+    "w1": P("model", None),
+  }
+  shardings = {
+    name: NamedSharding(mesh, layout.get(name, P()) if m > 1 else P())
+    for name in init_mlp(0)
+  }
   rank = island.devices[0].process_index  # the island's first process
   rank = me - rank  # this process's rank in its island
   rows_here = slice(rank * BATCH // k, (rank + 1) * BATCH // k)
@@ -279,20 +310,33 @@ def main(argv=None) -> None:
     )
 
   def host(tree):
-    """The values of replicated arrays (also over several processes)."""
-    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
+    """The values of the arrays: whole on this process, or replicated over
+    several processes (then any copy)."""
+    return jax.tree.map(
+      lambda a: np.asarray(
+        a if a.is_fully_addressable else a.addressable_data(0)
+      ),
+      tree,
+    )
 
   def loss_fn(params, x, y):
     return jax.numpy.mean((mlp(params, x, jax.numpy) - y) ** 2)
 
-  @jax.jit
   def inner_step(params, state, x, y):
     grads = jax.grad(loss_fn)(params, x, y)
     updates, state = island.tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  params = jax.device_put(init_mlp(0), replicated)
-  state = jax.jit(island.tx.init, out_shardings=replicated)(params)
+  params = jax.device_put(init_mlp(0), shardings)
+  if m > 1:  # the state's params-shaped leaves sharded like the params
+    state = island.init(params)
+    inner_step = jax.jit(
+      inner_step,
+      out_shardings=(shardings, jax.tree.map(lambda a: a.sharding, state)),
+    )
+  else:
+    state = jax.jit(island.tx.init, out_shardings=replicated)(params)
+    inner_step = jax.jit(inner_step)
   if not island.trains:  # the dedicated coordinator: rounds only
 
     def committed(params, state, done):
@@ -330,6 +374,11 @@ def main(argv=None) -> None:
     }
     if resumed:  # took the last committed round's center, committed none
       row["resumed"] = True
+    if m > 1:
+      row["local_shard_shapes"] = {
+        name: list(a.addressable_shards[0].data.shape)
+        for name, a in params.items()
+      }
     row["time"] = time.time()
     with open(os.path.join(args.out, f"p{me}.jsonl"), "a") as f:
       f.write(json.dumps(row) + "\n")

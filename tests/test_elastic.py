@@ -718,3 +718,35 @@ def test_a_chaos_run_of_20_kills_loses_no_round(tmp_path):
   assert result["rounds_with_other_bits"] == [], result
   assert result["rounds_committed"] >= 5, (result, report)
   assert result["inner_steps_in_committed_rounds"] > 0, result
+
+
+# ----------------------------------------------------- model-parallel islands
+
+
+def test_model_parallel_islands_killed_and_healed_shard_by_shard(tmp_path):
+  """Issue 41 item 1: each island's MLP has its hidden dimension sharded
+  over its 2 devices (``--model-parallel 2``): the rounds run shard by
+  shard (every logged shard is half the hidden width), an island killed
+  and restarted heals, and the params are bit-identical across islands and
+  equal to the numpy reference of the membership schedule."""
+  with Scenario(tmp_path, steps=40, extra=("--model-parallel", "2")) as run:
+    run.wait_round(0, 2 * H)
+    run.kill(2)
+    run.wait_round(0, 4 * H)
+    run.restart(2)
+    run.wait_round(2, 6 * H)
+    run.finish(survivors=[0, 1, 2])
+    for i in range(N):
+      for row in run.islands.rows(i):
+        shapes = row["local_shard_shapes"]
+        assert shapes["w0"] == [example.D_IN, example.D_HIDDEN // 2], row
+        assert shapes["b0"] == [example.D_HIDDEN // 2], row
+        assert shapes["w1"] == [example.D_HIDDEN // 2, example.D_HIDDEN], row
+
+    def expect(schedule):
+      lives = _lives(schedule)
+      assert lives[0] == [0, 1, 2] and lives[-1] == [0, 1, 2], lives
+      assert [0, 1] in lives, lives
+      assert [j for _, _, j in schedule if j] == [[2]], schedule
+
+    run.check([0, 1, 2], expect)

@@ -3,6 +3,16 @@
     python -m benchmarks.perf.elastic [--rounds 200] [--kills 2]
     python -m benchmarks.perf.elastic --round-bytes
     python -m benchmarks.perf.elastic --chaos 100 [--seed 0]
+    python -m benchmarks.perf.elastic --model-parallel-memory
+
+``--model-parallel-memory`` alone (no processes, seconds): an MLP of 4
+layers of width 2048 under ``diloco(adamw)``, its params on 4 forced CPU
+devices replicated or with the hidden dimension sharded over M = 2 and 4 of
+them: per device, the bytes of the params' and the state's shards
+(``Island.init``'s layout) and of one plain round's rows (3 islands,
+float32 wire) and one healing round's row, built from that device's shards
+as a round builds them; saved to
+``benchmarks/results/elastic_model_parallel.json``.
 
 ``--chaos N`` alone: ``examples/elastic_launch.py``'s chaos run
 (:mod:`examples.elastic_chaos`) under a dedicated coordinator, 3 islands x
@@ -55,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "elastic.json"
 ROUND_BYTES = ROOT / "benchmarks" / "results" / "elastic_round_bytes.json"
 CHAOS = ROOT / "benchmarks" / "results" / "elastic_chaos.json"
+MODEL_PARALLEL = ROOT / "benchmarks" / "results" / "elastic_model_parallel.json"
 _spec = importlib.util.spec_from_file_location(
   "elastic_launch", ROOT / "examples" / "elastic_launch.py"
 )
@@ -280,6 +291,71 @@ def chaos(kills: int, seed: int) -> dict:
   return {"settings": settings, **result}
 
 
+def model_parallel_memory(width: int = 2048, layers: int = 4) -> dict:
+  """Bytes per device of a model-parallel island (see the module doc)."""
+  import os  # noqa: PLC0415 (the flag must precede jax's import)
+
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+  from jax.sharding import Mesh  # noqa: PLC0415
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  import shardopt  # noqa: PLC0415
+  from shardopt.elastic import rows  # noqa: PLC0415
+  from shardopt.elastic import shards  # noqa: PLC0415
+  from shardopt.periodic import split  # noqa: PLC0415
+
+  tx = shardopt.diloco(optax.adamw(1e-3), "island", sync_period=H)
+  engine = split.engine_of(tx, "benchmark")
+  local_tx = optax.GradientTransformationExtraArgs(tx.init, tx.update)
+  devices = jax.devices()[:4]
+  out = {"width": width, "layers": layers, "devices": len(devices), "by_m": {}}
+  for m in (1, 2, 4):
+    mesh = Mesh(np.array(devices).reshape(-1, m), ("data", "model"))
+    specs = {}
+    for i in range(layers):
+      specs[f"w{i}"] = P(None, "model") if i % 2 == 0 else P("model", None)
+      specs[f"b{i}"] = P("model") if i % 2 == 0 else P()
+    params = {
+      k: jax.device_put(
+        np.zeros((width, width) if k[0] == "w" else (width,), np.float32),
+        NamedSharding(mesh, spec),
+      )
+      for k, spec in specs.items()
+    }
+    state = jax.jit(local_tx.init)(params)
+    state = optax.tree_map_params(
+      local_tx,
+      lambda s, p: jax.device_put(s, p.sharding),
+      state,
+      params,
+      transform_non_params=lambda s: jax.device_put(
+        s, NamedSharding(mesh, P())
+      ),
+    )
+    d = devices[0]
+    lp = shards.local_trees(params, [d], "a params")[d]
+    ls = shards.local_trees(state, [d], "a state")[d]
+    owners = np.arange(3, dtype=np.int32)
+    plain, _ = jax.jit(
+      lambda s, p: rows.plain_rows(engine, 1, 1, 1, s, p, owners, 3)
+    )(ls, lp)
+    healing, _ = jax.jit(
+      lambda s, p: rows.healing_row(engine, 1, 1, 1, True, s, p)
+    )(ls, lp)
+    nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))  # noqa: E731
+    out["by_m"][str(m)] = {
+      "params_bytes_per_device": nbytes(lp),
+      "state_bytes_per_device": nbytes(ls),
+      "plain_round_rows_bytes_per_device": int(plain.nbytes),
+      "healing_row_bytes_per_device": int(healing.nbytes),
+    }
+  return out
+
+
 def _git_commit() -> str:
   """The checkout's short commit (``_report``'s), recorded with the numbers."""
   from benchmarks import _report  # noqa: PLC0415
@@ -295,12 +371,42 @@ def main() -> None:
     "--chaos", type=int, default=None, metavar="KILLS", help="the chaos run"
   )
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--model-parallel-memory", action="store_true")
   ap.add_argument(
     "--round-bytes",
     action="store_true",
     help="only the bytes one island sends per plain round at 2, 4, 8 islands",
   )
   args = ap.parse_args()
+  if args.model_parallel_memory:
+    started = datetime.datetime.now(datetime.timezone.utc)
+    result = model_parallel_memory()
+    print(
+      "| M | params / device | state / device | plain round rows | healing row |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    for m, r in result["by_m"].items():
+      print(
+        f"| {m} | {r['params_bytes_per_device']:,} |"
+        f" {r['state_bytes_per_device']:,} |"
+        f" {r['plain_round_rows_bytes_per_device']:,} |"
+        f" {r['healing_row_bytes_per_device']:,} |"
+      )
+    MODEL_PARALLEL.write_text(
+      json.dumps(
+        {
+          "command": " ".join(
+            ["python -m benchmarks.perf.elastic", *sys.argv[1:]]
+          ),
+          "started_utc": started.isoformat(timespec="seconds"),
+          "commit": _git_commit(),
+          **result,
+        },
+        indent=1,
+      )
+      + "\n"
+    )
+    return
   if args.chaos is not None:
     started = datetime.datetime.now(datetime.timezone.utc)
     result = chaos(args.chaos, args.seed)

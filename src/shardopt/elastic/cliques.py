@@ -101,3 +101,48 @@ class Cliques:
     order = [by_id[i] for i in ids]
     self._known[key] = order
     return order
+
+  def matrix(
+    self,
+    members: Membership,
+    attempt: int,
+    live: Sequence[Any],
+    me: int,
+    island_of,
+  ) -> list[list]:
+    """The device matrix of a model-parallel round (:mod:`.shards`): one
+    row per island (its devices sorted by id), the islands in an order
+    whose every column (one gloo clique each) the job never used. Only the
+    islands' order can change (a column must hold the same position on
+    every island): m! matrices per membership of m islands."""
+    key = self.key(members, attempt) + "/matrix"
+    if key in self._known:
+      return self._known[key]
+    rows: dict[int, list] = {}
+    for d in sorted(live, key=lambda d: d.id):
+      rows.setdefault(island_of(d.process_index), []).append(d)
+
+    def columns(order) -> list[tuple[int, ...]]:
+      width = len(rows[order[0]])
+      return [tuple(rows[i][p].id for i in order) for p in range(width)]
+
+    if me == 0:
+      for order in itertools.permutations(sorted(rows)):
+        if not self._used.intersection(columns(order)):
+          break
+      else:
+        raise RuntimeError(
+          "shardopt.elastic: every order of the live islands"
+          f" {sorted(rows)} has been used by an earlier membership of this"
+          " model-parallel job, so no fresh gloo clique is left for this one"
+          " (CPU collectives key their communicators by the ordered device"
+          " list). Restart the job."
+        )
+      self._store.set(key, ",".join(map(str, order)))
+    else:
+      value = self._store.get(key, self._timeout_s)
+      order = tuple(int(i) for i in value.split(","))
+    self._used.update(columns(order))
+    matrix = [rows[i] for i in order]
+    self._known[key] = matrix
+    return matrix

@@ -50,6 +50,7 @@ from shardopt import _jax
 from shardopt.elastic import cliques as _cliques
 from shardopt.elastic import coordinator as _coordinator
 from shardopt.elastic import rows
+from shardopt.elastic import shards
 from shardopt.elastic import stall
 from shardopt.periodic import split
 
@@ -212,6 +213,26 @@ class Island:
 
   def _island_of(self, process: int) -> int:
     return int(rows.island_of(process, self._k, self._dedicated))
+
+  def init(self, params):
+    """``island.tx.init(params)`` laid out for rounds: the state's leaves
+    that follow the params (the center, the moments, the error buffers)
+    sharded as the params are, the others (counters, scalars) replicated
+    over the island's devices. Needed when the params are sharded over the
+    island's devices (model-parallel islands); the same as
+    ``jax.jit(island.tx.init)`` otherwise."""
+    state = jax.jit(self.tx.init)(params)
+    leaves = jax.tree.leaves(params)
+    if not leaves or not isinstance(leaves[0].sharding, NamedSharding):
+      return state
+    replicated = NamedSharding(leaves[0].sharding.mesh, P())
+    return optax.tree_map_params(
+      self.tx,
+      lambda s, p: jax.device_put(s, p.sharding),
+      state,
+      params,
+      transform_non_params=lambda s: jax.device_put(s, replicated),
+    )
 
   @property
   def fresh(self) -> bool:
@@ -469,6 +490,8 @@ class Island:
   def _attempt(self, members, live, sync: int, params, state):
     """Steps 2-5: the layout, the device list, the rows, the exchange."""
     healing = self._fresh or not frozenset(members) <= self._last
+    if shards.sharded(params):
+      return self._attempt_sharded(members, live, sync, params, state, healing)
     order = self._cliques.devices(
       members, self._attempts[members], live, self._me
     )
@@ -483,6 +506,55 @@ class Island:
     exchanged = jax.block_until_ready(exchanged)
     self._on_event("round_gathered", info)
     return healing, (exchanged, order), dropped
+
+  def _attempt_sharded(self, members, live, sync, params, state, healing):
+    """:meth:`_attempt` for params sharded over the island's devices: rows
+    built, exchanged and (in :meth:`_commit`) applied shard by shard, each
+    device its own (:mod:`.shards`)."""
+    self._check_shardable()
+    matrix = self._cliques.matrix(
+      members, self._attempts[members], live, self._me, self._island_of
+    )
+    order = [row[0] for row in matrix]  # one device per island
+    info = {"live": _processes(members), "healing": healing}
+    self._on_event("round_started", info)
+    mine = self._mine(matrix)
+    local_p = shards.local_trees(params, mine, "a params")
+    local_s = shards.local_trees(state, mine, "a state")
+    made = {
+      d: (
+        self._healing_row(sync, local_p[d], local_s[d], local=True)
+        if healing
+        else self._plain_rows(order, sync, local_p[d], local_s[d], local=True)
+      )
+      for d in mine
+    }
+    row = {d: m[0] for d, m in made.items()}
+    dropped = {d: m[1] for d, m in made.items()}
+    if healing:
+      key, body = ("gather",), self._gather_body()
+    else:
+      key = ("exchange", sync, len(order))
+      body = self._exchange_body(order, sync, local_p[mine[0]])
+    exchanged = shards.run(self._jit, key, matrix, body, row)
+    jax.block_until_ready(list(exchanged.values()))  # a dict keyed by device
+    self._on_event("round_gathered", info)
+    return healing, (exchanged, order), dropped
+
+  def _mine(self, matrix) -> list:
+    """This process's devices of the round's matrix."""
+    return [d for row in matrix for d in row if d.process_index == self._me]
+
+  def _check_shardable(self) -> None:
+    engine = self._engine
+    if engine.num_fragments > 1 or engine.layer_axes is not None:
+      raise ValueError(
+        "shardopt.elastic.Island: params sharded over an island's devices"
+        " run their rounds shard by shard, but Streaming DiLoCo's fragments"
+        f" (num_fragments={engine.num_fragments}) and layer_axes are"
+        " assigned from whole leaves; use num_fragments=1 and no layer_axes,"
+        " or replicate the params over the island's devices."
+      )
 
   def _taking_part(self, live):
     """The membership (process, incarnation) of the complete islands and
@@ -548,30 +620,34 @@ class Island:
       self._compiled[key] = jax.jit(fn, **kwargs)
     return self._compiled[key]
 
-  def _healing_row(self, sync: int, params, state):
-    """This island's row of a healing round (on its devices), and what the
-    wire's encoding dropped from its contribution (error feedback)."""
+  def _healing_row(self, sync: int, params, state, local: bool = False):
+    """This island's row of a healing round (on its devices; ``local``: of
+    one device's shards, on it), and what the wire's encoding dropped from
+    its contribution (error feedback)."""
     engine, me, island = self._engine, self._me, self.island
     up, trains = not self._fresh, self.trains
     fn = self._jit(
-      ("healing_row", sync, up),
+      ("healing_row", sync, up, local),
       lambda s, p: rows.healing_row(engine, island, me, sync, up, s, p, trains),
-      out_shardings=self._replicated,
+      **({} if local else {"out_shardings": self._replicated}),
     )
     return fn(state, params)
 
-  def _plain_rows(self, order: list, sync: int, params, state):
+  def _plain_rows(
+    self, order: list, sync: int, params, state, local: bool = False
+  ):
     """This island's rows of a plain round for the processes of ``order``
-    (on its devices), and what the wire dropped from its contribution."""
+    (on its devices; ``local``: of one device's shards, on it), and what
+    the wire dropped from its contribution."""
     engine, me, island = self._engine, self._me, self.island
     owners, islands = self._owners(order)
     trains = self.trains
     fn = self._jit(
-      ("plain_rows", sync, islands, len(order)),
+      ("plain_rows", sync, islands, len(order), local),
       lambda s, p, o: rows.plain_rows(
         engine, island, me, sync, s, p, o, islands, trains
       ),
-      out_shardings=self._replicated,
+      **({} if local else {"out_shardings": self._replicated}),
     )
     return fn(state, params, jnp.asarray(owners))
 
@@ -607,24 +683,27 @@ class Island:
   def _gather(self, order: list, row: jax.Array) -> jax.Array:
     """One all_gather of the islands' rows over ``order``: every island's
     rows, on this island's device of ``order``."""
-    return self._program(
-      ("gather",),
-      order,
-      lambda r: jax.lax.all_gather(r, "islands", tiled=True),
-      row,
-    )
+    return self._program(("gather",), order, self._gather_body(), row)
+
+  @staticmethod
+  def _gather_body():
+    return lambda r: jax.lax.all_gather(r, "islands", tiled=True)
 
   def _exchange(self, order: list, row: jax.Array, sync: int, params):
     """A plain round's :func:`.rows.exchange` over ``order``."""
-    engine = self._engine
-    sizes = rows.sizes_of(engine, sync, params)
     _, islands = self._owners(order)
     return self._program(
       ("exchange", sync, islands),
       order,
-      lambda r: rows.exchange(engine, sizes, r, "islands", islands),
+      self._exchange_body(order, sync, params),
       row,
     )
+
+  def _exchange_body(self, order: list, sync: int, params):
+    engine = self._engine
+    sizes = rows.sizes_of(engine, sync, params)
+    _, islands = self._owners(order)
+    return lambda r: rows.exchange(engine, sizes, r, "islands", islands)
 
   def _on_island(self, x: jax.Array) -> jax.Array:
     """A value on one device of this island, replicated on all of them."""
@@ -635,12 +714,15 @@ class Island:
     )
 
   def _commit(self, healing, sync, exchanged, params, state, dropped):
-    """The round's results on this island (no collective)."""
+    """The round's results on this island (no collective); with sharded
+    params (``exchanged`` per device) shard by shard."""
     exchanged, order = exchanged
+    per_device = isinstance(exchanged, dict)
+    any_x = next(iter(exchanged.values())) if per_device else exchanged
     if healing:
-      head = _headers(np.asarray(exchanged[:, : rows.HEADER_BYTES]))
+      head = _headers(np.asarray(any_x[:, : rows.HEADER_BYTES]))
     else:
-      head = _columns(np.asarray(exchanged.header))
+      head = _columns(np.asarray(any_x.header))
     up = head["up_to_date"] > 0
     source = int(np.argmax(up)) if up.any() else 0
     if healing:
@@ -652,8 +734,7 @@ class Island:
     trains = (head["process"] != 0) if self._dedicated else True
     skipped = int(np.sum(up & ~contributing & first & trains))
     left_out = left_out and self.trains
-    exchanged = jax.tree.map(self._on_island, exchanged)
-    args = (params, state, jnp.asarray(left_out), jnp.int32(skipped))
+    flags = (jnp.asarray(left_out), jnp.int32(skipped))
     if healing:
       fresh = self._fresh
       fn = self._jit(
@@ -662,17 +743,30 @@ class Island:
           self._engine, sync, fresh, g, p, s, lo, sk, d
         ),
       )
-      params, state = fn(exchanged, *args, dropped)
+      extra = ()
     else:
       owners, islands = self._owners(order)
-      chunk = int(owners[[d.process_index for d in order].index(self._me)])
+      ranks = [self._island_of(d.process_index) for d in order]
+      chunk = int(owners[ranks.index(self.island)])
       fn = self._jit(
         ("apply", sync, islands),
         lambda x, p, s, lo, sk, d, c: _apply_plain(
           self._engine, sync, islands, x, p, s, lo, sk, d, c
         ),
       )
-      params, state = fn(exchanged, *args, dropped, jnp.int32(chunk))
+      extra = (jnp.int32(chunk),)
+    if per_device:  # each device its own shards, then whole arrays again
+      local_p = shards.local_trees(params, list(exchanged), "a params")
+      local_s = shards.local_trees(state, list(exchanged), "a state")
+      out = {
+        d: fn(x, local_p[d], local_s[d], *flags, dropped[d], *extra)
+        for d, x in exchanged.items()
+      }
+      params = shards.global_tree({d: o[0] for d, o in out.items()}, params)
+      state = shards.global_tree({d: o[1] for d, o in out.items()}, state)
+    else:
+      exchanged = jax.tree.map(self._on_island, exchanged)
+      params, state = fn(exchanged, params, state, *flags, dropped, *extra)
     done = Round(
       number=_host_int(state.sync_count),
       step=_host_int(state.count),
