@@ -2,7 +2,7 @@
 moments, restarts after random delays, then what survived (issue 41 item 5).
 
     python examples/elastic_launch.py --chaos SEED --duration SECONDS \
-        --num-processes 4 --steps 100000 --sync-period 4 --out DIR
+        [--kills N] --num-processes 4 --sync-period 4 --out DIR
 
 runs the example under a dedicated coordinator (process 0 trains nothing;
 ``--dedicated-coordinator`` is added), kills for ``SECONDS`` (one island, or

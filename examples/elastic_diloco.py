@@ -145,6 +145,20 @@ def _comm_dtype(text: str | None):
   return jax.numpy.dtype(text)
 
 
+def _per_process(text: str) -> tuple[float, ...]:
+  """``--step-seconds``: ``0.1`` or ``0.05,0.1,0.2`` (per process id)."""
+  try:
+    values = tuple(float(v) for v in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+      f"--step-seconds {text}: a number of seconds, or one per process id"
+      " separated by commas (0.05,0.1,0.2)"
+    ) from None
+  if any(v < 0 for v in values):
+    raise argparse.ArgumentTypeError(f"--step-seconds {text}: must be >= 0")
+  return values
+
+
 def parse(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--coordinator", required=True, help="HOST:PORT")
@@ -153,7 +167,30 @@ def parse(argv=None):
   ap.add_argument("--steps", type=int, required=True)
   ap.add_argument("--sync-period", type=int, required=True)
   ap.add_argument("--out", required=True)
-  ap.add_argument("--step-seconds", type=float, default=0.0)
+  ap.add_argument(
+    "--step-seconds",
+    type=_per_process,
+    default=(0.0,),
+    help=(
+      "seconds of sleep per inner step (compute): one value, or one per"
+      " process id, comma-separated (islands of unequal speed)"
+    ),
+  )
+  ap.add_argument(
+    "--round-seconds",
+    type=float,
+    default=None,
+    help=(
+      "rounds on the clock: a round every T seconds, each island weighted by"
+      " the inner steps it took (--sync-period is then unused)"
+    ),
+  )
+  ap.add_argument(
+    "--rounds",
+    type=int,
+    default=None,
+    help="end after this many committed rounds (--steps still bounds steps)",
+  )
   ap.add_argument("--heartbeat-seconds", type=int, default=5)
   ap.add_argument(
     "--num-fragments", type=int, default=1, help="Streaming DiLoCo"
@@ -267,8 +304,10 @@ def main(argv=None) -> None:
     round_timeout_s=args.round_timeout_seconds,
     stall_timeout_s=args.stall_timeout_seconds,
     dedicated_coordinator=args.dedicated_coordinator,
+    round_seconds=args.round_seconds,
     on_event=_events(say, args, me),
   )
+  step_seconds = args.step_seconds[min(me, len(args.step_seconds) - 1)]
 
   # The island: its devices, data parallel (params replicated, the batch
   # split; XLA sums the gradients over the island's devices only); with
@@ -374,6 +413,8 @@ def main(argv=None) -> None:
     }
     if resumed:  # took the last committed round's center, committed none
       row["resumed"] = True
+    if args.round_seconds is not None:  # the inner steps each contributed
+      row["steps_by_process"] = {str(p): w for p, w in done.weights}
     if m > 1:
       row["local_shard_shapes"] = {
         name: list(a.addressable_shards[0].data.shape)
@@ -409,8 +450,8 @@ def main(argv=None) -> None:
         f"island {island.island} lost a process during a local step; restart"
         " all of its processes"
       ) from e
-    if args.step_seconds:
-      time.sleep(args.step_seconds)
+    if step_seconds:
+      time.sleep(step_seconds)
     trained += 1
     with open(steps_file, "w") as f:  # survives a SIGKILL: the chaos count
       f.write(str(trained))
@@ -421,6 +462,8 @@ def main(argv=None) -> None:
       count = done.step
       log(done)
       if stop and os.path.exists(stop):  # the chaos run is over
+        break
+      if args.rounds is not None and done.number >= args.rounds:
         break
   np.savez(os.path.join(args.out, f"p{me}.npz"), **host(params))
   say("done")

@@ -159,7 +159,11 @@ def main() -> None:
   ap.add_argument("--num-processes", type=int, default=3)
   ap.add_argument("--steps", type=int, default=48)
   ap.add_argument("--sync-period", type=int, default=4)
-  ap.add_argument("--step-seconds", type=float, default=0.2)
+  ap.add_argument(
+    "--step-seconds",
+    default="0.2",
+    help="one value, or one per process id, comma-separated",
+  )
   ap.add_argument("--processes-per-island", type=int, default=1)
   ap.add_argument("--kill", action="append", default=[], help="I@SECONDS")
   ap.add_argument("--restart", action="append", default=[], help="I@SECONDS")
@@ -237,7 +241,7 @@ def _chaos(args, extra) -> None:
   with Islands(
     out,
     num_processes=args.num_processes,
-    steps=args.steps,
+    steps=10**6,  # the islands stop when the chaos ends (the stop file)
     sync_period=args.sync_period,
     step_seconds=args.step_seconds,
     processes_per_island=args.processes_per_island,

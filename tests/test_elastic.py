@@ -22,6 +22,7 @@ timings.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -137,6 +138,7 @@ class Scenario:
     islands: int = N,
     extra: tuple = (),
     coordinator: bool = False,
+    step_seconds=STEP_S,
   ):
     self.steps = steps
     self.k = k  # processes per island
@@ -148,7 +150,7 @@ class Scenario:
       num_processes=islands * k + (1 if coordinator else 0),
       steps=steps,
       sync_period=H,
-      step_seconds=STEP_S,
+      step_seconds=step_seconds,
       processes_per_island=k,
       env=env,
       extra=extra,
@@ -750,3 +752,48 @@ def test_model_parallel_islands_killed_and_healed_shard_by_shard(tmp_path):
       assert [j for _, _, j in schedule if j] == [[2]], schedule
 
     run.check([0, 1, 2], expect)
+
+
+# ----------------------------------------------------- rounds on the clock
+
+
+def test_islands_of_unequal_speed_round_on_the_clock_and_heal(tmp_path):
+  """Issue 42: 3 islands at 1x, 2x and 4x the step time, a round every 1.5
+  s (``--round-seconds``), 12 rounds (``--rounds``): each round is logged
+  with the same bits by every island, its ``steps_by_process`` are the
+  steps each island took since its last round (the fastest takes well over
+  twice the slowest's), every process exits 0; island 2 (the slowest) is
+  killed and restarted midway and heals."""
+  rounds = 12
+  extra = ("--round-seconds", "1.5", "--rounds", str(rounds))
+  speeds = "0.03,0.06,0.12"  # seconds per inner step, per process
+  with Scenario(
+    tmp_path, steps=100_000, extra=extra, step_seconds=speeds
+  ) as run:
+    run.wait_round(0, 1)
+    while len(run.islands.rows(0)) < 3:
+      time.sleep(0.2)
+    run.kill(2)
+    deadline = time.time() + RUN_TIMEOUT_S
+    while time.time() < deadline:  # the survivors round without it
+      if any(r["live"] == [0, 1] for r in run.islands.rows(0)):
+        break
+      time.sleep(0.2)
+    run.restart(2)
+    codes = run.finish(survivors=[0, 1, 2])
+    assert codes == {0: 0, 1: 0, 2: 0}, run.report
+    by_round: dict = {}
+    for i in range(N):
+      for r in run.islands.rows(i):
+        by_round.setdefault(r["round"], []).append(r)
+    assert sorted(by_round) == list(range(1, rounds + 1)), run.report
+    ratios = []
+    for number, logged in by_round.items():
+      assert len({r["params_sha256"] for r in logged}) == 1, (number, logged)
+      assert len({json.dumps(r["steps_by_process"]) for r in logged}) == 1
+      steps = logged[0]["steps_by_process"]
+      if number > 1 and {"0", "2"} <= set(steps) and steps["2"] > 0:
+        ratios.append(steps["0"] / steps["2"])
+    assert ratios and max(ratios) > 2.0, (ratios, by_round)
+    lives = [by_round[n][0]["live"] for n in sorted(by_round)]
+    assert [0, 1] in lives and lives[-1] == [0, 1, 2], lives

@@ -33,7 +33,7 @@ N = 4  # islands
 H = 3  # local steps per sync
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
-HEADER_BYTES = 32  # 8 int32 fields, documented in rows.HEADER_FIELDS
+HEADER_BYTES = 36  # 9 int32 fields, documented in rows.HEADER_FIELDS
 
 
 def _diloco(inner, axis_name, **kwargs):
@@ -113,6 +113,17 @@ def _plain_rows_fn(engine, sync, islands):
     ("plain_rows", engine, sync, islands),
     lambda: (
       lambda i, s, p, o: rows.plain_rows(engine, i, i, sync, s, p, o, islands)
+    ),
+  )
+
+
+def _weighted_rows_fn(engine, sync, islands):
+  return _jit(
+    ("weighted_rows", engine, sync, islands),
+    lambda: (
+      lambda i, s, p, o, w: rows.plain_rows(
+        engine, i, i, sync, s, p, o, islands, True, w
+      )
     ),
   )
 
@@ -233,19 +244,45 @@ class Islands:
     assert len(syncs) == 1, syncs
     return syncs.pop()
 
-  def plain_round(self):
+  def island_steps(self, i, k):
+    """``k`` local steps on island ``i`` alone (islands of unequal speed)."""
+    fn = _local_fn(self.engine)
+    for _ in range(k):
+      step = int(self.states[i].count) + 1
+      self.params[i], self.states[i] = fn(
+        self.params[i],
+        self.states[i],
+        self.targets[i],
+        _noise(i, step, self.params[i]),
+      )
+
+  def plain_round(self, weights=None):
     """A plain round over every island, the islands at shuffled positions
     of the collective program's mesh; returns the headers (island order)
-    and the sync index."""
-    sync = self.due()
+    and the sync index. ``weights``: per island, its contribution's weight
+    (rounds on the clock; the transform's only sync, due or not)."""
+    sync = self.due() if weights is None else 1
     assert sync > 0
     order = self.rng.permutation(self.n)  # position q: island order[q]
     owners = jnp.asarray(rows.islands_of(order, 1))
-    fn = _plain_rows_fn(self.engine, sync, self.n)
-    made = [
-      fn(jnp.int32(i), self.states[i], self.params[i], owners)
-      for i in range(self.n)
-    ]
+    if weights is None:
+      fn = _plain_rows_fn(self.engine, sync, self.n)
+      made = [
+        fn(jnp.int32(i), self.states[i], self.params[i], owners)
+        for i in range(self.n)
+      ]
+    else:
+      fn = _weighted_rows_fn(self.engine, sync, self.n)
+      made = [
+        fn(
+          jnp.int32(i),
+          self.states[i],
+          self.params[i],
+          owners,
+          jnp.int32(weights[i]),
+        )
+        for i in range(self.n)
+      ]
     row_list = [r for r, _ in made]
     dropped = [d for _, d in made]
     got = _exchange(
@@ -275,13 +312,16 @@ def _np(tree):
   return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
 
 
-def _assert_islands_identical(isl, *, params=True):
+def _assert_islands_identical(isl, *, params=True, counts=True):
+  """Every island holds the same bits (``counts=False``: but its own local
+  step count, as on rounds on the clock)."""
   for i in range(1, isl.n):
     chex.assert_trees_all_equal(isl.states[i].center, isl.states[0].center)
     chex.assert_trees_all_equal(
       isl.states[i].global_state, isl.states[0].global_state
     )
-    chex.assert_trees_all_equal(isl.states[i].count, isl.states[0].count)
+    if counts:
+      chex.assert_trees_all_equal(isl.states[i].count, isl.states[0].count)
     chex.assert_trees_all_equal(
       isl.states[i].sync_count, isl.states[0].sync_count
     )
@@ -561,6 +601,64 @@ def test_mean_over_contributing_islands_only():
     )
   assert int(isl.states[0].skipped) == skipped_before + 1
   _assert_islands_identical(isl)
+
+
+@pytest.mark.parametrize("wire", ["float32", "int8"])
+def test_rounds_on_the_clock_weigh_each_island_by_its_steps(wire):
+  """Issue 42: islands of unequal speed take different numbers of steps per
+  round, and the round is the mean of their outer gradients weighted by
+  those steps (an island with none contributes nothing), then diloco's
+  outer Nesterov step: three rounds against numpy (1e-6; the int8 wire's
+  quantization against the same numpy arithmetic on what the wire
+  delivers, so only the float32 wire is compared to the exact mean), and
+  bit-identical centers on every island."""
+  comm = None if wire == "float32" else jnp.int8
+  tx = _diloco(optax.adam(1e-2), "i", sync_period=1000, comm_dtype=comm)
+  isl = Islands(tx, [_params()] * N, seed=5)
+  center = _np(isl.params[0])
+  momentum = jax.tree.map(np.zeros_like, center)
+  schedule = [(1, 2, 4, 3), (4, 0, 2, 1), (2, 2, 2, 2)]
+  for steps in schedule:
+    for i, k in enumerate(steps):
+      isl.island_steps(i, k)
+    local = [_np(p) for p in isl.params]
+    heads, _ = isl.plain_round(weights=steps)
+    assert list(heads[:, rows.FIELD["weight"]]) == list(steps)
+    _assert_islands_identical(isl, counts=False)
+    if wire != "float32":
+      continue
+    total = float(sum(steps))
+    for k in center:
+      g = (
+        sum(
+          np.float64(w) * (center[k] - local[i][k]) for i, w in enumerate(steps)
+        )
+        / total
+      )
+      momentum[k] = OUTER_MOMENTUM * momentum[k] + g
+      center[k] = center[k] - OUTER_LR * (g + OUTER_MOMENTUM * momentum[k])
+      for i in range(N):
+        np.testing.assert_allclose(
+          isl.states[i].center[k], center[k], rtol=1e-6, atol=1e-6
+        )
+        np.testing.assert_allclose(
+          isl.params[i][k], center[k], rtol=1e-6, atol=1e-6
+        )
+
+
+def test_a_weight_of_one_everywhere_is_the_plain_round_bit_for_bit():
+  """Rounds every sync_period steps send weight 1: the weighted arithmetic
+  with weights 1 gives the same bits as the flag-weighted mean."""
+  tx = _diloco(optax.adam(1e-2), "i", sync_period=H)
+  plain = Islands(tx, [_params()] * N, seed=6)
+  weighted = Islands(tx, [_params()] * N, seed=6)
+  for isl in (plain, weighted):
+    isl.local_steps(H)
+  plain.plain_round()
+  weighted.plain_round(weights=[1] * N)
+  for a, b in zip(plain.states, weighted.states, strict=True):
+    chex.assert_trees_all_equal(a.center, b.center)
+    chex.assert_trees_all_equal(a.global_state, b.global_state)
 
 
 def test_no_contributing_island_leaves_the_center_where_it_was():

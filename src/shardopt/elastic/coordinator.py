@@ -17,12 +17,13 @@ which needs no collective and no barrier:
   from a thread, under a token drawn per incarnation (a restarted process
   has a new one). An island whose counter stops for :data:`DEAD_AFTER_S` is
   dead to the coordinator.
-- ``shardopt/want/<step>/<process>``: an up-to-date island is at the sync
-  due after local step ``step``.
+- ``shardopt/want/<round>/<process>``: an up-to-date island is at round
+  ``round`` (its rounds committed, plus one).
 - ``shardopt/join/<process>``: a fresh island (its token) waits to join.
 
 The coordinator waits, outside any collective, for the next round's
-``want`` key while some island it committed with is alive; else for a
+``want`` key (so rounds every ``sync_period`` steps and rounds on the clock
+alike) while some island it committed with is alive; else for a
 ``join`` key (the job's start, or islands returning after every one of
 them died: they resume from the center it kept); and ends when every island
 of the last committed round has finished (:meth:`Island.finish`).
@@ -74,9 +75,9 @@ class Heartbeat:
         pass  # round watchdog ends this process)
       self._stop.wait(_BEAT_S)
 
-  def want(self, step: int) -> None:
-    """This up-to-date island is at the sync due after ``step``."""
-    self._store.set(f"{WANT}{step}/{self._me}", self.token, overwrite=True)
+  def want(self, number: int) -> None:
+    """This up-to-date island is at round ``number``."""
+    self._store.set(f"{WANT}{number}/{self._me}", self.token, overwrite=True)
 
   def join(self) -> None:
     """This fresh island waits to join."""
@@ -113,9 +114,9 @@ class Watcher:
       for p in processes
     }
 
-  def wanted(self, step: int) -> bool:
-    """Whether an island is at the sync due after ``step``."""
-    return bool(self._store.keys(f"{WANT}{step}/"))
+  def wanted(self, number: int) -> bool:
+    """Whether an island is at round ``number``."""
+    return bool(self._store.keys(f"{WANT}{number}/"))
 
   def joining(self, alive: dict[int, str]) -> set[int]:
     """The live islands that wait to join (their token is current)."""
@@ -125,12 +126,12 @@ class Watcher:
       if alive.get(int(p)) == token
     }
 
-  def forget(self, steps_up_to: int, joined) -> None:
-    """Deletes the ``want`` keys of steps up to ``steps_up_to`` and the
+  def forget(self, rounds_up_to: int, joined) -> None:
+    """Deletes the ``want`` keys of rounds up to ``rounds_up_to`` and the
     ``join`` keys of ``joined`` (a committed round served them)."""
     for key in self._store.keys(WANT):
-      step = key[len(WANT) :].split("/", 1)[0]
-      if step.isdigit() and int(step) <= steps_up_to:
+      number = key[len(WANT) :].split("/", 1)[0]
+      if number.isdigit() and int(number) <= rounds_up_to:
         self._store.delete(key)
     for process in joined:
       self._store.delete(f"{JOIN}{process}")

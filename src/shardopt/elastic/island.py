@@ -68,6 +68,9 @@ class Round(NamedTuple):
     attempts: failed attempts before this one committed.
     seconds: wall time of the committed attempt.
     failures: why each failed attempt failed.
+    weights: ``((process, weight), ...)`` of the contributing processes:
+      1 each, or on rounds on the clock the work each did since its last
+      committed round (its inner steps times ``work_per_step``).
   """
 
   number: int
@@ -78,6 +81,7 @@ class Round(NamedTuple):
   attempts: int
   seconds: float
   failures: tuple
+  weights: tuple = ()
 
 
 # The exit code of a process whose round watchdog fired (``round_timeout_s``).
@@ -156,6 +160,17 @@ class Island:
       from it); the islands are processes 1..N-1 (``processes_per_island``
       consecutive ones each). Pass the same value on every process (and to
       :func:`shardopt.elastic.initialize`).
+    round_seconds: rounds on the clock: a round is due (:meth:`due`) this
+      many seconds after this island's last committed round, however many
+      inner steps it took (islands of unequal speed never wait for the
+      slowest to reach a step count). Each island's contribution is
+      weighted by the work it did since its last committed round (its
+      inner steps times ``work_per_step``; 0: it contributes nothing), and
+      the combine is the weighted mean (plain averaging when the weights are
+      equal). The transform's ``sync_period`` is then unused; one fragment
+      only. None (the default): rounds every ``sync_period`` steps, weight 1.
+    work_per_step: the weight of one inner step on rounds on the clock (its
+      tokens, say, if islands differ in batch size).
     on_event: ``on_event(name, info)`` at ``"round_started"`` (inside the
       round's ``live_devices`` block, before its collective),
       ``"round_gathered"`` (after it), ``"round_failed"`` and
@@ -178,12 +193,20 @@ class Island:
     round_timeout_s: float | None = 900.0,
     stall_timeout_s: float | None = None,
     dedicated_coordinator: bool = False,
+    round_seconds: float | None = None,
+    work_per_step: int = 1,
     on_event: Callable[[str, dict], None] | None = None,
   ):
     self._engine = split.engine_of(tx, "shardopt.elastic.Island")
     self._init = tx.init
     self.tx = optax.GradientTransformationExtraArgs(self._init, self._update)
     self._dedicated = _check_dedicated(dedicated_coordinator)
+    self._round_seconds = _check_round_seconds(
+      round_seconds, work_per_step, self._engine
+    )
+    self._work_per_step = work_per_step
+    self._deadline = None  # rounds on the clock: when the next is due
+    self._count_at_commit = 0  # this island's local steps at its last round
     self._k = _check_processes_per_island(processes_per_island, self._dedicated)
     self._me = jax.process_index()
     self._all = jax.devices()
@@ -243,7 +266,10 @@ class Island:
     return split.local_update(self._engine, grads, state, params, extra_args)
 
   def due(self, state) -> bool:
-    """Whether a sync is due after the state's last local step."""
+    """Whether a sync is due after the state's last local step (on the
+    clock: whether ``round_seconds`` have passed since the last round)."""
+    if self._round_seconds is not None:
+      return self._deadline is None or time.monotonic() >= self._deadline
     return split.due(self._engine, _host_int(state.count)) > 0
 
   # ------------------------------------------------------------------- end
@@ -319,7 +345,7 @@ class Island:
       alive = watcher.alive()
       up = [p for p, t in tokens.items() if t and alive.get(p) == t]
       if up:
-        ready = watcher.wanted(self._next_due(state))
+        ready = watcher.wanted(_host_int(state.sync_count) + 1)
       else:
         ready = bool(watcher.joining(alive))
         if not ready and self._last and self._finished():
@@ -334,7 +360,7 @@ class Island:
       if on_round is not None:
         on_round(params, state, done)
       tokens = watcher.tokens(p for p in done.live if p != 0)
-      watcher.forget(_host_int(state.count), done.live)
+      watcher.forget(_host_int(state.sync_count), done.live)
 
   def _finished(self) -> bool:
     """Whether every island of the last committed round has finished."""
@@ -359,6 +385,8 @@ class Island:
     up = {p for p, _ in frozenset(members) & self._last} - {0}
     if self._fresh or not up:
       return 0, state
+    if self._clocked:  # the only sync, whatever the islands' steps
+      return 1, state
     step = self._next_due(state)
     count = jax.device_put(
       np.asarray(step, np.dtype(state.count.dtype)), state.count.sharding
@@ -394,7 +422,7 @@ class Island:
       if self._fresh:
         self._heartbeat.join()
       else:
-        self._heartbeat.want(_host_int(state.count))
+        self._heartbeat.want(_host_int(state.sync_count) + 1)
     watchdog = self._watchdog(_host_int(state.sync_count) + 1)
     try:
       return self._rounds(sync, params, state)
@@ -484,6 +512,9 @@ class Island:
         failures=tuple(failures),
       )
       self._fresh, self._last = False, frozenset(members)
+      self._count_at_commit = _host_int(state.count)
+      if self._round_seconds is not None:
+        self._deadline = time.monotonic() + self._round_seconds
       self._on_event("round_committed", done._asdict())
       return params, state, done
 
@@ -590,6 +621,8 @@ class Island:
   def _sync_index(self, state, early: bool) -> int:
     if self._fresh:
       return 0
+    if self._round_seconds is not None:
+      return 1  # rounds on the clock: the transform's only sync
     sync = split.due(self._engine, _host_int(state.count))
     if sync or not early:
       if not sync:
@@ -625,13 +658,15 @@ class Island:
     one device's shards, on it), and what the wire's encoding dropped from
     its contribution (error feedback)."""
     engine, me, island = self._engine, self._me, self.island
-    up, trains = not self._fresh, self.trains
+    up, trains, clocked = not self._fresh, self.trains, self._clocked
     fn = self._jit(
       ("healing_row", sync, up, local),
-      lambda s, p: rows.healing_row(engine, island, me, sync, up, s, p, trains),
+      lambda s, p, w: rows.healing_row(
+        engine, island, me, sync, up, s, p, trains, w if clocked else None
+      ),
       **({} if local else {"out_shardings": self._replicated}),
     )
-    return fn(state, params)
+    return fn(state, params, self._weight(state))
 
   def _plain_rows(
     self, order: list, sync: int, params, state, local: bool = False
@@ -641,15 +676,36 @@ class Island:
     the wire dropped from its contribution."""
     engine, me, island = self._engine, self._me, self.island
     owners, islands = self._owners(order)
-    trains = self.trains
+    trains, clocked = self.trains, self._clocked
     fn = self._jit(
       ("plain_rows", sync, islands, len(order), local),
-      lambda s, p, o: rows.plain_rows(
-        engine, island, me, sync, s, p, o, islands, trains
+      lambda s, p, o, w: rows.plain_rows(
+        engine,
+        island,
+        me,
+        sync,
+        s,
+        p,
+        o,
+        islands,
+        trains,
+        w if clocked else None,
       ),
       **({} if local else {"out_shardings": self._replicated}),
     )
-    return fn(state, params, jnp.asarray(owners))
+    return fn(state, params, jnp.asarray(owners), self._weight(state))
+
+  @property
+  def _clocked(self) -> bool:
+    return self._round_seconds is not None
+
+  def _weight(self, state) -> jax.Array:
+    """This island's weight on rounds on the clock: its work since its last
+    committed round (0 for the coordinator and a joining island)."""
+    if not self._clocked or not self.trains or self._fresh:
+      return jnp.int32(0)
+    steps = _host_int(state.count) - self._count_at_commit
+    return jnp.int32(max(steps, 0) * self._work_per_step)
 
   def _owners(self, order: list) -> tuple[np.ndarray, int]:
     """Per process of ``order``, the chunk its island owns on a two-phase
@@ -772,6 +828,14 @@ class Island:
       step=_host_int(state.count),
       live=(),
       contributors=tuple(int(i) for i in head["process"][contributing]),
+      weights=tuple(
+        (int(p), int(w))
+        for p, w in zip(
+          head["process"][contributing],
+          head["weight"][contributing],
+          strict=True,
+        )
+      ),
       joined=tuple(int(i) for i in head["process"][~up]) if up.any() else (),
       attempts=0,
       seconds=0.0,
@@ -822,6 +886,37 @@ def _check_processes_per_island(k, dedicated: bool = False) -> int:
       f" positive integer dividing {what}."
     )
   return k
+
+
+def _check_round_seconds(seconds, work_per_step, engine):
+  if isinstance(work_per_step, bool) or not isinstance(work_per_step, int):
+    raise TypeError(
+      f"shardopt.elastic.Island: work_per_step={work_per_step!r} must be a"
+      " positive int (an inner step's weight: its tokens, say)."
+    )
+  if work_per_step < 1:
+    raise ValueError(
+      f"shardopt.elastic.Island: work_per_step={work_per_step} must be >= 1."
+    )
+  if seconds is None:
+    return None
+  if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    raise TypeError(
+      f"shardopt.elastic.Island: round_seconds={seconds!r} must be a number"
+      " of seconds (or None: a round every sync_period steps)."
+    )
+  if not seconds > 0:
+    raise ValueError(
+      f"shardopt.elastic.Island: round_seconds={seconds!r} must be > 0."
+    )
+  if len(engine.syncs) != 1:
+    raise ValueError(
+      "shardopt.elastic.Island: round_seconds runs the transform's only sync"
+      f" on the clock, but {engine.name} has {len(engine.syncs)} syncs"
+      " (num_fragments > 1: Streaming DiLoCo's fragments have no deadlines"
+      " of their own); use num_fragments=1 with round_seconds."
+    )
+  return float(seconds)
 
 
 def _check_dedicated(flag) -> bool:
@@ -922,7 +1017,10 @@ def _heal(
     global_state=jax.tree.unflatten(
       jax.tree.structure(state.global_state), received.global_state
     ),
-    count=field("count").astype(state.count.dtype),
+    # An up-to-date island keeps its own step count (the same as the
+    # source's, but on rounds on the clock, where islands step at their own
+    # pace); a fresh one takes the source's.
+    count=field("count").astype(state.count.dtype) if fresh else state.count,
     sync_count=field("sync_count").astype(state.sync_count.dtype),
     skipped=jnp.full_like(state.skipped, field("skipped")),
   )

@@ -54,6 +54,8 @@ HEADER_FIELDS = (
   "skipped",  # contributions left out so far
   "sync",  # the sync (1-based) it contributes to, 0: none
   "process",  # the sending process (an island may have several)
+  "weight",  # its contribution's weight: 1, or on rounds on the clock the
+  # work it did since its last committed round (0: none)
 )
 FIELD = {name: i for i, name in enumerate(HEADER_FIELDS)}
 HEADER_BYTES = 4 * len(HEADER_FIELDS)
@@ -131,7 +133,13 @@ class Exchanged(NamedTuple):
 
 
 def header(
-  island: int, up_to_date, finite, state, sync: int, process: int
+  island: int,
+  up_to_date,
+  finite,
+  state,
+  sync: int,
+  process: int,
+  weight=1,
 ) -> jax.Array:
   """This process's header row."""
   fields = [
@@ -143,6 +151,7 @@ def header(
     jnp.sum(state.skipped),
     sync,
     process,
+    weight,
   ]
   return jnp.stack([jnp.asarray(f, jnp.int32).reshape(()) for f in fields])
 
@@ -152,10 +161,11 @@ def wire_of(engine) -> _wire.Wire:
   return _wire.of(engine.comm_dtype, engine.name, engine.axis_name)
 
 
-def contribution(engine, sync: int, state, params, up_to_date):
+def contribution(engine, sync: int, state, params, up_to_date, weight=None):
   """This island's contribution to ``sync``: per piece of the sync, flat
   float32 (with error feedback, plus its error buffer: :mod:`shardopt.wire
-  .feedback`); its finiteness (zeros if not finite or not up to date)."""
+  .feedback`), times ``weight`` if one is given (rounds on the clock: the
+  work done); its finiteness (zeros if not finite or not up to date)."""
   if sync == 0:
     return [], jnp.asarray(up_to_date, bool)
   mine = [
@@ -170,7 +180,19 @@ def contribution(engine, sync: int, state, params, up_to_date):
     ]
   mine = [m.astype(jnp.float32) for m in mine]
   finite = jnp.logical_and(jnp.asarray(up_to_date, bool), all_finite(mine))
-  return mean.weigh(mine, finite), finite
+  if weight is None:
+    return mean.weigh(mine, finite), finite
+  weight = jnp.where(finite, jnp.asarray(weight, jnp.float32), 0.0)
+  return mean.weigh(mine, weight), finite
+
+
+def total_weight(head: jax.Array) -> jax.Array:
+  """The sum of the counted rows' weights (:func:`counted`): the mean's
+  divisor (the number of contributing islands when every weight is 1)."""
+  return jnp.sum(
+    counted(head).astype(jnp.float32)
+    * head[:, FIELD["weight"]].astype(jnp.float32)
+  )
 
 
 def sizes_of(engine, sync: int, params) -> tuple:
@@ -210,6 +232,7 @@ def plain_rows(
   owners,
   islands: int,
   trains: bool = True,
+  weight=None,
 ):
   """A plain round's rows: ``(rows, dropped)``.
 
@@ -218,11 +241,14 @@ def plain_rows(
   destination process's island rank, :func:`islands_of`); on the top-k wire
   one row, the header and the payload. ``dropped``: per piece, flat, what
   the encoding dropped from the contribution (error feedback keeps it).
-  A dedicated coordinator (``trains`` False) contributes nothing.
+  A dedicated coordinator (``trains`` False) contributes nothing;
+  ``weight``: the contribution's (rounds on the clock), else 1.
   """
-  flats, finite = contribution(engine, sync, state, params, trains)
+  flats, finite = contribution(engine, sync, state, params, trains, weight)
   wire = wire_of(engine)
-  head = to_bytes(header(island, 1, finite, state, sync, process))
+  head = to_bytes(
+    header(island, 1, finite, state, sync, process, _weight(weight))
+  )
   if wire.two_phase:
     plan = wire.plan(sizes_of(engine, sync, params), islands)
     chunks, dropped = wire.scatter(flats, plan)
@@ -233,6 +259,11 @@ def plain_rows(
     payload, dropped = wire.encode_whole(flats)
     rows = jnp.concatenate([head, payload])
   return rows, mean.weigh(dropped, finite)
+
+
+def _weight(weight):
+  """The header's weight field: 1 where no weight is given."""
+  return 1 if weight is None else weight
 
 
 def _headers(rows: jax.Array) -> jax.Array:
@@ -336,13 +367,15 @@ def healing_row(
   state,
   params,
   trains: bool = True,
+  weight=None,
 ):
   """A healing round's row (see the module docstring) and, with error
   feedback, what the wire's encoding dropped from this island's
   contribution (:func:`on_the_wire`; empty without a sync). A dedicated
-  coordinator (``trains`` False) contributes nothing."""
+  coordinator (``trains`` False) contributes nothing; ``weight`` as
+  :func:`plain_rows`'."""
   mine, finite = contribution(
-    engine, sync, state, params, up_to_date and trains
+    engine, sync, state, params, up_to_date and trains, weight
   )
   dropped = []
   if sync and engine.error_feedback:
@@ -358,7 +391,9 @@ def healing_row(
       parts,
       [m.reshape(np.shape(like)) for m, like in zip(mine, likes, strict=True)],
     )
-  head = header(island, up_to_date, finite, state, sync, process)
+  head = header(
+    island, up_to_date, finite, state, sync, process, _weight(weight)
+  )
   parts = [to_bytes(head)]
   parts += [to_bytes(c) for c in jax.tree.leaves(state.center)]
   parts += [to_bytes(g) for g in jax.tree.leaves(state.global_state)]
@@ -403,7 +438,7 @@ def combined_healing(engine, received: Received, params, parts) -> tuple:
   island order), as the sync's pieces; and their count."""
   keep = counted(received.header)
   total = _wire.protocol.sum_in_order(received.contributions, keep)
-  count = jnp.sum(keep.astype(jnp.float32))
+  count = total_weight(received.header)
   (total,) = mean.divide([total], count, engine.reduction)
   return split.take(_unflat(total, jax.tree.leaves(params)), parts), count
 
@@ -411,7 +446,7 @@ def combined_healing(engine, received: Received, params, parts) -> tuple:
 def combined_plain(engine, exchanged: Exchanged, params, sync: int) -> tuple:
   """A plain round's mean over the contributing islands, as the sync's
   pieces in their accumulation dtype; and their count."""
-  count = jnp.sum(counted(exchanged.header).astype(jnp.float32))
+  count = total_weight(exchanged.header)
   totals = mean.divide(exchanged.totals, count, engine.reduction)
   likes = split.take(
     jax.tree.leaves(params), split.pieces(engine, params, sync)
