@@ -105,6 +105,14 @@ def _wait_until_trained(islands, everyone, timeout_s: float) -> None:
     time.sleep(0.5)
 
 
+def _steps(path: Path) -> int:
+  """The inner steps an incarnation logged (a file cut by a kill: 0)."""
+  try:
+    return int(json.loads(path.read_text())["steps"])
+  except (ValueError, KeyError):
+    return 0
+
+
 def report(islands, kills: list[dict], codes: dict) -> dict:
   out = Path(islands.out)
   path = out / "coordinator.jsonl"
@@ -133,7 +141,7 @@ def report(islands, kills: list[dict], codes: dict) -> dict:
   for r in rounds:
     useful += len(r["contributors"]) * (r["step"] - previous)
     previous = r["step"]
-  trained = sum(int(p.read_text() or 0) for p in out.glob("steps.*"))
+  trained = sum(_steps(p) for p in out.glob("steps.*"))
   stalls = []
   for kill in kills:
     if len(kill["islands"]) == islands.n - 1:

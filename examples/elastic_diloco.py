@@ -28,7 +28,8 @@ as that round's).
 (it writes no ``p0.jsonl`` but ``coordinator.jsonl``, one row per committed
 round with its contributors); the islands are processes 1..N-1, and any of
 them may die, all of them at once too. Each island incarnation keeps the
-number of inner steps it took in ``DIR/steps.{I}.{pid}`` (for goodput).
+number of inner steps it took, the seconds they took and the seconds since
+it joined in ``DIR/steps.{I}.{pid}`` (JSON, for goodput).
 
 (rounds 1, 2, ... at steps H, 2H, ..., S; the start-up handshake is not
 logged), and the process exits 0 after S steps, leaving its final params
@@ -437,9 +438,25 @@ def main(argv=None) -> None:
   count = done.step
   stop = os.environ.get("ELASTIC_EXAMPLE_STOP")
   trained = 0  # inner steps this incarnation took
+  inner_s, joined_at = 0.0, time.monotonic()  # time in inner steps; since
   steps_file = os.path.join(args.out, f"steps.{me}.{os.getpid()}")
+
+  def record(steps: int, seconds: float) -> None:
+    """This incarnation's inner steps and their seconds, and the seconds
+    since it joined (a file a SIGKILL leaves behind: chaos, goodput)."""
+    with open(steps_file, "w") as f:
+      json.dump(
+        {
+          "steps": steps,
+          "inner_seconds": seconds,
+          "seconds": time.monotonic() - joined_at,
+        },
+        f,
+      )
+
   while count < args.steps:
     count += 1
+    began = time.monotonic()
     try:
       params, state = inner_step(params, state, *island_batch(count))
       jax.block_until_ready(state.count)
@@ -453,14 +470,15 @@ def main(argv=None) -> None:
     if step_seconds:
       time.sleep(step_seconds)
     trained += 1
-    with open(steps_file, "w") as f:  # survives a SIGKILL: the chaos count
-      f.write(str(trained))
+    inner_s += time.monotonic() - began
+    record(trained, inner_s)
     due = island.due(state)
     # A last round at the end, due or not (one fragment only).
     if due or (count == args.steps and args.num_fragments == 1):
       params, state, done = island.sync(params, state, early=not due)
       count = done.step
       log(done)
+      record(trained, inner_s)
       if stop and os.path.exists(stop):  # the chaos run is over
         break
       if args.rounds is not None and done.number >= args.rounds:

@@ -797,3 +797,33 @@ def test_islands_of_unequal_speed_round_on_the_clock_and_heal(tmp_path):
     assert ratios and max(ratios) > 2.0, (ratios, by_round)
     lives = [by_round[n][0]["live"] for n in sorted(by_round)]
     assert [0, 1] in lives and lives[-1] == [0, 1, 2], lives
+
+
+def test_rounds_on_the_clock_compose_with_a_coordinator_and_sharded_params(
+  tmp_path,
+):
+  """Issue 42 item 2: rounds on the clock under a dedicated coordinator,
+  with each island's params sharded over its 2 devices: every process
+  exits 0, every round is logged with the same bits and the same
+  ``steps_by_process`` (islands 1-3 only: the coordinator trains nothing)
+  by every island."""
+  extra = ("--round-seconds", "1.5", "--rounds", "4", "--model-parallel", "2")
+  with Scenario(
+    tmp_path,
+    steps=100_000,
+    extra=extra,
+    coordinator=True,
+    step_seconds="0,0.03,0.06,0.12",
+  ) as run:
+    codes = run.finish(survivors=[0, 1, 2, 3])
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}, run.report
+    by_round: dict = {}
+    for i in (1, 2, 3):
+      for r in run.islands.rows(i):
+        by_round.setdefault(r["round"], []).append(r)
+    assert sorted(by_round) == [1, 2, 3, 4], run.report
+    for number, logged in by_round.items():
+      assert len(logged) == 3, (number, logged)
+      assert len({r["params_sha256"] for r in logged}) == 1, (number, logged)
+      (steps,) = {json.dumps(r["steps_by_process"]) for r in logged}
+      assert set(json.loads(steps)) == {"1", "2", "3"}, steps

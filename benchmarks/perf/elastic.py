@@ -4,6 +4,18 @@
     python -m benchmarks.perf.elastic --round-bytes
     python -m benchmarks.perf.elastic --chaos 100 [--seed 0]
     python -m benchmarks.perf.elastic --model-parallel-memory
+    python -m benchmarks.perf.elastic --unequal [--seconds 40]
+
+``--unequal`` alone (issue 42): 3 islands whose inner steps take 0.03,
+0.06 and 0.12 s (1x, 2x, 4x; a sleep standing in for compute), for the same
+wall time each: rounds on the clock (a round every 4 s, each island weighted
+by its steps) against rounds every H = 32 steps (about 4 s of the slowest
+island) and against three equal islands at the fastest speed (H = 32),
+each once as it is and once with the slowest island killed halfway and
+restarted 3 s later. Per run: each island's goodput (its seconds in inner
+steps over its seconds since it joined, from the example's
+``steps.*`` files), the rounds and the center's held-out loss at the end;
+saved to ``benchmarks/results/elastic_unequal.json``.
 
 ``--model-parallel-memory`` alone (no processes, seconds): an MLP of 4
 layers of width 2048 under ``diloco(adamw)``, its params on 4 forced CPU
@@ -66,6 +78,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "elastic.json"
 ROUND_BYTES = ROOT / "benchmarks" / "results" / "elastic_round_bytes.json"
 CHAOS = ROOT / "benchmarks" / "results" / "elastic_chaos.json"
 MODEL_PARALLEL = ROOT / "benchmarks" / "results" / "elastic_model_parallel.json"
+UNEQUAL = ROOT / "benchmarks" / "results" / "elastic_unequal.json"
 _spec = importlib.util.spec_from_file_location(
   "elastic_launch", ROOT / "examples" / "elastic_launch.py"
 )
@@ -356,6 +369,95 @@ def model_parallel_memory(width: int = 2048, layers: int = 4) -> dict:
   return out
 
 
+def unequal_run(speeds: str, extra: tuple, seconds: float, kill: bool) -> dict:
+  """One run of ``--unequal``: the example for ``seconds`` of training,
+  then every island stops after its next round."""
+  with tempfile.TemporaryDirectory() as out:
+    with launch.Islands(
+      out,
+      num_processes=N,
+      steps=10**6,
+      sync_period=32,
+      step_seconds=speeds,
+      env={"ELASTIC_EXAMPLE_STOP": str(Path(out) / "stop")},
+      extra=extra,
+    ) as islands:
+      islands.start_all()
+      if not islands.wait_for_step(0, 1, 120):
+        raise RuntimeError(islands.log(0)[-3000:])
+      start = time.time()
+      if kill:
+        time.sleep(seconds / 2)
+        islands.kill(N - 1)
+        time.sleep(3.0)
+        islands.start(N - 1)
+        time.sleep(max(0.0, start + seconds - time.time()))
+      else:
+        time.sleep(seconds)
+      (Path(out) / "stop").write_text("now")
+      codes = islands.wait(180)
+      rows = islands.rows(0)
+      goodput = {}
+      for path in sorted(Path(out).glob("steps.*")):
+        island = int(path.name.split(".")[1])
+        d = json.loads(path.read_text())
+        goodput.setdefault(island, []).append(d)
+  return {
+    "exit_codes": {str(i): c for i, c in sorted(codes.items())},
+    "rounds": rows[-1]["round"] if rows else 0,
+    "final_loss": rows[-1]["loss"] if rows else None,
+    "goodput": {
+      str(i): sum(d["inner_seconds"] for d in ds)
+      / max(sum(d["seconds"] for d in ds), 1e-9)
+      for i, ds in sorted(goodput.items())
+    },
+    "inner_steps": {
+      str(i): sum(d["steps"] for d in ds) for i, ds in sorted(goodput.items())
+    },
+  }
+
+
+def unequal(seconds: float) -> dict:
+  """Every run of ``--unequal``."""
+  setups = {
+    "on the clock (4 s)": ("0.03,0.06,0.12", ("--round-seconds", "4")),
+    "every 32 steps": ("0.03,0.06,0.12", ()),
+    "equal islands, every 32 steps": ("0.03,0.03,0.03", ()),
+  }
+  out = {"seconds": seconds, "speeds_s": [0.03, 0.06, 0.12], "runs": {}}
+  for name, (speeds, extra) in setups.items():
+    for kill in (False, True):
+      label = name + (", slowest killed and back" if kill else "")
+      result = unequal_run(speeds, extra, seconds, kill)
+      out["runs"][label] = result
+      gp = ", ".join(f"{v:.0%}" for v in result["goodput"].values())
+      print(
+        f"| {label} | {gp} | {result['rounds']} |"
+        f" {result['final_loss']:.5f} | {result['exit_codes']} |",
+        flush=True,
+      )
+  return out
+
+
+def _save(path: Path, started, result: dict) -> None:
+  """A results file: the command, when it started, the commit, ``result``."""
+  path.write_text(
+    json.dumps(
+      {
+        "command": " ".join(
+          ["python -m benchmarks.perf.elastic", *sys.argv[1:]]
+        ),
+        "started_utc": started.isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        **result,
+      },
+      indent=1,
+      default=str,
+    )
+    + "\n"
+  )
+
+
 def _git_commit() -> str:
   """The checkout's short commit (``_report``'s), recorded with the numbers."""
   from benchmarks import _report  # noqa: PLC0415
@@ -372,12 +474,21 @@ def main() -> None:
   )
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--model-parallel-memory", action="store_true")
+  ap.add_argument("--unequal", action="store_true")
+  ap.add_argument("--seconds", type=float, default=40.0)
   ap.add_argument(
     "--round-bytes",
     action="store_true",
     help="only the bytes one island sends per plain round at 2, 4, 8 islands",
   )
   args = ap.parse_args()
+  if args.unequal:
+    started = datetime.datetime.now(datetime.timezone.utc)
+    print("| run | goodput per island | rounds | final loss | exit codes |")
+    print("|---|---|---:|---:|---|")
+    result = unequal(args.seconds)
+    _save(UNEQUAL, started, result)
+    return
   if args.model_parallel_memory:
     started = datetime.datetime.now(datetime.timezone.utc)
     result = model_parallel_memory()
@@ -392,38 +503,12 @@ def main() -> None:
         f" {r['plain_round_rows_bytes_per_device']:,} |"
         f" {r['healing_row_bytes_per_device']:,} |"
       )
-    MODEL_PARALLEL.write_text(
-      json.dumps(
-        {
-          "command": " ".join(
-            ["python -m benchmarks.perf.elastic", *sys.argv[1:]]
-          ),
-          "started_utc": started.isoformat(timespec="seconds"),
-          "commit": _git_commit(),
-          **result,
-        },
-        indent=1,
-      )
-      + "\n"
-    )
+    _save(MODEL_PARALLEL, started, result)
     return
   if args.chaos is not None:
     started = datetime.datetime.now(datetime.timezone.utc)
     result = chaos(args.chaos, args.seed)
-    CHAOS.write_text(
-      json.dumps(
-        {
-          "command": " ".join(
-            ["python -m benchmarks.perf.elastic", *sys.argv[1:]]
-          ),
-          "started_utc": started.isoformat(timespec="seconds"),
-          "commit": _git_commit(),
-          **result,
-        },
-        indent=1,
-      )
-      + "\n"
-    )
+    _save(CHAOS, started, result)
     return
   if args.round_bytes:
     measured = round_bytes()
@@ -472,21 +557,7 @@ def main() -> None:
         else f"| inside a round | {s} | {r['failed_after_s']:.2f} |"
         f" {r['committed_without_it_after_s']:.2f} | {r['why'][:70]} |"
       )
-  RESULTS.write_text(
-    json.dumps(
-      {
-        "command": " ".join(
-          ["python -m benchmarks.perf.elastic", *sys.argv[1:]]
-        ),
-        "started_utc": started.isoformat(timespec="seconds"),
-        "commit": _git_commit(),
-        "round_costs": costs,
-        "detection": runs,
-      },
-      indent=1,
-      default=str,
-    )
-  )
+  _save(RESULTS, started, {"round_costs": costs, "detection": runs})
   print(f"\nsaved {RESULTS.relative_to(ROOT)}")
 
 
