@@ -449,6 +449,47 @@ def render_elastic_round_bytes(data: Sequence[dict]) -> str:
 
 
 MODEL_PARALLEL = "benchmarks/results/elastic_model_parallel.json"
+UNEQUAL = "benchmarks/results/elastic_unequal.json"
+
+
+def render_elastic_unequal(data: Sequence[dict]) -> str:
+  """docs/elastic.md: islands of unequal speed, clock vs steps."""
+  (d,) = data
+  speeds = "/".join(f"{v:g}" for v in d["speeds_s"])
+  rows = [
+    [
+      label,
+      ", ".join(f"{v:.0%}" for v in r["goodput"].values()),
+      ", ".join(f"{v:,}" for v in r["inner_steps"].values()),
+      r["rounds"],
+      f"{r['final_loss']:.5f}",
+      ", ".join(sorted({str(c) for c in r["exit_codes"].values()})),
+    ]
+    for label, r in d["runs"].items()
+  ]
+  return (
+    top_provenance(
+      d,
+      UNEQUAL,
+      f"; 3 islands x 2 CPU devices, {speeds} s per inner step (equal"
+      f" islands: the fastest's), {d['seconds']:g} s of training each",
+    )
+    + "\n\n"
+    + table(
+      [
+        "run",
+        "goodput per island",
+        "inner steps per island",
+        "rounds",
+        "center's held-out loss at the end",
+        "exit codes",
+      ],
+      rows,
+      "lllrrl",
+    )
+  )
+
+
 CHAOS = "benchmarks/results/elastic_chaos.json"
 
 
@@ -1065,6 +1106,12 @@ BLOCKS = (
     ("docs/elastic.md",),
   ),
   Block("elastic-chaos", (CHAOS,), render_elastic_chaos, ("docs/elastic.md",)),
+  Block(
+    "elastic-unequal",
+    (UNEQUAL,),
+    render_elastic_unequal,
+    ("docs/elastic.md",),
+  ),
   Block(
     "accelerator",
     (ACCELERATOR,),
