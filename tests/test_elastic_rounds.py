@@ -1202,3 +1202,25 @@ def test_a_plain_round_sends_a_ring_all_reduces_bytes(islands):
   assert traffic.per_step <= 2 * (n - 1) / n * payload + (n - 1) * (
     HEADER_BYTES + 8 * 2
   )
+
+
+@pytest.mark.parametrize(
+  ("seconds", "work", "fragments", "error", "names"),
+  [
+    (0, 1, 1, ValueError, ["round_seconds=0", "> 0"]),
+    ("5", 1, 1, TypeError, ["round_seconds='5'", "seconds"]),
+    (5.0, 0, 1, ValueError, ["work_per_step=0", ">= 1"]),
+    (5.0, 1, 2, ValueError, ["num_fragments", "round_seconds"]),
+  ],
+)
+def test_rounds_on_the_clock_refuse_what_they_cannot_run(
+  seconds, work, fragments, error, names
+):
+  """Issue 42: a bad deadline or weight, and Streaming DiLoCo's fragments
+  (which have no deadlines of their own), are refused with the fix."""
+  tx = _diloco(optax.adam(1e-2), "i", sync_period=4, num_fragments=fragments)
+  engine = split.engine_of(tx, "test")
+  with pytest.raises(error) as e:
+    island_mod._check_round_seconds(seconds, work, engine)
+  for name in names:
+    assert name in str(e.value), str(e.value)
