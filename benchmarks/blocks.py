@@ -346,6 +346,115 @@ def _ranges(numbers: Sequence[int]) -> str:
   )
 
 
+# benchmarks/README.md section 8a: (what the rows isolate, the method's
+# words, section 8's labels); a row of several labels joins each cell's
+# values with " / ".
+WHAT_BREAKS = (
+  (
+    "the wire alone, every step",
+    "`cross_shard_mean` int8 + EF",
+    ("chain(cross_shard_mean(int8+EF), adamw)",),
+  ),
+  (
+    "a sparse wire every step (DeMo's density)",
+    "`cross_shard_mean` top-k 32/4096 + EF",
+    ("chain(cross_shard_mean(topk 32/4096 2-bit+EF decay 1), adamw)",),
+  ),
+  ("local steps alone", "`local_sgd` H = 2", ("local_sgd(adamw, H=2)",)),
+  (
+    "",
+    "`local_sgd` H = 4 / 8 / 16",
+    (
+      "local_sgd(adamw, H=4)",
+      "local_sgd(adamw, H=8)",
+      "local_sgd(adamw, H=16)",
+    ),
+  ),
+  (
+    "DiLoCo's new default vs the paper's",
+    "`diloco` H = 16, Nesterov 0.8 / 0.2",
+    ("diloco(adamw, H=16)",),
+  ),
+  (
+    "",
+    "`diloco` H = 16, the paper's 0.7 / 0.9",
+    ("diloco(adamw, H=16, paper outer 0.7/0.9)",),
+  ),
+  (
+    "SparseLoCo (top-k 64/4096 outer gradient + EF, outer `sgd(1)`)",
+    "`diloco` H = 2 / 4 / 16",
+    tuple(
+      f"diloco(adamw, H={h}, topk 64/4096 2-bit+EF, outer sgd(1))"
+      for h in (2, 4, 16)
+    ),
+  ),
+  ("MuLoCo (Muon inside)", "Muon's own sync", ("cross_shard(muon) [sync]",)),
+  (
+    "",
+    "`diloco(muon)` H = 16 / 64",
+    ("diloco(muon, H=16)", "diloco(muon, H=64)"),
+  ),
+  (
+    "best at ≥ 100x fewer bytes",
+    "`local_sgd` H = 16, int4 + EF",
+    ("local_sgd(adamw, H=16, int4+EF)",),
+  ),
+)
+
+
+def render_lm_what_breaks(data: Sequence[dict]) -> str:
+  """benchmarks/README.md section 8a: chosen rows of section 8, grouped by
+  what they isolate."""
+  (results,) = data
+  section = results["sections"]["quality_per_byte"]
+  d = section["data"]
+  final = section["table"]["columns"].index("final val bits/byte")
+  by_label = {row[0]: row for row in section["table"]["rows"]}
+  sync_bytes = d["methods"][LM_SYNC]["total_bytes"]
+
+  def joined(labels, cell) -> str:
+    return " / ".join(cell(label) for label in labels)
+
+  def sent(labels) -> str:
+    mb = joined(
+      labels, lambda k: f"{d['methods'][k]['total_bytes'] / 1e6:,.1f}"
+    )
+    of_sync = joined(
+      labels, lambda k: fraction(sync_bytes / d["methods"][k]["total_bytes"])
+    )
+    return f"{mb} ({of_sync})"
+
+  rows = [
+    [
+      what,
+      words,
+      sent(labels),
+      by_label[labels[0]][final]
+      if len(labels) == 1
+      else joined(labels, lambda k: f"{d['methods'][k]['final_mean']:.3f}"),
+      joined(
+        labels, lambda k: f"{d['verdicts'][k]['relative_delta_vs_sync']:+.1%}"
+      ),
+    ]
+    for what, words, labels in WHAT_BREAKS
+  ]
+  return (
+    section_provenance(results, "quality_per_byte", LATEST)
+    + "\n\n"
+    + table(
+      [
+        "what it isolates",
+        "method",
+        "MB sent (vs sync)",
+        "final val bits/byte",
+        "Δ vs sync",
+      ],
+      rows,
+      "llrrr",
+    )
+  )
+
+
 # ---------------------------------------------------------------- elastic
 
 ELASTIC = "benchmarks/results/elastic.json"
@@ -908,6 +1017,179 @@ def render_outer_digits(data: Sequence[dict]) -> str:
   )
 
 
+OUTER_SWEEP = "benchmarks/results/outer_sweep.json"
+OUTER_BATCH = (
+  "benchmarks/results/outer_sweep_batch4.json",
+  "benchmarks/results/outer_sweep_batch16.json",
+)
+# benchmarks.studies.outer_sweep's defaults (batch and end fraction: section
+# 8's FULL config), for a file that does not record its command.
+OUTER_SWEEP_DEFAULTS = {
+  "steps": 384,
+  "seeds": 1,
+  "periods": "16,64",
+  "outer": "0.7,0.9;0.7,0.5;1,0.5;1,0",
+  "batch_per_replica": 4,
+  "end_fraction": 0.0,
+}
+_SWEEP_RUN = re.compile(r"diloco H=(\d+), outer lr ([\d.]+) momentum ([\d.]+)")
+SWEEP_SYNC = "sync cross_shard(adamw)"
+
+
+def _sweep_runs(d: dict) -> dict[str, tuple[int, float, float]]:
+  """Each DiLoCo run of an outer_sweep file: label -> (H, outer lr, momentum)."""
+  out = {}
+  for label in d["runs"]:
+    m = _SWEEP_RUN.fullmatch(label)
+    if m:
+      out[label] = (int(m.group(1)), float(m.group(2)), float(m.group(3)))
+  return out
+
+
+def outer_sweep_command(d: dict, source: str) -> str:
+  """The file's command, or (an older file) the command its settings give:
+  flags only where they differ from the defaults, ``--name`` from the file."""
+  if d.get("command"):
+    return d["command"]
+  runs = _sweep_runs(d).values()
+  config = d["config"]
+  given = {
+    "steps": config["steps"],
+    "seeds": d["seeds"],
+    "periods": ",".join(dict.fromkeys(str(h) for h, _, _ in runs)),
+    "outer": ";".join(dict.fromkeys(f"{lr:g},{m:g}" for _, lr, m in runs)),
+    "batch_per_replica": config["batch_per_replica"],
+    "end_fraction": config["end_fraction"],
+  }
+  parts = ["python -m benchmarks.studies.outer_sweep"]
+  for key, value in given.items():
+    if value != OUTER_SWEEP_DEFAULTS[key]:
+      text = (
+        f'"{value}"'
+        if key == "outer"
+        else value
+        if isinstance(value, str)
+        else f"{value:g}"
+      )
+      parts.append(f"--{key.replace('_', '-')} {text}")
+  name = Path(source).stem
+  if name != "outer_sweep":
+    parts.append(f"--name {name}")
+  return " ".join(parts)
+
+
+def _sweep_provenance(
+  sources: Sequence[str], data: Sequence[dict], extra: str = ""
+) -> str:
+  """:func:`provenance` of each outer_sweep file, in one line."""
+  parts = [
+    provenance(
+      s,
+      command=outer_sweep_command(d, s),
+      date=d.get("date"),
+      commit=d.get("commit"),
+      extra=""
+      if d.get("command")
+      else " (the command rebuilt from its settings)",
+    )[1:-2]  # without the italics' underscores and the full stop
+    for s, d in zip(sources, data, strict=True)
+  ]
+  return "_" + "; ".join(parts) + f"{extra}._"
+
+
+def _outer_words(lr: float, momentum: float) -> str:
+  words = f"outer lr {lr:.1f}, momentum {momentum:g}"
+  if (lr, momentum) == (0.7, 0.9):
+    return words + " (the paper's)"
+  if (lr, momentum) == (1.0, 0.0):
+    return words + " (plain averaging, `local_sgd`)"
+  return words
+
+
+def render_outer_sweep(data: Sequence[dict]) -> str:
+  """benchmarks/README.md section 8b: each outer step against sync."""
+  (d,) = data
+  sync = d["runs"][SWEEP_SYNC]["final_mean"]
+
+  def cells(label: str) -> list[str]:
+    r = d["runs"][label]
+    spread = f" ± {r['final_std']:.3f}" if d["seeds"] > 1 else ""
+    delta = "-" if label == SWEEP_SYNC else f"{r['final_mean'] / sync - 1:+.1%}"
+    return [f"{r['final_mean']:.3f}{spread}", delta]
+
+  rows = [["sync `cross_shard(adamw)`", *cells(SWEEP_SYNC)]] + [
+    [f"`diloco` H = {h}, {_outer_words(lr, m)}", *cells(label)]
+    for label, (h, lr, m) in _sweep_runs(d).items()
+  ]
+  first = d.get("first_seed", 0)
+  seeds = ", ".join(str(first + i) for i in range(d["seeds"]))
+  return (
+    _sweep_provenance(
+      [OUTER_SWEEP],
+      data,
+      f"; {d['config']['steps']} steps, outer steps Nesterov SGD, mean ± std"
+      f" over seeds {seeds}",
+    )
+    + "\n\n"
+    + table(["method", "final val bits/byte", "Δ vs sync"], rows, "lrr")
+  )
+
+
+def render_outer_batch(data: Sequence[dict]) -> str:
+  """benchmarks/README.md section 8b: the same sweep at two local batches,
+  one file per batch; a column per outer step."""
+  finals = [
+    {
+      (lr, m): d["runs"][k]["final_mean"]
+      for k, (_, lr, m) in _sweep_runs(d).items()
+    }
+    for d in data
+  ]
+  outer = list(dict.fromkeys(s for f in finals for s in f))
+  rows = []
+  for d, by_outer in zip(data, finals, strict=True):
+    sync = d["runs"][SWEEP_SYNC]["final_mean"]
+    batch = d["config"]["batch_per_replica"]
+    default = batch == OUTER_SWEEP_DEFAULTS["batch_per_replica"]
+    rows.append(
+      [f"{batch} (section 8's)" if default else str(batch), f"{sync:.3f}"]
+      + [f"{by_outer[s]:.3f} ({by_outer[s] / sync - 1:+.1%})" for s in outer]
+    )
+  columns = [
+    "plain averaging (1.0 / 0)"
+    if s == (1.0, 0.0)
+    else f"`diloco` {s[0]:g} / {s[1]:g}"
+    for s in outer
+  ]
+  return (
+    _sweep_provenance(OUTER_BATCH, data)
+    + "\n\n"
+    + table(["windows per replica per step", "sync", *columns], rows, "lrrr")
+  )
+
+
+# ------------------------------------------------ quantized wire on digits
+
+QUANTIZED_QUALITY = "benchmarks/results/quantized_quality.json"
+
+
+def render_quantized_quality(data: Sequence[dict]) -> str:
+  """benchmarks/README.md section 10b: the study's own table (its rows as
+  :mod:`benchmarks.studies.quantized_quality` formatted them from ``data``)."""
+  (d,) = data
+  seeds = d["seeds"]
+  return (
+    top_provenance(
+      d,
+      QUANTIZED_QUALITY,
+      f"; {d['replicas']} replicas, {d['steps']} steps, mean ± std over"
+      f" {len(seeds)} seeds ({', '.join(map(str, seeds))})",
+    )
+    + "\n\n"
+    + table(d["table"]["columns"], d["table"]["rows"])
+  )
+
+
 # ----------------------------------------------------------- accelerator
 
 ACCELERATOR = "benchmarks/results/accelerator_h100.json"
@@ -1126,6 +1408,30 @@ BLOCKS = (
   ),
   Block(
     "outer-digits", (OUTER_DIGITS,), render_outer_digits, ("docs/diloco.md",)
+  ),
+  Block(
+    "lm-what-breaks",
+    (LATEST,),
+    render_lm_what_breaks,
+    ("benchmarks/README.md",),
+  ),
+  Block(
+    "outer-sweep",
+    (OUTER_SWEEP,),
+    render_outer_sweep,
+    ("benchmarks/README.md",),
+  ),
+  Block(
+    "outer-batch",
+    OUTER_BATCH,
+    render_outer_batch,
+    ("benchmarks/README.md",),
+  ),
+  Block(
+    "quantized-quality",
+    (QUANTIZED_QUALITY,),
+    render_quantized_quality,
+    ("benchmarks/README.md",),
   ),
 )
 

@@ -171,3 +171,30 @@ def test_the_check_covers_the_report_of_latest_json(tmp_path):
   assert blocks.run(root, write=True) == []
   assert blocks.check(root) == []
   assert "a hand edit" not in page.read_text()
+
+
+def test_an_outer_sweep_file_without_its_command_gets_it_rebuilt():
+  """Older outer_sweep files record no command: the block rebuilds it from
+  their settings (flags only where they differ from the defaults, --name
+  from the file), and a recorded command wins."""
+  (sweep,) = BY_NAME["outer-sweep"].load()
+  assert blocks.outer_sweep_command(sweep, blocks.OUTER_SWEEP) == (
+    "python -m benchmarks.studies.outer_sweep --seeds 2 --end-fraction 0.1"
+  )
+  batch4, batch16 = BY_NAME["outer-batch"].load()
+  assert blocks.outer_sweep_command(batch16, blocks.OUTER_BATCH[1]) == (
+    "python -m benchmarks.studies.outer_sweep --periods 16"
+    ' --outer "0.7,0.9;1,0" --batch-per-replica 16 --name outer_sweep_batch16'
+  )
+  recorded = dict(batch4, command="python -m benchmarks.studies.outer_sweep X")
+  assert blocks.outer_sweep_command(recorded, "any") == recorded["command"]
+
+
+def test_the_outer_sweep_table_reads_each_run():
+  block = BY_NAME["outer-sweep"]
+  (data,) = block.load()
+  changed = copy.deepcopy(data)
+  plain = changed["runs"]["diloco H=64, outer lr 1.0 momentum 0.0"]
+  plain["final_mean"] = 9.876
+  assert "| 9.876 ± 0.035 |" in block.text([changed])
+  assert "9.876" not in block.text([data])
