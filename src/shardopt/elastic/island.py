@@ -325,7 +325,8 @@ class Island:
 
     It keeps the center, the outer state and the counters, so islands that
     return after every one of them died resume from the last committed
-    round (:mod:`.coordinator` says how it learns when to take part).
+    round (``shardopt/elastic/coordinator.py`` says how it learns when to
+    take part).
 
     Args:
       params: the initial params (the center every island starts from).
