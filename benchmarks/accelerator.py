@@ -685,22 +685,33 @@ def table(name: str, section: dict) -> list[str]:
     text = row.get("error") or row.get("unsupported") or row.get("skipped")
     return _short(text) if text else None
 
-  if name == "transforms":
-    cells = [
+  def measured(
+    cells, width: int, ready: str | None = None, fallback: str = ""
+  ) -> list:
+    """``name, *cells(r)`` (``width`` cells) per row; dashes and what went
+    wrong where the row has a problem or lacks ``ready``."""
+    rows_in = section["rows"]
+    return [
       [k]
       + (
-        ["-", "-", "-", "-", problem(r)]
-        if problem(r)
-        else [
-          f"{r['max_abs_diff']:.2e}",
-          f"{r['moved']:.3g}",
-          f"{r['replica_spread']:.2e}",
-          f"{r['seconds']:.1f}",
-          "",
-        ]
+        ["-"] * (width - 1) + [problem(r) or fallback]
+        if problem(r) or (ready is not None and ready not in r)
+        else cells(r)
       )
-      for k, r in section["rows"].items()
+      for k, r in rows_in.items()
     ]
+
+  if name == "transforms":
+    cells = measured(
+      lambda r: [
+        f"{r['max_abs_diff']:.2e}",
+        f"{r['moved']:.3g}",
+        f"{r['replica_spread']:.2e}",
+        f"{r['seconds']:.1f}",
+        "",
+      ],
+      5,
+    )
     lines += rows(
       ["transform", "max_abs_diff vs cpu", "moved", "replica spread", "s", ""],
       cells,
@@ -718,36 +729,30 @@ def table(name: str, section: dict) -> list[str]:
       if "seconds" in model
       else f"  model step: {_short(model.get('error') or model.get('skipped'))}"
     )
-    cells = [
-      [k]
-      + (
-        ["-", "-", "-", problem(r) or "not timed"]
-        if problem(r) or "gbps" not in r
-        else [
-          f"{r['gbps']:.2f}",
-          f"{r['ratio_to_copy']:.3f}",
-          _fmt(r.get("share_of_step"), ".2%"),
-          "",
-        ]
-      )
-      for k, r in section["rows"].items()
-    ]
+    cells = measured(
+      lambda r: [
+        f"{r['gbps']:.2f}",
+        f"{r['ratio_to_copy']:.3f}",
+        _fmt(r.get("share_of_step"), ".2%"),
+        "",
+      ],
+      4,
+      "gbps",
+      "not timed",
+    )
     lines += rows(["wire", "gbps", "vs copy", "share of step", ""], cells)
   elif name == "overhead":
-    cells = [
-      [k]
-      + (
-        ["-", "-", "-", problem(r) or "not timed"]
-        if problem(r) or "ratio" not in r
-        else [
-          f"{r['seconds'] * 1e3:.3f}",
-          f"{r['ratio']:.3f}",
-          f"{r.get('copied_bytes', 0) / 2**20:.1f}",
-          "",
-        ]
-      )
-      for k, r in section["rows"].items()
-    ]
+    cells = measured(
+      lambda r: [
+        f"{r['seconds'] * 1e3:.3f}",
+        f"{r['ratio']:.3f}",
+        f"{r.get('copied_bytes', 0) / 2**20:.1f}",
+        "",
+      ],
+      4,
+      "ratio",
+      "not timed",
+    )
     lines += rows(["step", "ms", "vs optax adam", "MiB copied", ""], cells)
   elif name == "frontier":
     c = section.get("config", {})
@@ -755,25 +760,20 @@ def table(name: str, section: dict) -> list[str]:
       f"  {section.get('params', 0):,} params, {c.get('steps')} steps,"
       f" {R} vmap replicas"
     )
-    cells = [
-      [k]
-      + (
-        ["-", "-", "-", problem(r)]
-        if problem(r)
-        else [
-          f"{r['val_bits_per_byte']:.3f}",
-          _fmt(
-            None
-            if r["bytes_per_replica"] is None
-            else r["bytes_per_replica"] / 1e6,
-            ",.3f",
-          ),
-          f"{r['seconds']:.0f}",
-          _short(r.get("bytes_error", "")),
-        ]
-      )
-      for k, r in section["rows"].items()
-    ]
+    cells = measured(
+      lambda r: [
+        f"{r['val_bits_per_byte']:.3f}",
+        _fmt(
+          None
+          if r["bytes_per_replica"] is None
+          else r["bytes_per_replica"] / 1e6,
+          ",.3f",
+        ),
+        f"{r['seconds']:.0f}",
+        _short(r.get("bytes_error", "")),
+      ],
+      4,
+    )
     lines += rows(["method", "val bits/byte", "MB per replica", "s", ""], cells)
   if section.get("skipped"):
     lines.append(f"  skipped (no time left): {section['skipped']}")

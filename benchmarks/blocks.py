@@ -1263,40 +1263,44 @@ def _table_with_notes(columns, rows, align) -> str:
   return table(columns[:-1], [row[:-1] for row in rows], align[:-1])
 
 
+def _measured_rows(rows: dict, key: str, cells, width: int, why) -> list:
+  """Table rows ``name, *cells(r), ""`` (``width`` cells) for the rows that
+  hold ``key``; dashes and ``why(r)`` for the others (failed, skipped,
+  unsupported)."""
+  return [
+    [f"`{k}`"] + (cells(r) + [""] if key in r else ["-"] * width + [why(r)])
+    for k, r in rows.items()
+  ]
+
+
 def render_accelerator(data: Sequence[dict]) -> str:
   """The accelerator command's transforms, wires and overhead sections."""
   (d,) = data
   sec = d["sections"]
   t = sec["transforms"]
-  transforms = [
-    [f"`{k}`"]
-    + (
-      ["-", "-", "-", _first_line(r.get("error") or r["unsupported"])]
-      if "max_abs_diff" not in r
-      else [
-        f"{r['max_abs_diff']:.2e}",
-        f"{r['moved']:.3g}",
-        f"{r['replica_spread']:.2e}",
-        "",
-      ]
-    )
-    for k, r in t["rows"].items()
-  ]
+  transforms = _measured_rows(
+    t["rows"],
+    "max_abs_diff",
+    lambda r: [
+      f"{r['max_abs_diff']:.2e}",
+      f"{r['moved']:.3g}",
+      f"{r['replica_spread']:.2e}",
+    ],
+    3,
+    lambda r: _first_line(r.get("error") or r["unsupported"]),
+  )
   w = sec["wires"]
-  wires = [
-    [f"`{k}`"]
-    + (
-      ["-", "-", "-", r.get("error") or r.get("skipped", "")]
-      if "gbps" not in r
-      else [
-        f"{r['gbps']:,.0f}",
-        f"{r['ratio_to_copy']:.2f}",
-        f"{r['share_of_step']:.1%}",
-        "",
-      ]
-    )
-    for k, r in w["rows"].items()
-  ]
+  wires = _measured_rows(
+    w["rows"],
+    "gbps",
+    lambda r: [
+      f"{r['gbps']:,.0f}",
+      f"{r['ratio_to_copy']:.2f}",
+      f"{r['share_of_step']:.1%}",
+    ],
+    3,
+    lambda r: r.get("error") or r.get("skipped", ""),
+  )
   o = sec["overhead"]
   overhead = [
     [f"`{k}`", f"{r['seconds'] * 1e3:.3f}", f"{r['ratio']:.2f}"]

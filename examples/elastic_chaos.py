@@ -34,6 +34,18 @@ from pathlib import Path
 ALL_AT_ONCE = 0.1  # the share of kills that take every island down
 
 
+def environment(out) -> dict:
+  """The islands' environment for a chaos run writing to ``out``: the stop
+  file :func:`run` writes at the end, and 4 devices per process (4^m m!
+  device orders per membership of m processes; each membership and each
+  failed attempt uses one up)."""
+  return {
+    "ELASTIC_EXAMPLE_STOP": str(Path(out) / "stop"),
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=4"
+    " --xla_cpu_collective_timeout_seconds=10",
+  }
+
+
 def run(
   islands,
   *,
@@ -82,7 +94,7 @@ def run(
   for _, i in sorted(restarts):  # every island back, then to the end
     islands.start(i)
   _wait_until_trained(islands, everyone, timeout_s)
-  (islands.out / "stop").write_text("now")
+  Path(environment(islands.out)["ELASTIC_EXAMPLE_STOP"]).write_text("now")
   codes = islands.wait(timeout_s)
   return report(islands, kills, codes)
 

@@ -231,13 +231,7 @@ def _chaos(args, extra) -> None:
     extra = [*extra, "--dedicated-coordinator"]
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  env = {
-    "ELASTIC_EXAMPLE_STOP": str(out / "stop"),
-    # 4 devices per process: 4^m m! device orders per membership of m
-    # processes (each failed attempt and each membership uses one up).
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=4"
-    " --xla_cpu_collective_timeout_seconds=10",
-  }
+  env = elastic_chaos.environment(out)
   with Islands(
     out,
     num_processes=args.num_processes,

@@ -689,11 +689,7 @@ def test_a_chaos_run_of_20_kills_loses_no_round(tmp_path):
   center (the 100-kill figures: ``python -m benchmarks.perf.elastic
   --chaos``, docs/elastic.md)."""
   chaos = _load("elastic_chaos")
-  env = {
-    "ELASTIC_EXAMPLE_STOP": str(tmp_path / "stop"),
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=4"
-    " --xla_cpu_collective_timeout_seconds=10",
-  }
+  env = chaos.environment(tmp_path)
   with launch.Islands(
     tmp_path,
     num_processes=4,

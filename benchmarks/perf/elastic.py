@@ -282,11 +282,7 @@ def chaos(kills: int, seed: int) -> dict:
       steps=10**6,
       sync_period=H,
       step_seconds=settings["step_seconds"],
-      env={
-        "ELASTIC_EXAMPLE_STOP": str(Path(out) / "stop"),
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4"
-        " --xla_cpu_collective_timeout_seconds=10",
-      },
+      env=module.environment(out),
       extra=("--dedicated-coordinator",),
     ) as islands:
       start = time.time()

@@ -80,24 +80,15 @@ class Cliques:
       return self._known[key]
     islands = by_process(live)
     by_id = {d.id: d for d in live}
-    if me == 0:
-      for order in candidates(islands):
-        ids = tuple(d.id for d in order)
-        if ids not in self._used:
-          break
-      else:
-        raise RuntimeError(
-          "shardopt.elastic: every device order of the live islands"
-          f" {sorted(islands)} has been used by an earlier membership, so no"
-          " fresh gloo clique is left for this one (CPU collectives key"
-          " their communicators by the ordered device list). Restart the"
-          " job, or give each island more local devices."
-        )
-      self._store.set(key, ",".join(map(str, ids)))
-    else:
-      value = self._store.get(key, self._timeout_s)
-      ids = tuple(int(i) for i in value.split(","))
-    self._used.add(ids)
+    ids = self._agree(
+      key,
+      me,
+      (tuple(d.id for d in order) for order in candidates(islands)),
+      lambda ids: [ids],
+      f"every device order of the live islands {sorted(islands)} has been"
+      " used by an earlier membership",
+      " Restart the job, or give each island more local devices.",
+    )
     order = [by_id[i] for i in ids]
     self._known[key] = order
     return order
@@ -126,23 +117,37 @@ class Cliques:
       width = len(rows[order[0]])
       return [tuple(rows[i][p].id for i in order) for p in range(width)]
 
-    if me == 0:
-      for order in itertools.permutations(sorted(rows)):
-        if not self._used.intersection(columns(order)):
-          break
-      else:
-        raise RuntimeError(
-          "shardopt.elastic: every order of the live islands"
-          f" {sorted(rows)} has been used by an earlier membership of this"
-          " model-parallel job, so no fresh gloo clique is left for this one"
-          " (CPU collectives key their communicators by the ordered device"
-          " list). Restart the job."
-        )
-      self._store.set(key, ",".join(map(str, order)))
-    else:
-      value = self._store.get(key, self._timeout_s)
-      order = tuple(int(i) for i in value.split(","))
-    self._used.update(columns(order))
+    order = self._agree(
+      key,
+      me,
+      itertools.permutations(sorted(rows)),
+      columns,
+      f"every order of the live islands {sorted(rows)} has been used by an"
+      " earlier membership of this model-parallel job",
+      " Restart the job.",
+    )
     matrix = [rows[i] for i in order]
     self._known[key] = matrix
     return matrix
+
+  def _agree(self, key, me, choices, cliques_of, exhausted, fix) -> tuple:
+    """The choice every process uses under ``key``: process 0 takes the
+    first of ``choices`` (tuples of ints) whose gloo cliques
+    (``cliques_of(choice)``: device id tuples) the job never used and
+    publishes it; the others read it. Its cliques are used from now on."""
+    if me == 0:
+      for choice in choices:
+        if not self._used.intersection(cliques_of(choice)):
+          break
+      else:
+        raise RuntimeError(
+          f"shardopt.elastic: {exhausted}, so no fresh gloo clique is left"
+          " for this one (CPU collectives key their communicators by the"
+          f" ordered device list).{fix}"
+        )
+      self._store.set(key, ",".join(map(str, choice)))
+    else:
+      value = self._store.get(key, self._timeout_s)
+      choice = tuple(int(i) for i in value.split(","))
+    self._used.update(cliques_of(choice))
+    return choice
