@@ -228,7 +228,7 @@ def main(
   results = {"sections": {}}
   if merge and os.path.exists(json_path):
     with open(json_path) as f:
-      results = json.load(f)
+      results = name_commands(json.load(f))
   command = (
     f"python -m {prog}"
     + (" --quick" if args.quick else "")
@@ -293,6 +293,18 @@ def main(
     print(f"[benchmarks] FAILED sections: {', '.join(failed)}", file=sys.stderr)
     return 1
   return 0
+
+
+def name_commands(results: dict) -> dict:
+  """Records the report's command in the ``ran_on`` of each section that
+  run wrote (its date is the report's) and that does not name its own, so
+  the command survives the next merge, which replaces the report's."""
+  machine = results.get("machine", {})
+  for section in results.get("sections", {}).values():
+    ran = section.get("ran_on", {})
+    if "command" not in ran and ran.get("date_utc") == machine.get("date_utc"):
+      ran["command"] = results.get("command")
+  return results
 
 
 def write_json(filename: str, data, *, quick: bool = False) -> str:

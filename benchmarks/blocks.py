@@ -1190,6 +1190,167 @@ def render_quantized_quality(data: Sequence[dict]) -> str:
   )
 
 
+# ------------------------------------------------------------- digits
+
+CONVERGENCE_SYNC = "cross_shard(adam) [sync]"
+DIGITS_ROWS = {
+  CONVERGENCE_SYNC: "sync `cross_shard(adam)`",
+  "local_sgd(adam, period=8)": "`local_sgd` H = 8",
+  "diloco(adam, H=16)": "`diloco` H = 16",
+}
+
+
+def render_digits_convergence(data: Sequence[dict]) -> str:
+  """docs/diloco.md: DiLoCo on the digits MLP (sections 5 and 5b of the
+  latest report): accuracy per step, and streaming DiLoCo against DiLoCo."""
+  (results,) = data
+  sections = results["sections"]
+  convergence = sections["convergence"]["data"]
+  target = convergence["target"]
+  summary = convergence["summary"]
+  per_step = table(
+    ["method", "all-reduces", "final test accuracy", f"steps to {target:.0%}"],
+    [
+      [
+        words,
+        f"{summary[key]['rounds_total']:,}",
+        f"{summary[key]['final_accuracy']:.3f}"
+        f" ± {summary[key]['final_accuracy_std']:.3f}",
+        "never"
+        if summary[key]["steps_to_target"] is None
+        else f"{summary[key]['steps_to_target']:,}",
+      ]
+      for key, words in DIGITS_ROWS.items()
+    ],
+    "lrrr",
+  )
+  schedules = sections["schedule_convergence"]["table"]
+  column = {name: i for i, name in enumerate(schedules["columns"])}
+  streaming = table(
+    [
+      "method",
+      "mean kB/step",
+      "peak kB/step",
+      "final test accuracy",
+      "final test loss",
+    ],
+    [
+      [
+        f"`{row[column['method']]}`",
+        row[column["mean kB/step"]],
+        row[column["peak kB/step"]],
+        row[column["final test acc (replica mean)"]],
+        row[column["final test loss"]],
+      ]
+      for row in schedules["rows"]
+      if row[column["comparison"]] == "streaming"
+    ],
+    "lrrrr",
+  )
+  verdicts = [
+    note
+    for note in sections["schedule_convergence"]["notes"]
+    if note.startswith("**streaming diloco")
+  ]
+  steps = convergence["total_steps"]
+  seeds = len(convergence["seeds"])
+  return "\n\n".join(
+    [
+      section_provenance(results, "convergence", LATEST),
+      f"{steps:,} steps, 8 replicas, mean ± std over {seeds} seeds:",
+      per_step,
+      section_provenance(results, "schedule_convergence", LATEST),
+      streaming,
+      *(f"- {v}" for v in verdicts),
+    ]
+  )
+
+
+QUANTIZED = "benchmarks/results/quantized.json"
+QUANTIZED_BEFORE = "benchmarks/results/quantized_2026-11-25.json"
+# Section 10's rows: the results file's label -> the table's.
+QUANTIZED_ROWS = {
+  "float32 wire": "float32",
+  "bfloat16 wire": "bfloat16",
+  "int8": "int8",
+  "int8 + error feedback": "int8 + error feedback",
+  "float8_e4m3fn": "float8_e4m3fn",
+  "float8_e4m3fn + error feedback": "float8_e4m3fn + error feedback",
+  "int4": "int4",
+  "int4 + error feedback": "int4 + error feedback",
+  "topk(64) + error feedback": (
+    "`topk(64)` + error feedback (64 of every 4096, 2-bit values)"
+  ),
+  "float32 wire + an error buffer's read and write": (
+    "**floor**: float32 wire + an error buffer's read and write"
+  ),
+}
+
+
+def _pays_off(label: str, row: dict) -> str:
+  """The link speed below which the wire is faster than float32's."""
+  if label.startswith("float32 wire"):
+    return "-"
+  per_second = row.get("break_even_bytes_per_s")
+  return "always" if per_second is None else f"{per_second * 8 / 1e9:.1f} Gb/s"
+
+
+def _times(ratio: float) -> str:
+  """A step-time ratio: ``1.498``, or ``29.5`` from 10 up."""
+  return f"{ratio:.1f}" if ratio >= 10 else f"{ratio:.3f}"
+
+
+def render_quantized(data: Sequence[dict]) -> str:
+  """benchmarks/README.md section 10: each wire's step time over the
+  float32 wire's, beside the run before issue 33's changes."""
+  now, before = data
+  rows = []
+  for label, words in QUANTIZED_ROWS.items():
+    r = now["rows"][label]
+    old = before["rows"].get(label)
+    rows.append(
+      [
+        words,
+        f"{r['bytes_per_replica'] / 1e6:.3g} MB",
+        _times(r["ratio"]),
+        "-" if old is None else _times(old["ratio"]),
+        _pays_off(label, r),
+        r["fusions"],
+        r["sorts"],
+        r["topk_calls"],
+      ]
+    )
+  return (
+    top_provenance(
+      now,
+      QUANTIZED,
+      f"; a {now['params'] / 1e6:.2f}M-parameter MLP, interleaved medians of"
+      f" {now['repeats']}",
+    )
+    + " "  # one paragraph: the block's first line names both files
+    + top_provenance(
+      before,
+      QUANTIZED_BEFORE,
+      f" ({before['saved_from']}): the column 'before'",
+    )
+    + "\n\n"
+    + table(
+      [
+        "wire",
+        "bytes per replica per step",
+        "step time vs float32 wire",
+        f"before ({when(before['date'])})",
+        "pays off on links below",
+        "fusions",
+        "full sorts",
+        "TopK calls",
+      ],
+      rows,
+      "lrrrrrrr",
+    )
+  )
+
+
 # ----------------------------------------------------------- accelerator
 
 ACCELERATOR = "benchmarks/results/accelerator_h100.json"
@@ -1429,6 +1590,18 @@ BLOCKS = (
     "outer-batch",
     OUTER_BATCH,
     render_outer_batch,
+    ("benchmarks/README.md",),
+  ),
+  Block(
+    "digits-convergence",
+    (LATEST,),
+    render_digits_convergence,
+    ("docs/diloco.md",),
+  ),
+  Block(
+    "quantized",
+    (QUANTIZED, QUANTIZED_BEFORE),
+    render_quantized,
     ("benchmarks/README.md",),
   ),
   Block(

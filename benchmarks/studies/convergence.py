@@ -10,11 +10,8 @@ with Adam (lr 1e-3) by
   accumulated gradient is averaged and applied to the center every T steps;
 * ``local_sgd(adam, period=8)``: local Adam steps, params averaged every 8;
 * ``diloco(adam, sync_period=16)``: inner Adam, diloco's default outer step
-  (Nesterov SGD, ``shardopt.periodic.checks.DEFAULT_OUTER``: lr 0.8, momentum
-  0.2 since 2026-11-25) every 16 steps (DiLoCo's H=500 scaled down to this
-  short run). The committed results (``results/latest.json``, run of
-  2026-11-22 04:03 UTC) are from the default before it, lr 0.7, momentum
-  0.9; this section has not been rerun since.
+  (``shardopt.periodic.checks.DEFAULT_OUTER``, named in the section's notes)
+  every 16 steps (DiLoCo's H=500 scaled down to this short run).
 
 Test accuracy is measured every 16 steps (a multiple of every period, so all
 replicas hold the same params) and plotted against steps and against
@@ -162,7 +159,8 @@ def run(quick: bool) -> dict:
     f"{n} replicas, {total_steps} steps of {batch_size} examples per replica,"
     f" MLP {list(SIZES)}, Adam lr {LEARNING_RATE}, mean of {len(seeds)}"
     f" seed(s) (± = std); test set: {test_count} held-out digits. Rounds ="
-    " steps / period (one all-reduce of gradients or params each).",
+    " steps / period (one all-reduce of gradients or params each). DiLoCo's"
+    f" outer step: {harness.default_outer()}.",
     f"Columns: steps/rounds to reach {TARGET:.0%} test accuracy;"
     f" 'acc @ {round_budget} rounds' = accuracy when each method has used"
     f" {round_budget} communication rounds (what agn T=16 uses in the whole"

@@ -29,6 +29,18 @@ def seeds(quick: bool, full: int = 3) -> tuple[int, ...]:
   return (0,) if quick else tuple(range(full))
 
 
+def default_outer() -> str:
+  """``diloco``'s default outer step in words, read from the defaults its
+  signature takes (``shardopt.periodic.checks.DEFAULT_OUTER``)."""
+  from shardopt.periodic import checks
+
+  d = checks.DEFAULT_OUTER
+  kind = "Nesterov SGD" if d["nesterov"] else "SGD with momentum"
+  return (
+    f"{kind} lr {d['outer_learning_rate']:g}, momentum {d['outer_momentum']:g}"
+  )
+
+
 def run_section(name: str, quick: bool, results: dict, out: str) -> dict:
   """Runs section ``name`` of this package and writes its plots."""
   del results  # no study reads another section's numbers

@@ -241,18 +241,6 @@ def measure(
   }
 
 
-def _default_outer() -> str:
-  """``diloco``'s default outer step in words (the defaults its signature
-  takes from ``shardopt.periodic.checks.DEFAULT_OUTER``)."""
-  from shardopt.periodic import checks
-
-  d = checks.DEFAULT_OUTER
-  kind = "Nesterov SGD" if d["nesterov"] else "SGD with momentum"
-  return (
-    f"{kind} lr {d['outer_learning_rate']:g}, momentum {d['outer_momentum']:g}"
-  )
-
-
 def _ratio(sync_bytes: float, bytes_: float) -> str:
   """``"1/24"``: a method's bytes as a fraction of sync's."""
   if not bytes_:
@@ -532,7 +520,7 @@ def report(data: dict, seconds_in_all: float) -> dict:
     f" from 0 to {c['learning_rate']} over {c['warmup_fraction']:.0%} of its"
     f" updates, then cosine decay to {c['learning_rate'] * c['end_fraction']:g} at the last"
     " (optax.warmup_cosine_decay_schedule); DiLoCo's outer step unless its"
-    f" label says otherwise: shardopt's default, {_default_outer()}. Mean"
+    f" label says otherwise: shardopt's default, {harness.default_outer()}. Mean"
     f" ± std over {len(data['seeds'])} seed(s) {data['seeds']}.",
     f"Text: {w['train_files']} train / {w['validation_files']} validation"
     f" files of {w['stdlib']}/*.py (split by CRC-32 of the file name),"

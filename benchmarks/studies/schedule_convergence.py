@@ -368,7 +368,7 @@ def run(quick: bool) -> dict:
   notes = [
     f"{n} replicas, {steps} steps of {BATCH} examples per replica, MLP"
     f" {list(workload.SIZES)}, Adam lr {workload.LEARNING_RATE} inside"
-    f" every method (DiLoCo's outer step: SGD lr 0.7, Nesterov 0.9), mean ±"
+    f" every method (DiLoCo's outer step: {harness.default_outer()}), mean ±"
     f" std (ddof 1) over {len(seeds)} seed(s), the same seeds and data for"
     " every method.",
     f"Accuracy and loss (mean cross-entropy) on the {len(data[3])} held-out"
