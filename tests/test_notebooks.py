@@ -16,6 +16,7 @@ kernel inherits XLA_FLAGS from conftest.py: 8 CPU devices.
 import pathlib
 import signal
 import sys
+import time
 import types
 
 import jupytext
@@ -29,6 +30,15 @@ SOURCES = sorted(
 )
 CELL_TIMEOUT_S = 300
 NOTEBOOK_TIMEOUT_S = 900  # the whole notebook, enforced by the test
+STACKS_WAIT_S = 10  # for the stacks of a kernel that hung, then it is killed
+# Run by the kernel at start (an IPython startup file): on SIGUSR1 it writes
+# every thread's Python stack to a file the test reads. Not to its stderr:
+# ipykernel forwards fd 2 through a thread of its own.
+_STACKS_ON_SIGUSR1 = """
+import faulthandler, os, signal
+_shardopt_stacks = open(os.environ["SHARDOPT_KERNEL_STACKS"], "w")
+faulthandler.register(signal.SIGUSR1, file=_shardopt_stacks, all_threads=True)
+"""
 FIX = "edit the .py source, then run `make notebooks`"
 
 
@@ -116,13 +126,17 @@ nbformat.write(nb, target)
 
 
 def _execute(
-  nb: nbformat.NotebookNode, kernels: pathlib.Path
+  nb: nbformat.NotebookNode,
+  kernels: pathlib.Path,
+  timeout_s: float = NOTEBOOK_TIMEOUT_S,
 ) -> nbformat.NotebookNode:
   """Runs ``nb`` in a child process (and its kernel) and returns it with its
   outputs. nbclient's cell timeout bounds the wait for a cell's reply, not
   for its outputs: a kernel stuck in native code would leave it waiting
-  forever. So the test bounds the whole run (NOTEBOOK_TIMEOUT_S) and, past
-  it, kills the child's process group and the kernel itself."""
+  forever. So the test bounds the whole run (``timeout_s``) and, past it,
+  has the kernel write every thread's Python stack (SIGUSR1, to a file,
+  :data:`_STACKS_ON_SIGUSR1`), kills the child's process group and the
+  kernel itself, and raises with the stacks: a hang says where it hung."""
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
@@ -133,7 +147,16 @@ def _execute(
       os.path.join(tmp, "out.ipynb"),
     )
     pid_file = os.path.join(tmp, "kernel.pid")
+    stacks = os.path.join(tmp, "kernel_stacks.txt")
+    startup = pathlib.Path(tmp, "ipython", "profile_default", "startup")
+    startup.mkdir(parents=True)
+    (startup / "00_stacks_on_sigusr1.py").write_text(_STACKS_ON_SIGUSR1)
     nbformat.write(nb, source)
+    env = dict(
+      os.environ,
+      IPYTHONDIR=os.path.join(tmp, "ipython"),
+      SHARDOPT_KERNEL_STACKS=stacks,
+    )
     child = subprocess.Popen(
       [
         sys.executable,
@@ -150,15 +173,27 @@ def _execute(
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
+      env=env,
     )
     try:
-      log, _ = child.communicate(timeout=NOTEBOOK_TIMEOUT_S)
+      log, _ = child.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+      _signal_kernel(pid_file, signal.SIGUSR1)
+      deadline = time.monotonic() + STACKS_WAIT_S
+      while time.monotonic() < deadline and not _written(stacks):
+        time.sleep(0.2)
+      time.sleep(0.5)  # the rest of the dump
       _kill(child.pid, pid_file)
       child.communicate()
+      where = (
+        _main_thread_first(pathlib.Path(stacks).read_text())
+        if _written(stacks)
+        else "(the kernel wrote no stacks)"
+      )
       raise TimeoutError(
-        f"the notebook did not finish within {NOTEBOOK_TIMEOUT_S} s; its"
-        " runner and kernel were killed"
+        f"the notebook did not finish within {timeout_s} s; its runner and"
+        " kernel were killed. The kernel's threads when it was stopped"
+        f" (Python stacks, most recent call first):\n{where[:8000]}"
       ) from None
     finally:
       _kill(child.pid, pid_file)
@@ -166,22 +201,76 @@ def _execute(
     return nbformat.read(target, as_version=4)
 
 
+def _kernel_pid(pid_file: str) -> int | None:
+  import os  # pylint: disable=g-import-not-at-top
+
+  if os.path.exists(pid_file):
+    with open(pid_file) as f:
+      text = f.read().strip()
+    if text.isdigit():
+      return int(text)
+  return None
+
+
+def _signal_kernel(pid_file: str, signum: int) -> None:
+  import os  # pylint: disable=g-import-not-at-top
+
+  pid = _kernel_pid(pid_file)
+  if pid is not None:
+    try:
+      os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+      pass
+
+
+def _main_thread_first(dump: str) -> str:
+  """faulthandler's dump with the thread that received the signal (the
+  kernel's main thread, which runs the cells) first."""
+  current = dump.find("Current thread")
+  if current <= 0:
+    return dump
+  return dump[current:] + "\n" + dump[:current]
+
+
+def _written(path: str) -> bool:
+  import os  # pylint: disable=g-import-not-at-top
+
+  return os.path.exists(path) and os.path.getsize(path) > 0
+
+
 def _kill(runner_pid: int, pid_file: str) -> None:
   """SIGKILLs the runner's process group and the kernel (its own session),
   whatever state they are in; nothing that is already gone is an error."""
   import os  # pylint: disable=g-import-not-at-top
 
-  pids = []
-  if os.path.exists(pid_file):
-    with open(pid_file) as f:
-      text = f.read().strip()
-    if text.isdigit():
-      pids.append(int(text))
+  kernel = _kernel_pid(pid_file)
+  pids = [] if kernel is None else [kernel]
   for kill, pid in [(os.killpg, runner_pid)] + [(os.kill, p) for p in pids]:
     try:
       kill(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
       pass
+
+
+@pytest.mark.slow
+def test_a_hung_notebook_is_reported_with_where_its_kernel_hung(
+  kernel_spec_dir,
+):
+  """A cell that never returns: the test's bound ends the run, and the error
+  shows the kernel's Python stack, down to the function that hung."""
+  nb = nbformat.v4.new_notebook()
+  nb.cells = [
+    nbformat.v4.new_code_cell("print('started', flush=True)"),
+    nbformat.v4.new_code_cell(
+      "import time\n\ndef stuck_in_this_cell():\n  time.sleep(600)\n\n"
+      "stuck_in_this_cell()"
+    ),
+  ]
+  with pytest.raises(TimeoutError) as error:
+    _execute(nb, kernel_spec_dir, timeout_s=30)
+  message = str(error.value)
+  assert "within 30 s" in message, message
+  assert "stuck_in_this_cell" in message, message
 
 
 @pytest.mark.slow
