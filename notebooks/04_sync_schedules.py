@@ -145,6 +145,7 @@ state = pmap(tx.init)(params)
 x, y = batches(8, n)
 for t in range(8):
   params, state, gathered = train_step(params, state, x[t], y[t])
+  jax.block_until_ready((params, state))  # CPU collectives: one step at a time
   groups = len(np.unique(np.round(np.asarray(gathered[0]), 5)))
   print(
     f"after step {t + 1}: {groups} distinct replica values,"
