@@ -344,6 +344,39 @@ def batched_by_vmap(x: Any) -> bool:
   return _jax.batched_by_vmap(x)
 
 
+def vmap_lacks_groups(error: Exception) -> bool:
+  """True for JAX's error on a collective with ``axis_index_groups`` over a
+  ``jax.vmap`` axis (JAX 0.10: "axis_index_groups not supported in vmap
+  collectives")."""
+  return isinstance(error, NotImplementedError) and (
+    "axis_index_groups" in str(error) and "vmap" in str(error)
+  )
+
+
+def grouped(collective, what: str, fix: str = "", **single):
+  """Runs ``collective()``, which holds collectives with
+  ``axis_index_groups``; over a ``jax.vmap`` axis, where JAX has none,
+  raises shardopt's error naming ``what`` and the fix (run the replicas
+  under pmap or shard_map; ``fix`` adds another).
+
+  ``groups=`` (keyword) says ``collective()`` is one collective with those
+  groups: ``None`` runs it as it is, and any NotImplementedError it raises
+  is vmap's (its all_to_all says only "Please open a feature request!").
+  """
+  if "groups" in single and single["groups"] is None:
+    return collective()
+  try:
+    return collective()
+  except NotImplementedError as e:
+    if not (vmap_lacks_groups(e) or "groups" in single):
+      raise
+    raise NotImplementedError(
+      f"shardopt: {what} cannot run over a jax.vmap axis: JAX has no"
+      " grouped collectives (axis_index_groups) under vmap. Run the"
+      f" replicas under jax.pmap or jax.shard_map{fix}."
+    ) from e
+
+
 def check_replicated_predicate(pred: Any, transform: str) -> None:
   """Raises ``ValueError`` if the predicate of a communicating cond is
   batched by ``jax.vmap`` (a per-replica counter under

@@ -99,7 +99,15 @@ def _psum_leaf(y, varying: tuple, groups: tuple | None):
     if _axes.other_axes_present():
       return _grouped_psum_by_slots(y, axis, groups)
     return _grouped_psum_scatter_gather(y, axis, groups)
-  return jax.lax.psum(y, axis, axis_index_groups=groups)
+  try:
+    return jax.lax.psum(y, axis, axis_index_groups=groups)
+  except NotImplementedError as e:
+    if not _axes.vmap_lacks_groups(e):
+      raise
+    # ``axis`` is a jax.vmap axis, whose collectives take no groups: one
+    # psum over the whole axis, a slot per group (replicas on one device
+    # move no bytes between them, so the slots cost memory only).
+    return _grouped_psum_by_slots(y, axis, groups)
 
 
 def reduce_on_wire(

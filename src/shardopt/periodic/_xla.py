@@ -138,7 +138,11 @@ def cond(pred: jax.Array, true_fn, false_fn, operands: Any) -> Any:
   are cast to the union of the two) and under Explicit model axes (zeros
   take the sharding of the other branch's leaf)."""
   if not _axes.vma_checked() and not _axes.explicit_axes_present():
-    return jax.lax.cond(pred, true_fn, false_fn, operands)
+    return _axes.grouped(
+      lambda: jax.lax.cond(pred, true_fn, false_fn, operands),
+      "a sync within groups (hierarchical_local_sgd's levels, or"
+      " axis_index_groups)",
+    )
   types = [jax.eval_shape(f, operands) for f in (true_fn, false_fn)]
   typed = [
     lambda o, f=f: _axes.cast_tree_like(f(o), *types)

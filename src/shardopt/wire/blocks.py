@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from shardopt import _axes
 from shardopt.wire import protocol
 
 __all__ = ["QuantizedSpec", "quantized"]
@@ -73,6 +74,10 @@ _QMAX = {
 }
 QUANTIZED_DTYPES = tuple(_QMAX)
 _NAMES = "jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int4"
+
+
+# What the error of a grouped quantized or sparse reduce under jax.vmap adds.
+FLOAT_FIX = ", or use a float comm_dtype (its grouped mean runs under vmap)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +439,12 @@ def all_reduce(
   p = plan([x.size for x in leaves], members, spec)
   values = scatter_values(leaves, p)
   wire = encode_rows(values, spec)
-  received = jax.lax.all_to_all(wire, axis, 0, 0, axis_index_groups=groups)
+  received = _axes.grouped(
+    lambda: jax.lax.all_to_all(wire, axis, 0, 0, axis_index_groups=groups),
+    f"the {spec.dtype.name} wire with axis_index_groups",
+    FLOAT_FIX,
+    groups=groups,
+  )
   owned = sum_rows(received, spec, p)
   if divisor != 1:  # times the float32 reciprocal, as for the scales
     owned = [total * jnp.float32(1.0 / divisor) for total in owned]

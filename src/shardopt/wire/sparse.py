@@ -89,6 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardopt import _args
+from shardopt import _axes
 from shardopt.wire import blocks
 from shardopt.wire import protocol
 
@@ -576,7 +577,12 @@ def all_reduce(
   if invariant_result:
     gathered = jax.lax.all_gather(payload, axis, to="invarying")
   else:
-    gathered = jax.lax.all_gather(payload, axis, axis_index_groups=groups)
+    gathered = _axes.grouped(
+      lambda: jax.lax.all_gather(payload, axis, axis_index_groups=groups),
+      "the top-k wire with axis_index_groups",
+      blocks.FLOAT_FIX,
+      groups=groups,
+    )
   total, starts = _sum_payloads(gathered, layouts, spec, None)
   if divisor != 1:  # times the float32 reciprocal, as the blocks wire does
     total = total * jnp.float32(1.0 / divisor)
