@@ -1254,10 +1254,11 @@ def render_digits_convergence(data: Sequence[dict]) -> str:
   ]
   steps = convergence["total_steps"]
   seeds = len(convergence["seeds"])
+  replicas = sections["convergence"]["ran_on"]["device_count"]
   return "\n\n".join(
     [
       section_provenance(results, "convergence", LATEST),
-      f"{steps:,} steps, 8 replicas, mean ± std over {seeds} seeds:",
+      f"{steps:,} steps, {replicas} replicas, mean ± std over {seeds} seeds:",
       per_step,
       section_provenance(results, "schedule_convergence", LATEST),
       streaming,
