@@ -353,22 +353,25 @@ def vmap_lacks_groups(error: Exception) -> bool:
   )
 
 
-def grouped(collective, what: str, fix: str = "", **single):
+_SOME_GROUPS = object()  # grouped()'s default: groups somewhere inside
+
+
+def grouped(collective, what: str, fix: str = "", *, groups=_SOME_GROUPS):
   """Runs ``collective()``, which holds collectives with
   ``axis_index_groups``; over a ``jax.vmap`` axis, where JAX has none,
   raises shardopt's error naming ``what`` and the fix (run the replicas
   under pmap or shard_map; ``fix`` adds another).
 
-  ``groups=`` (keyword) says ``collective()`` is one collective with those
+  ``groups`` given says ``collective()`` is one collective with those
   groups: ``None`` runs it as it is, and any NotImplementedError it raises
   is vmap's (its all_to_all says only "Please open a feature request!").
   """
-  if "groups" in single and single["groups"] is None:
+  if groups is None:
     return collective()
   try:
     return collective()
   except NotImplementedError as e:
-    if not (vmap_lacks_groups(e) or "groups" in single):
+    if groups is _SOME_GROUPS and not vmap_lacks_groups(e):
       raise
     raise NotImplementedError(
       f"shardopt: {what} cannot run over a jax.vmap axis: JAX has no"
