@@ -101,7 +101,7 @@ class FuzzReport:
       f"# Fuzz results (hypothesis profile `{profile}`,"
       f" max_examples {examples})",
       "",
-      f"{datetime.datetime.now().isoformat(timespec='seconds')},"
+      f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC},"
       f" {platform.node()}, {os.cpu_count()} CPUs;"
       f" {len(rows)} properties, {sum(r['examples'] for _, r in rows)}"
       f" examples, {sum(r['failures'] for _, r in rows)} failures,"
