@@ -55,11 +55,15 @@ def run(
   gap_s: tuple[float, float] = (3.0, 8.0),
   down_s: tuple[float, float] = (1.0, 6.0),
   max_kills: int | None = None,
+  rounds_after: int = 0,
 ) -> dict:
   """Kills and restarts ``islands`` (an ``elastic_launch.Islands`` whose
   process 0 is a dedicated coordinator) for ``duration_s``: a kill every
   ``gap_s`` seconds (uniform), each island back after ``down_s``; the
-  report. ``max_kills`` ends the kills early."""
+  report. ``max_kills`` ends the kills early. Once the kills end and every
+  island is back, the run goes on until ``rounds_after`` rounds committed
+  with every island in them (the recovery; the report's
+  ``rounds_after_recovery``), within ``timeout_s``."""
   rng = random.Random(seed)
   everyone = list(range(1, islands.n))
   alive = set(everyone)
@@ -94,9 +98,37 @@ def run(
   for _, i in sorted(restarts):  # every island back, then to the end
     islands.start(i)
   _wait_until_trained(islands, everyone, timeout_s)
+  recovered = time.time()
+  _wait_for_rounds(islands, everyone, recovered, rounds_after, timeout_s)
   Path(environment(islands.out)["ELASTIC_EXAMPLE_STOP"]).write_text("now")
   codes = islands.wait(timeout_s)
-  return report(islands, kills, codes)
+  result = report(islands, kills, codes)
+  result["rounds_after_recovery"] = len(
+    _full_rounds(islands, everyone, recovered)
+  )
+  return result
+
+
+def _full_rounds(islands, everyone, since: float) -> list[dict]:
+  """The new rounds the coordinator committed after ``since`` with every
+  island in them."""
+  path = Path(islands.out) / "coordinator.jsonl"
+  if not path.exists():
+    return []
+  rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+  return [
+    r
+    for r in rows
+    if r["time"] > since and set(everyone) <= set(r["live"]) and r["round"]
+  ]
+
+
+def _wait_for_rounds(islands, everyone, since, rounds, timeout_s) -> None:
+  deadline = time.time() + timeout_s
+  while time.time() < deadline:
+    if len(_full_rounds(islands, everyone, since)) >= rounds:
+      return
+    time.sleep(0.5)
 
 
 def _wait_until_trained(islands, everyone, timeout_s: float) -> None:

@@ -685,8 +685,10 @@ def test_a_chaos_run_of_20_kills_loses_no_round(tmp_path):
   for 20 kills (random islands, one in ten every island at once, restarts
   1-6 s later) under a dedicated coordinator. No committed round is lost,
   no island ever logs a round with bits other than the coordinator's
-  center, every process exits 0, and some inner steps reach a committed
-  center (the 100-kill figures: ``python -m benchmarks.perf.elastic
+  center, every process exits 0, some inner steps reach a committed center,
+  and once the kills end two rounds commit with every island in them (the
+  recovery; how many commit during the kills depends on the machine's
+  load; the 100-kill figures: ``python -m benchmarks.perf.elastic
   --chaos``, docs/elastic.md)."""
   chaos = _load("elastic_chaos")
   env = chaos.environment(tmp_path)
@@ -706,6 +708,7 @@ def test_a_chaos_run_of_20_kills_loses_no_round(tmp_path):
       timeout_s=RUN_TIMEOUT_S,
       gap_s=(2.0, 5.0),
       max_kills=20,
+      rounds_after=2,
     )
     report = "\n".join(
       f"--- {i}:\n{islands.log(i)[-3000:]}" for i in range(islands.n)
@@ -714,7 +717,9 @@ def test_a_chaos_run_of_20_kills_loses_no_round(tmp_path):
   assert set(result["exit_codes"].values()) == {0}, (result, report)
   assert result["rounds_lost"] == [], result
   assert result["rounds_with_other_bits"] == [], result
-  assert result["rounds_committed"] >= 5, (result, report)
+  # Throughput under chaos depends on the machine's load; the guarantee is
+  # recovery: once the kills end, rounds commit with every island in them.
+  assert result["rounds_after_recovery"] >= 2, (result, report)
   assert result["inner_steps_in_committed_rounds"] > 0, result
 
 

@@ -128,12 +128,13 @@ nbformat.write(nb, target)
 def _execute(
   nb: nbformat.NotebookNode,
   kernels: pathlib.Path,
-  timeout_s: float = NOTEBOOK_TIMEOUT_S,
+  timeout_s: float | None = None,
 ) -> nbformat.NotebookNode:
   """Runs ``nb`` in a child process (and its kernel) and returns it with its
   outputs. nbclient's cell timeout bounds the wait for a cell's reply, not
   for its outputs: a kernel stuck in native code would leave it waiting
-  forever. So the test bounds the whole run (``timeout_s``) and, past it,
+  forever. So the test bounds the whole run (``timeout_s``, by default
+  NOTEBOOK_TIMEOUT_S as the module holds it when called) and, past it,
   has the kernel write every thread's Python stack (SIGUSR1, to a file,
   :data:`_STACKS_ON_SIGUSR1`), kills the child's process group and the
   kernel itself, and raises with the stacks: a hang says where it hung."""
@@ -141,6 +142,8 @@ def _execute(
   import subprocess  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
 
+  if timeout_s is None:
+    timeout_s = NOTEBOOK_TIMEOUT_S
   with tempfile.TemporaryDirectory() as tmp:
     source, target = (
       os.path.join(tmp, "in.ipynb"),
