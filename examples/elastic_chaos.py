@@ -109,18 +109,18 @@ def run(
   return result
 
 
-def _full_rounds(islands, everyone, since: float) -> list[dict]:
-  """The new rounds the coordinator committed after ``since`` with every
-  island in them."""
-  path = Path(islands.out) / "coordinator.jsonl"
-  if not path.exists():
-    return []
-  rows = [json.loads(line) for line in path.read_text().splitlines() if line]
-  return [
-    r
-    for r in rows
-    if r["time"] > since and set(everyone) <= set(r["live"]) and r["round"]
-  ]
+def _full_rounds(islands, everyone, since: float) -> set[int]:
+  """The round numbers first committed after ``since`` with every island in
+  them (a handshake re-logs a number it already had: not counted)."""
+  logged = _logged(islands)
+  before = max((r["round"] for r in logged if r["time"] <= since), default=0)
+  return {
+    r["round"]
+    for r in logged
+    if r["time"] > since
+    and r["round"] > before
+    and set(everyone) <= set(r["live"])
+  }
 
 
 def _wait_for_rounds(islands, everyone, since, rounds, timeout_s) -> None:
@@ -157,14 +157,17 @@ def _steps(path: Path) -> int:
     return 0
 
 
+def _logged(islands) -> list[dict]:
+  """The coordinator's rows (``coordinator.jsonl``), one per commit."""
+  path = Path(islands.out) / "coordinator.jsonl"
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
 def report(islands, kills: list[dict], codes: dict) -> dict:
   out = Path(islands.out)
-  path = out / "coordinator.jsonl"
-  logged = (
-    [json.loads(line) for line in path.read_text().splitlines()]
-    if path.exists()
-    else []
-  )
+  logged = _logged(islands)
   # The coordinator logs every round it commits; a handshake (the start, an
   # island joining alone, islands resuming after all died) commits no new
   # number: the rounds are the rows whose number is new.

@@ -246,13 +246,11 @@ def _kill(runner_pid: int, pid_file: str) -> None:
   whatever state they are in; nothing that is already gone is an error."""
   import os  # pylint: disable=g-import-not-at-top
 
-  kernel = _kernel_pid(pid_file)
-  pids = [] if kernel is None else [kernel]
-  for kill, pid in [(os.killpg, runner_pid)] + [(os.kill, p) for p in pids]:
-    try:
-      kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-      pass
+  try:
+    os.killpg(runner_pid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+  _signal_kernel(pid_file, signal.SIGKILL)
 
 
 @pytest.mark.slow
