@@ -10,6 +10,8 @@ TowerOptimizer and AGNOptimizer.
 from shardopt import elastic
 from shardopt import wire
 from shardopt._axes import AxisNotBoundError
+from shardopt._host_schedule import WARM_UP
+from shardopt._host_schedule import due
 from shardopt.accumulate import AccumulateState
 from shardopt.accumulate import accumulate
 from shardopt.collectives import broadcast
@@ -45,6 +47,8 @@ __version__ = "0.2.0.dev0"
 
 __all__ = [
   "AxisNotBoundError",
+  "WARM_UP",
+  "due",
   "broadcast",
   "ErrorFeedbackState",
   "cross_shard",

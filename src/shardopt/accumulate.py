@@ -25,6 +25,7 @@ import optax
 
 from shardopt import _args
 from shardopt import _axes
+from shardopt import _host_schedule
 
 _ACCUMULATE = "shardopt.accumulate"
 
@@ -115,6 +116,91 @@ def _accumulated(
     return (acc + g).astype(acc.dtype)
 
   return jax.tree.map(add, grads, acc_grads)
+
+
+class _HostSchedule:
+  """``accumulate``'s host schedule (``shardopt.due``): 0 on a mini-step,
+  1 + the inner's value on an emit step."""
+
+  name = _ACCUMULATE
+
+  def __init__(self, every_k_steps: int | None, inner):
+    self.every_k_steps = every_k_steps
+    self.inner = _host_schedule.scheduled_in(inner)
+
+  def programs(self) -> str:
+    if self.inner:
+      return f"0 (a mini-step), 1 + the inner {self.inner[0].name}'s value"
+    return "0 (a mini-step) or 1 (the update)"
+
+  def _every(self) -> int:
+    if self.every_k_steps is None:
+      raise ValueError(
+        f"{_ACCUMULATE}: a host schedule (shardopt.due, sync=) needs an"
+        " integer every_k_steps; this one was built with a schedule of the"
+        " gradient step, which the state decides. Pass an int, or leave"
+        " sync= out (the in-graph schedule)."
+      )
+    return int(self.every_k_steps)
+
+  def due(self, t: int) -> int:
+    every = self._every()
+    if t % every:
+      return 0
+    if len(self.inner) > 1:
+      raise ValueError(
+        f"{_ACCUMULATE}: its inner transform holds {len(self.inner)}"
+        " transforms with a schedule; one sync= cannot choose for both."
+      )
+    return 1 + (self.inner[0].due(t // every) if self.inner else 0)
+
+  def check(self, sync: int) -> None:
+    self._every()
+    if sync < 0 or (sync > 1 and not self.inner):
+      raise _host_schedule.bad_value(_ACCUMULATE, sync, self)
+
+
+def _host_update(host, sync, state, emit, acc_grads, emit_branch, mini_branch):
+  """The step the host chose (``sync``, from ``shardopt.due``): the emit
+  branch or the mini-step alone, no ``lax.cond``; the emit decision the
+  counters make is checked against it (``shardopt._host_schedule``)."""
+  host.check(sync)
+  emits = sync >= 1
+  ok = _host_schedule.check(
+    int(emits),
+    emit.astype(jnp.int32),
+    state.gradient_step,
+    name=_ACCUMULATE,
+    t_hint=(
+      f"t = {host.every_k_steps} * state.gradient_step + state.mini_step + 1"
+    ),
+    communicates=emits,
+  )
+  if emits:
+    # The emit branch in its cond on the counters' own decision, as the
+    # in-graph schedule runs it: the same fusions, so the same bits (XLA
+    # contracts multiply-adds per fusion), and the check has raised if the
+    # decision disagrees with the host's.
+    inner_sync = sync - 1 if host.inner else None
+    updates, inner_state = _axes.cond_same_types(
+      emit,
+      lambda: emit_branch(inner_sync),
+      mini_branch,
+      transform=_ACCUMULATE,
+    )
+    mini_step = jnp.zeros_like(state.mini_step)
+    gradient_step = optax.safe_increment(state.gradient_step)
+  else:
+    updates, inner_state = mini_branch()
+    updates = _host_schedule.poison(ok, updates)
+    mini_step = state.mini_step + 1
+    gradient_step = state.gradient_step
+  return updates, AccumulateState(
+    mini_step=mini_step.astype(jnp.int32),
+    gradient_step=_host_schedule.mark(ok, gradient_step.astype(jnp.int32)),
+    acc_grads=acc_grads,
+    inner_state=inner_state,
+  )
 
 
 def accumulate(
@@ -247,7 +333,12 @@ def accumulate(
       inner_state=inner.init(params),
     )
 
+  host = _HostSchedule(
+    every_k_steps if _args.is_integer(every_k_steps) else None, inner
+  )
+
   def update_fn(grads, state, params=None, **extra_args):
+    sync = _host_schedule.take_sync(extra_args, _ACCUMULATE, host)
     # No shardopt._shapes.check_like_params here: optax.MultiSteps broadcasts
     # a gradient into its params-shaped accumulator, and so does this (see
     # the docstring; tests/test_grads_match_params.py pins the parity).
@@ -265,12 +356,13 @@ def accumulate(
     # place (the first mini-step of a period starts from zero).
     acc_grads = _accumulated(grads, state.acc_grads, mini_step, use_grad_mean)
 
-    def emit_branch():
+    def emit_branch(inner_sync=None):
       mean_or_sum = jax.tree.map(
         lambda a, g: a.astype(g.dtype), acc_grads, grads
       )
+      more = {} if inner_sync is None else {"sync": inner_sync}
       updates, inner_state = inner.update(
-        mean_or_sum, state.inner_state, params, **extra_args
+        mean_or_sum, state.inner_state, params, **extra_args, **more
       )
       # As optax.MultiSteps: the new state in the old state's dtypes (adam's
       # mu_dtype=None promotes f16 moments fed f32 gradients to f32).
@@ -281,6 +373,11 @@ def accumulate(
     def mini_branch():
       zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), emit_types[0])
       return zeros, state.inner_state
+
+    if sync is not None:
+      return _host_update(
+        host, sync, state, emit, acc_grads, emit_branch, mini_branch
+      )
 
     # Both branches return the same types: the zeros take the emit branch's
     # varying axes (invariant where inner's updates are), each inner-state
@@ -301,4 +398,5 @@ def accumulate(
       inner_state=inner_state,
     )
 
+  _host_schedule.attach(update_fn, host)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

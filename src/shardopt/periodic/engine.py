@@ -59,7 +59,9 @@ import jax.numpy as jnp
 import optax
 
 from shardopt import _axes
+from shardopt import _host_schedule
 from shardopt import wire
+from shardopt._host_schedule import WARM_UP
 from shardopt.collectives import reduce_for
 from shardopt.periodic import _xla
 from shardopt.periodic import checks
@@ -100,6 +102,56 @@ class _Engine:
   # Skips counted over the whole axis keep `skipped` replicated; a schedule
   # of contiguous groups (hierarchical) counts within them (per replica).
   whole_axis_count: bool
+
+  # The host schedule (shardopt.due, shardopt._host_schedule.Scheduled): a
+  # step's program is a sync k (0: none) and a merge m (0: none), as one int
+  # k + (len(syncs) + 1) * m, or WARM_UP.
+
+  def due(self, t: int) -> int:
+    """The program of update ``t`` (1, 2, ...), chosen on the host."""
+    if t <= self.warmup_steps:
+      return WARM_UP
+    sync = schedules.firing_at(t, self.syncs, self.warmup_steps)
+    merge = schedules.firing_at(t, self.merges, self.warmup_steps)
+    return sync + (len(self.syncs) + 1) * merge
+
+  def expected(self, count: jax.Array) -> jax.Array:
+    """:meth:`due` in the graph, from the counter after the step."""
+    count = jnp.reshape(count, ())
+    code = schedules.firing(count, self.syncs, self.warmup_steps)
+    if self.merges:
+      merge = schedules.firing(count, self.merges, self.warmup_steps)
+      code = code + (len(self.syncs) + 1) * merge
+    if self.warmup_steps:
+      code = jnp.where(count <= self.warmup_steps, WARM_UP, code)
+    return code
+
+  def decode(self, code: int) -> tuple[int, int]:
+    """``(sync, merge)`` of a program :meth:`due` returned (valid or a
+    ValueError naming the fix)."""
+    slots = len(self.syncs) + 1
+    sync, merge = code % slots, code // slots
+    valid = code == WARM_UP and self.warmup_steps or (
+      code >= 0 and merge <= len(self.merges)
+    )
+    if not valid:
+      raise _host_schedule.bad_value(self.name, code, self)
+    return sync, merge
+
+  def programs(self) -> str:
+    """The values of :meth:`due`, in words."""
+    syncs = len(self.syncs)
+    words = "0 (the local step alone), " + (
+      "1 (the sync)" if syncs == 1 else f"1..{syncs} (sync k of the schedule)"
+    )
+    if self.merges:
+      words += (
+        f", m * {syncs + 1} (+ a sync k) for the merge of fragment m after"
+        " an overlap"
+      )
+    if self.warmup_steps:
+      words += f", {WARM_UP} (a warm-up step)"
+    return words
 
 
 class _Step(NamedTuple):
@@ -292,10 +344,13 @@ def _start(step: _Step, before, count, center: list, sync_count) -> Carry:
   )
 
 
-def _syncs(step: _Step, index: jax.Array, carry: Carry) -> Carry:
-  """Step 5: each sync in its own cond, on its fragment's slice."""
+def _syncs(step: _Step, index: jax.Array, carry: Carry, only=None) -> Carry:
+  """Step 5: each sync in its own cond, on its fragment's slice (with
+  ``only``, the host's choice: sync ``only`` alone, 0 for none)."""
   engine = step.engine
   for k, s in enumerate(engine.syncs):
+    if only is not None and k + 1 != only:
+      continue
     carry = _xla.cond_on_slice(
       index == k + 1,
       functools.partial(_sync, step, k),
@@ -441,6 +496,63 @@ def _new_state(step: _Step, count, carry: Carry, local_state) -> PeriodicState:
 
 
 # --------------------------------------------------------------------------
+# The host's program (``sync=``, :func:`shardopt.due`).
+
+
+def local_only(engine: _Engine, grads, state, params, extra_args):
+  """Steps 1-3 and 6-8 with no sync: ``count += 1``, the local optimizer's
+  step (restarted after a left-out contribution), ``agn``'s accumulator.
+  Returns ``(updates, state)``; runs no collective, so the replica axis
+  need not be bound (an island's local step, :mod:`.split`)."""
+  updates, local_state = _local_step(
+    engine.optimizer, engine.local, grads, state, params, extra_args
+  )
+  treedef = jax.tree.structure(params)
+  accumulator = engine.contribution.accumulate(state.accumulator, grads)
+  return treedef.unflatten(updates), state._replace(
+    count=state.count + 1,
+    accumulator=engine.contribution.state(treedef, accumulator),
+    local_state=local_state,
+    restart=jnp.zeros_like(state.restart),
+  )
+
+
+def _host_check(engine: _Engine, code: int, state, communicates: bool):
+  """Whether the state's counter asks for program ``code`` too (see
+  :func:`.._host_schedule.check`)."""
+  before = jnp.reshape(state.count, ())
+  return _host_schedule.check(
+    code,
+    engine.expected(before + 1),
+    before,
+    name=engine.name,
+    t_hint="t = state.count + 1",
+    communicates=communicates,
+  )
+
+
+def _host_local(engine: _Engine, grads, state, params, extra_args):
+  """``sync=0``: :func:`local_only`, checked against the counter; no
+  conditional, no collective, no read of the center. Where the counter
+  asks for another program, the counter is marked and the updates are
+  NaN (:func:`.._host_schedule.mark`)."""
+  checks.check_update_args(
+    engine.name,
+    grads,
+    state,
+    params,
+    engine.axis_name,
+    engine.syncs,
+    engine.axis_index_groups,
+  )
+  ok = _host_check(engine, 0, state, communicates=False)
+  updates, new_state = local_only(engine, grads, state, params, extra_args)
+  return _host_schedule.poison(ok, updates), new_state._replace(
+    count=_host_schedule.mark(ok, new_state.count)
+  )
+
+
+# --------------------------------------------------------------------------
 # The engine.
 
 
@@ -547,6 +659,13 @@ def periodic(
   )
 
   def update_fn(grads, state, params=None, **extra_args):
+    code = _host_schedule.take_sync(extra_args, name, engine)
+    only = None  # the in-graph schedule: every sync in its cond
+    if code is not None:
+      if code == 0:
+        return _host_local(engine, grads, state, params, extra_args)
+      only, _ = engine.decode(code)
+      _host_check(engine, code, state, communicates=True)
     step = _trace(engine, grads, state, params, extra_args)
     count = _count(step)
     step, center, sync_count = _warm_up(step, count)
@@ -554,15 +673,23 @@ def periodic(
     carry = _start(step, before, count, center, sync_count)
     scalar_count = jnp.reshape(count, ())
     index = schedules.firing(scalar_count, engine.syncs, engine.warmup_steps)
-    carry = _syncs(step, index, carry)
+    carry = _syncs(step, index, carry, only)
     updates, local_state = _local_step_after(step, before, carry)
     updates = _updates(step, scalar_count, index, carry, updates)
     new_state = _new_state(step, count, carry, local_state)
     return step.treedef.unflatten(updates), new_state
 
-  # What the transform was built with, for shardopt.elastic (.split), which
-  # runs the local step and the syncs apart.
-  update_fn.engine = engine
+  # What the transform was built with, for shardopt.due and
+  # shardopt.elastic (.split, which runs the local step and the syncs apart):
+  # read through engine_of.
+  _host_schedule.attach(update_fn, engine)
   return optax.GradientTransformationExtraArgs(
     functools.partial(_init, engine=engine), update_fn
   )
+
+
+def engine_of(tx: Any) -> _Engine | None:
+  """The engine ``tx`` itself was built with (None if it is not a periodic
+  transform)."""
+  engine = _host_schedule.attached(tx)
+  return engine if isinstance(engine, _Engine) else None

@@ -131,6 +131,18 @@ def firing(
   return index
 
 
+def firing_at(step: int, syncs: Sequence[Sync], warmup_steps: int = 0) -> int:
+  """:func:`firing` on the host: the same rule on a Python int, for a
+  schedule chosen on the host (``shardopt.due``, ``shardopt.elastic``)."""
+  index = 0
+  for k, sync in enumerate(syncs):
+    shift = sync.lag + warmup_steps
+    t = step - shift
+    if t % sync.period == sync.phase and (not shift or t >= 1):
+      index = k + 1
+  return index
+
+
 def synced_leaves(
   index: jax.Array, syncs: Sequence[Sync], fragments, shapes: Sequence
 ) -> list:

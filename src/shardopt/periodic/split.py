@@ -33,7 +33,6 @@ from shardopt.periodic import checks
 from shardopt.periodic import engine as _engine
 from shardopt.periodic import fragments as _fragments
 from shardopt.periodic import outer
-from shardopt.periodic import schedules
 from shardopt.periodic.state import PeriodicState
 
 Engine = _engine._Engine
@@ -42,8 +41,8 @@ Engine = _engine._Engine
 def engine_of(tx: Any, where: str) -> Engine:
   """The engine ``tx`` was built with, if the split can run it; else a
   TypeError/ValueError that names what to change."""
-  engine = getattr(getattr(tx, "update", None), "engine", None)
-  if not isinstance(engine, Engine):
+  engine = _engine.engine_of(tx)
+  if engine is None:
     raise TypeError(
       f"{where}: expected a transform built by shardopt.diloco,"
       f" shardopt.local_sgd or shardopt.agn itself, got {tx!r}. Pass the"
@@ -88,18 +87,7 @@ def local_update(
   checks.check_local_gradients(
     grads, params, engine.axis_name, engine.name, bound=False
   )
-  updates, local_state = _engine._local_step(
-    engine.optimizer, engine.local, grads, state, params, extra_args
-  )
-  treedef = jax.tree.structure(params)
-  accumulator = engine.contribution.accumulate(state.accumulator, grads)
-  new_state = state._replace(
-    count=state.count + 1,
-    accumulator=engine.contribution.state(treedef, accumulator),
-    local_state=local_state,
-    restart=jnp.zeros_like(state.restart),
-  )
-  return treedef.unflatten(updates), new_state
+  return _engine.local_only(engine, grads, state, params, extra_args)
 
 
 def due(engine: Engine, count: int) -> int:
@@ -107,7 +95,7 @@ def due(engine: Engine, count: int) -> int:
   :func:`.schedules.firing`; 0: none, also before the first step)."""
   if count < 1:
     return 0
-  return int(schedules.firing(jnp.asarray(count, jnp.int32), engine.syncs, 0))
+  return engine.due(count)
 
 
 def pieces(engine: Engine, params: Any, sync: int) -> tuple:
