@@ -22,7 +22,11 @@ PAGES = sorted(
   [ROOT / "README.md", *(ROOT / "docs").glob("*.md")],
   key=lambda p: p.name,
 )
-SUBPACKAGES = {"elastic": shardopt.elastic, "wire": shardopt.wire}
+SUBPACKAGES = {
+  "elastic": shardopt.elastic,
+  "measure": shardopt.measure,
+  "wire": shardopt.wire,
+}
 MENTION = re.compile(r"(?<![\w.])shardopt((?:\.[A-Za-z_]\w*)+)")
 
 

@@ -8,6 +8,7 @@ TowerOptimizer and AGNOptimizer.
 """
 
 from shardopt import elastic
+from shardopt import measure
 from shardopt import wire
 from shardopt._axes import AxisNotBoundError
 from shardopt.accumulate import AccumulateState
@@ -76,5 +77,6 @@ __all__ = [
   "all_finite",
   "apply_if_finite",
   "elastic",
+  "measure",
   "wire",
 ]
