@@ -26,7 +26,7 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 install: $(VENV)/.installed
 
 demo: $(VENV)/.demo-installed
-	$(PY) -m shardopt
+	$(PY) -m examples.demo
 
 # The whole suite (what CI runs, .ci/run), the 15 slowest tests listed last.
 test: $(VENV)/.installed

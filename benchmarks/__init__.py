@@ -14,9 +14,10 @@ workload module (perf: the MLP's training steps; studies: the digits data
 and MLP, and the byte-level LM). ``python -m benchmarks.run`` runs both
 packages' sections into one report (``benchmarks/results/latest.{json,md}``,
 written by :mod:`benchmarks._report`). Shared helpers at this level:
-``_report``, ``_plots``, ``_xla_flags``, ``methods`` (the data-parallel
-methods both sides compare) and ``hlo`` (a re-export of
-:mod:`shardopt._hlo` for the notebooks).
+``_report``, ``_plots``, ``_xla_flags`` and ``methods`` (the
+data-parallel methods both sides compare). Bytes are read with
+:mod:`shardopt.measure.hlo`, the package's one internal door for the
+benchmarks and the tests.
 """
 
 import os

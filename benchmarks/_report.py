@@ -60,7 +60,9 @@ def _cpu_model() -> str:
   return platform.processor() or "unknown"
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
+  """The checkout's short commit, or ``"unknown"`` (no git, no checkout):
+  recorded with the numbers of every results file."""
   try:
     return (
       subprocess.run(
@@ -102,7 +104,7 @@ def machine() -> dict:
     "optax": optax.__version__,
     "numpy": numpy.__version__,
     "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    "git_commit": _git_commit(),
+    "git_commit": git_commit(),
     "gpu": None,
     "gpu_note": GPU_NOTE,
   }

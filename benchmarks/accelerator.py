@@ -67,7 +67,7 @@ import shardopt  # noqa: E402
 from benchmarks import methods  # noqa: E402
 from benchmarks.perf.harness import compare  # noqa: E402
 from benchmarks.studies import workload  # noqa: E402
-from shardopt import _hlo  # noqa: E402
+from shardopt.measure import hlo  # noqa: E402
 
 AXIS = workload.AXIS
 R = 8  # replicas
@@ -502,7 +502,7 @@ def overhead(tiny: bool, clock: Clock) -> dict:
         state = init(params)
         step = jax.jit(step, donate_argnums=(0, 1))
       holder = {"p": _stacked(params, jax.devices()[0]), "s": state}
-      copied = _hlo.copied_bytes(
+      copied = hlo.copied_bytes(
         step.lower(holder["p"], holder["s"], grads).compile().as_text()
       )
 

@@ -22,7 +22,7 @@ import optax
 
 import shardopt
 from benchmarks.studies import workload
-from shardopt import _hlo
+from shardopt.measure import hlo
 from shardopt.periodic import schedules
 from shardopt.sparse import TopKSpec
 
@@ -38,7 +38,7 @@ class Method:
     label: the row name in tables and plots.
     requires: public shardopt names it uses.
     build: ``optimizer factory -> transform``.
-    schedule: which steps communicate what (:class:`shardopt._hlo.Schedule`,
+    schedule: which steps communicate what (:class:`shardopt.measure.hlo.Schedule`,
       built from the periodic engine's own schedule).
     rounds_per_step: communication rounds per step (1 = every step), for the
       "per round" view.
@@ -54,7 +54,7 @@ class Method:
   label: str
   requires: tuple
   build: Callable[[Factory], optax.GradientTransformation]
-  schedule: _hlo.Schedule
+  schedule: hlo.Schedule
   rounds_per_step: float = 1.0
   quick: bool = False
   updates_per_step: float = 1.0
@@ -107,7 +107,7 @@ def sync(name: str = "adamw") -> Method:
     f"cross_shard({name}) [sync]",
     ("cross_shard",),
     lambda opt: shardopt.cross_shard(opt(), AXIS),
-    _hlo.Schedule(),
+    hlo.Schedule(),
     quick=True,
     family="sync" if name == "adamw" else name,
     optimizer=name,
@@ -132,7 +132,7 @@ def cross_shard_mean(
       ),
       opt(),
     ),
-    _hlo.Schedule(),
+    hlo.Schedule(),
     quick=quick,
     family="topk" if isinstance(comm_dtype, TopKSpec) else "sync",
   )
@@ -143,7 +143,7 @@ def accumulate(k: int, quick: bool = False, name: str = "adamw") -> Method:
     f"accumulate(cross_shard({name}), {k})",
     ("accumulate", "cross_shard"),
     lambda opt: shardopt.accumulate(shardopt.cross_shard(opt(), AXIS), k),
-    _hlo.Schedule(schedules.every(k)),
+    hlo.Schedule(schedules.every(k)),
     1.0 / k,
     quick,
     updates_per_step=1.0 / k,
@@ -161,7 +161,7 @@ def powersgd(
     lambda opt: optax.chain(
       shardopt.powersgd(AXIS, rank=rank, comm_dtype=comm_dtype), opt()
     ),
-    _hlo.Schedule(taken="min"),
+    hlo.Schedule(taken="min"),
     1.0,
     quick,
     family="powersgd",
@@ -173,7 +173,7 @@ def agn(period: int, quick: bool = False, name: str = "adamw") -> Method:
     f"agn({name}, T={period})",
     ("agn",),
     lambda opt: shardopt.agn(opt(), AXIS, sync_period=period),
-    _hlo.Schedule(schedules.every(period)),
+    hlo.Schedule(schedules.every(period)),
     1.0 / period,
     quick,
   )
@@ -200,7 +200,7 @@ def local_sgd(
       comm_dtype=comm_dtype,
       error_feedback=error_feedback,
     ),
-    _hlo.Schedule(schedules.every(period)),
+    hlo.Schedule(schedules.every(period)),
     1.0 / period,
     quick,
     family="local_sgd",
@@ -249,7 +249,7 @@ def diloco(
       **({"warmup_steps": warmup_steps} if warmup_steps else {}),
       **outer_kwargs,
     ),
-    _hlo.Schedule(schedules.every(period), warmup_steps=warmup_steps),
+    hlo.Schedule(schedules.every(period), warmup_steps=warmup_steps),
     1.0 / period,
     quick,
     family="topk" if topk else name if name != "adamw" else "diloco",
@@ -295,7 +295,7 @@ def streaming_diloco(
         else {}
       ),
     ),
-    _hlo.Schedule(
+    hlo.Schedule(
       schedules.streaming(period, num_fragments, lag=min(overlap_steps, 1))
     ),
     num_fragments / period,
@@ -322,7 +322,7 @@ def hierarchical(
     lambda opt: shardopt.hierarchical_local_sgd(
       opt(), AXIS, period_group_sizes=period_group_sizes
     ),
-    _hlo.Schedule(schedules.hierarchy(period_group_sizes)),
+    hlo.Schedule(schedules.hierarchy(period_group_sizes)),
     rounds,
     quick,
     family="hierarchical",
@@ -353,7 +353,7 @@ def demo(
       opt(),
       *([optax.scale(lr_scale)] if lr_scale != 1 else []),
     ),
-    _hlo.Schedule(),
+    hlo.Schedule(),
     quick=quick,
     family="demo",
     optimizer="sign",

@@ -80,11 +80,45 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
 
 import shardopt
-from shardopt.demo import cross_entropy
-from shardopt.demo import init_mlp
-from shardopt.demo import load_digits_split
+
+
+# The workload of the repository's demo (examples/demo.py), which is no part
+# of the package: scikit-learn's digits and a small MLP.
+def load_digits_split(seed=0):
+  """Digits as float32 features in [0, 1] and int32 labels, 80/20 split."""
+  digits = load_digits()
+  features = (digits.data / 16.0).astype(np.float32)
+  labels = digits.target.astype(np.int32)
+  return train_test_split(
+    features, labels, test_size=0.2, random_state=seed, stratify=labels
+  )
+
+
+def init_mlp(key, sizes):
+  """Glorot-initialised MLP parameters as a list of {"w", "b"} dicts."""
+  params = []
+  for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+    key, sub = jax.random.split(key)
+    w = jax.nn.initializers.glorot_normal()(sub, (fan_in, fan_out), jnp.float32)
+    params.append({"w": w, "b": jnp.zeros((fan_out,), jnp.float32)})
+  return params
+
+
+def mlp_logits(params, features):
+  h = features
+  for layer in params[:-1]:
+    h = jax.nn.relu(h @ layer["w"] + layer["b"])
+  return h @ params[-1]["w"] + params[-1]["b"]
+
+
+def cross_entropy(params, features, labels):
+  logits = mlp_logits(params, features)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
 
 n = len(DEVICES)
 mesh = jax.sharding.Mesh(np.array(DEVICES), ("batch",))

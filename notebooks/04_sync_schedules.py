@@ -78,7 +78,6 @@ print(f"JAX {jax.__version__}: {len(DEVICES)} x {DEVICES[0].device_kind}")
 
 # %%
 import functools
-import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -91,13 +90,9 @@ import shardopt
 n = len(DEVICES)
 pmap = functools.partial(jax.pmap, axis_name="batch", devices=DEVICES)
 
-# The HLO reader ships with the repository (benchmarks/hlo.py); on Colab,
-# clone the repository to use it.
-for root in (pathlib.Path.cwd(), pathlib.Path.cwd().parent):
-  if (root / "benchmarks" / "hlo.py").exists():
-    sys.path.insert(0, str(root))
-    break
-from benchmarks import hlo
+# The HLO reader under shardopt.measure.traffic: shardopt's internal door
+# for the benchmarks and the tests (its names may change between releases).
+from shardopt.measure import hlo
 
 rng = np.random.default_rng(0)
 true_w = rng.normal(size=(16,)).astype(np.float32)

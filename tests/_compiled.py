@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardopt import _axes
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 
 AXIS = "batch"
 R = 8

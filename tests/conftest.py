@@ -100,9 +100,10 @@ SLOW_TESTS = {
   "test_demo.py": {
     "test_demo_*": "trains the demo's four methods",
     "test_command_line_forces_cpu_devices_in_a_fresh_process": "subprocess",
-    "test_python_m_shardopt_without_the_demo_extra_prints_it_in_a_fresh_process": (
+    "test_python_m_examples_demo_without_the_demo_extra_prints_it_in_a_fresh_process": (
       "subprocess"
     ),
+    "test_python_m_shardopt_says_where_the_demo_is": "subprocess",
   },
   "test_elastic_rounds.py": {
     "test_plain_round_matches_diloco_under_shard_map": _CASES,

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardopt
 from shardopt import _axes
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 
 AXIS = "batch"
 R = 8

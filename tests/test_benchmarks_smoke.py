@@ -35,7 +35,7 @@ SECTIONS = PERF + STUDIES
 
 
 def test_hlo_reader_counts_bytes_and_finds_collectives_inside_cond():
-  from shardopt import _hlo as hlo
+  from shardopt.measure import hlo
 
   def step(count, x):
     x = jax.lax.psum(x, "i")  # every step: 8 x 256 float32 = 8192 bytes
@@ -62,7 +62,7 @@ def test_hlo_reader_counts_reduce_scatter_and_bf16_wire_bytes(mesh):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from shardopt import _hlo as hlo
+  from shardopt.measure import hlo
 
   def f(x):  # per device: 1000 elements, bf16 on the wire = 2000 bytes
     y = jax.lax.psum_scatter(x.astype(jnp.bfloat16), "batch", tiled=True)

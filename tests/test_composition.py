@@ -3,7 +3,7 @@
 References are independent: powersgd's numpy float64 reference from
 ``test_powersgd`` (fed the per-replica mean of the accumulated gradients),
 numpy bookkeeping of skipped steps, and the compiled HLO read by
-``shardopt._hlo``.
+:mod:`shardopt.measure.hlo`.
 """
 
 import chex
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 
 R = 8
 AXIS = "batch"

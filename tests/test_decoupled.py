@@ -352,7 +352,7 @@ def test_the_compiled_step_gathers_the_payload_once(mapping):
       lambda s: jnp.zeros((N * s.shape[1],) + s.shape[2:], s.dtype), state
     )
     args = jax.device_put((grads, state), NamedSharding(_mesh(), P(AXIS)))
-  traffic = shardopt.wire.traffic(step, *args)
+  traffic = shardopt.measure.traffic(step, *args)
   assert [(c.kind, c.dtypes) for c in traffic.collectives] == [
     ("all-gather", ("uint8",))
   ]

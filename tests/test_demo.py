@@ -1,4 +1,4 @@
-"""`python -m shardopt.demo` trains, counts communication honestly, plots."""
+"""`python -m examples.demo` trains, counts communication honestly, plots."""
 
 import os
 import pathlib
@@ -8,8 +8,8 @@ import sys
 import jax
 import pytest
 
-from shardopt import demo
-from shardopt.wire.traffic import traffic
+from examples import demo
+from shardopt.measure import traffic
 
 STEPS = 32
 PERIOD = 8
@@ -69,7 +69,7 @@ def test_demo_json_holds_the_results_and_what_produced_them(demo_run):
 
   out, results = demo_run
   data = json.loads((out / "demo.json").read_text())
-  assert data["command"].startswith("python -m shardopt --steps 32 ")
+  assert data["command"].startswith("python -m examples.demo --steps 32 ")
   assert f"--json {out / 'demo.json'}" in data["command"]
   assert datetime.datetime.fromisoformat(data["measured_utc"]).tzinfo
   assert data["commit"] is None or len(data["commit"]) >= 7
@@ -118,7 +118,7 @@ def test_demo_loss_goes_down(demo_run):
 
 
 def test_wire_bytes_count_a_cond_branch_once_per_period():
-  """The demo's reader (shardopt.wire.traffic) on a hand-made step: one
+  """The demo's reader (shardopt.measure.traffic) on a hand-made step: one
   all-reduce at the top level and one inside a lax.cond branch, which runs
   once per 4 steps."""
   f = jax.pmap(
@@ -158,14 +158,14 @@ def test_bad_flags_are_rejected():
 
 
 def test_command_line_forces_cpu_devices_in_a_fresh_process(tmp_path):
-  """`python -m shardopt.demo` with no XLA_FLAGS gets the devices it asks for."""
+  """`python -m examples.demo` with no XLA_FLAGS gets the devices it asks for."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run(
     [
       sys.executable,
       "-m",
-      "shardopt.demo",
+      "examples.demo",
       "--steps",
       "3",
       "--devices",
@@ -208,16 +208,16 @@ def test_without_the_demo_extra_main_names_it_and_exits(monkeypatch, module):
     demo.main(["--steps", "1", "--method", "sync"])
   message = info.value.code
   assert isinstance(message, str), message  # a str exits with status 1
-  assert 'pip install "shardopt[demo]"' in message, message
+  assert 'pip install -e ".[demo]"' in message, message
   assert demo.DEMO_EXTRA[module] in message, message
 
 
-def test_python_m_shardopt_without_the_demo_extra_prints_it_in_a_fresh_process():
-  """`python -m shardopt` with scikit-learn missing: status 1, the extra on
-  stderr, no traceback."""
+def test_python_m_examples_demo_without_the_demo_extra_prints_it_in_a_fresh_process():
+  """`python -m examples.demo` with scikit-learn missing: status 1, the extra
+  on stderr, no traceback."""
   hide = (
     "import runpy, sys; sys.modules['sklearn'] = None;"
-    " runpy.run_module('shardopt', run_name='__main__', alter_sys=True)"
+    " runpy.run_module('examples.demo', run_name='__main__', alter_sys=True)"
   )
   proc = subprocess.run(
     [sys.executable, "-c", hide, "--method", "sync"],
@@ -228,6 +228,21 @@ def test_python_m_shardopt_without_the_demo_extra_prints_it_in_a_fresh_process()
     check=False,
   )
   assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
-  assert 'pip install "shardopt[demo]"' in proc.stderr, proc.stderr
+  assert 'pip install -e ".[demo]"' in proc.stderr, proc.stderr
   assert "scikit-learn" in proc.stderr, proc.stderr
   assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_python_m_shardopt_says_where_the_demo_is():
+  """The package holds no demo: `python -m shardopt` names `make demo` and
+  exits with status 1."""
+  proc = subprocess.run(
+    [sys.executable, "-m", "shardopt"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=ROOT,
+    check=False,
+  )
+  assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+  assert "make demo" in proc.stderr and "examples.demo" in proc.stderr

@@ -11,7 +11,7 @@ import shardopt
 MODULES = sorted(
   m.name
   for m in pkgutil.iter_modules(shardopt.__path__, "shardopt.")
-  if m.name not in ("shardopt.demo", "shardopt.__main__")
+  if m.name != "shardopt.__main__"
 )
 
 

@@ -1165,7 +1165,7 @@ def test_healing_hands_over_an_outer_adam_state_bit_for_bit():
 def test_a_plain_round_sends_a_ring_all_reduces_bytes(islands):
   """The compiled round (rows.exchange, float32 wire) is one all-to-all and
   one all-gather; one island sends 2 (n - 1) / n of its payload plus the
-  headers, (n - 1) x 32 bytes (a ring: what shardopt.wire.traffic reads,
+  headers, (n - 1) x 32 bytes (a ring: what shardopt.measure.traffic reads,
   against the arithmetic)."""
   params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
   tx = shardopt.diloco(optax.adam(1e-3), "i", sync_period=H)
@@ -1191,7 +1191,7 @@ def test_a_plain_round_sends_a_ring_all_reduces_bytes(islands):
   rows_in = jax.ShapeDtypeStruct(
     (islands * shaped.shape[0], shaped.shape[1]), jnp.uint8
   )
-  traffic = shardopt.wire.traffic(fn, rows_in, num_devices=islands)
+  traffic = shardopt.measure.traffic(fn, rows_in, num_devices=islands)
   kinds = sorted(c.kind for c in traffic.collectives)
   assert kinds == ["all-gather", "all-to-all"], kinds
   payload = (64 * 32 + 32) * 4

@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 
 AXIS = "batch"
 R, D, B = 8, 6, 4

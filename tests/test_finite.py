@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardopt
 from shardopt import _axes
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 from tests._workers import finite_faults as ff
 
 AXIS = "batch"
@@ -170,7 +170,7 @@ INNERS = {
 
 def _bytes_by_branch(tx, spelling) -> dict:
   """Buffer bytes of the compiled update's collectives: ``"top"`` and each
-  conditional branch (:func:`shardopt._hlo.by_branch`)."""
+  conditional branch (:func:`shardopt.measure.hlo.by_branch`)."""
   text = compiled_update(tx, spelling, size=1024)
   ops = hlo.compiled_collectives(text, num_devices=R)
   summary = hlo.by_branch(ops, measure=lambda op: op.buffer_bytes)

@@ -1,4 +1,4 @@
-"""shardopt._hlo, the one reader of what crosses the wire.
+"""shardopt.measure.hlo, the one reader of what crosses the wire.
 
 Small jitted ``shard_map`` (and ``pmap``) programs with known collectives:
 the reader's kind, dtype, element count, group size and bytes equal numbers
@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from shardopt import _hlo
+from shardopt.measure import hlo
 from shardopt.periodic import schedules
 
 AXIS = "batch"
@@ -57,7 +57,7 @@ def test_psum_of_1000_float32_over_8_devices(mesh):
     in_specs=(P(AXIS),),
     out_specs=P(),
   )
-  op = _only(_hlo.compiled_collectives(text))
+  op = _only(hlo.compiled_collectives(text))
   assert (op.kind, op.dtypes, op.elements, op.group_size) == (
     "all-reduce",
     ("f32",),
@@ -66,8 +66,8 @@ def test_psum_of_1000_float32_over_8_devices(mesh):
   )
   assert (op.context, op.branch) == ("top", "")
   assert op.buffer_bytes == 1000 * F32
-  assert _hlo.sent_bytes(op) == _ring(8, 4000) == 7000
-  assert _hlo.allreduce_equivalent_bytes(op) == 4000
+  assert hlo.sent_bytes(op) == _ring(8, 4000) == 7000
+  assert hlo.allreduce_equivalent_bytes(op) == 4000
 
 
 def test_psum_over_groups_of_4_counts_its_own_ring():
@@ -79,7 +79,7 @@ def test_psum_over_groups_of_4_counts_its_own_ring():
     in_specs=(P(("outer", "inner")),),
     out_specs=P("outer"),
   )
-  op = _only(_hlo.compiled_collectives(text, num_devices=N))
+  op = _only(hlo.compiled_collectives(text, num_devices=N))
   assert (op.kind, op.dtypes, op.elements, op.group_size) == (
     "all-reduce",
     ("f32",),
@@ -87,7 +87,7 @@ def test_psum_over_groups_of_4_counts_its_own_ring():
     4,
   )
   # 2 (4 - 1) / 4 of 4000 bytes, not the 2 (8 - 1) / 8 of a ring over all 8.
-  assert _hlo.sent_bytes(op, num_devices=N) == _ring(4, 4000) == 6000
+  assert hlo.sent_bytes(op, num_devices=N) == _ring(4, 4000) == 6000
 
 
 def test_pmap_psum_with_axis_index_groups_of_4():
@@ -96,14 +96,14 @@ def test_pmap_psum_with_axis_index_groups_of_4():
     lambda v: jax.lax.psum(v, "i", axis_index_groups=groups), axis_name="i"
   )
   text = f.lower(jnp.ones((N, 1000))).compile().as_text()
-  op = _only(_hlo.compiled_collectives(text, num_devices=N))
+  op = _only(hlo.compiled_collectives(text, num_devices=N))
   assert (op.kind, op.elements, op.group_size, op.buffer_bytes) == (
     "all-reduce",
     1000,
     4,
     4000,
   )
-  assert _hlo.sent_bytes(op, num_devices=N) == 6000
+  assert hlo.sent_bytes(op, num_devices=N) == 6000
 
 
 def test_all_gather_counts_the_gathered_array(mesh):
@@ -114,7 +114,7 @@ def test_all_gather_counts_the_gathered_array(mesh):
     in_specs=(P(AXIS),),
     out_specs=P(AXIS),
   )
-  op = _only(_hlo.compiled_collectives(text))
+  op = _only(hlo.compiled_collectives(text))
   assert (op.kind, op.dtypes, op.elements, op.group_size) == (
     "all-gather",
     ("f32",),
@@ -123,8 +123,8 @@ def test_all_gather_counts_the_gathered_array(mesh):
   )
   assert op.buffer_bytes == N * 1000 * F32
   # Each member sends its 1000 elements to the 7 others: (8 - 1) / 8 of it.
-  assert _hlo.sent_bytes(op) == 7 * 1000 * F32
-  assert _hlo.allreduce_equivalent_bytes(op) == N * 1000 * F32 / 2
+  assert hlo.sent_bytes(op) == 7 * 1000 * F32
+  assert hlo.allreduce_equivalent_bytes(op) == N * 1000 * F32 / 2
 
 
 def test_reduce_scatter_counts_its_operand(mesh):
@@ -135,10 +135,10 @@ def test_reduce_scatter_counts_its_operand(mesh):
     in_specs=(P(AXIS),),
     out_specs=P(AXIS),
   )
-  op = _only(_hlo.compiled_collectives(text))
+  op = _only(hlo.compiled_collectives(text))
   assert (op.kind, op.elements, op.group_size) == ("reduce-scatter", 8000, N)
   assert (op.result_bytes, op.buffer_bytes) == (1000 * F32, 8000 * F32)
-  assert _hlo.sent_bytes(op) == 7 / 8 * 8000 * F32
+  assert hlo.sent_bytes(op) == 7 / 8 * 8000 * F32
 
 
 def test_all_to_all_and_collective_permute(mesh):
@@ -150,13 +150,13 @@ def test_all_to_all_and_collective_permute(mesh):
   text = _compiled_text(
     mesh, exchange, jnp.ones(N * 1000), in_specs=(P(AXIS),), out_specs=P(AXIS)
   )
-  ops = {op.kind: op for op in _hlo.compiled_collectives(text)}
+  ops = {op.kind: op for op in hlo.compiled_collectives(text)}
   assert set(ops) == {"all-to-all", "collective-permute"}
   a2a, permute = ops["all-to-all"], ops["collective-permute"]
   assert (a2a.elements, a2a.group_size, a2a.buffer_bytes) == (1000, N, 4000)
-  assert _hlo.sent_bytes(a2a) == 7 / 8 * 4000  # keeps 1/8 of it
+  assert hlo.sent_bytes(a2a) == 7 / 8 * 4000  # keeps 1/8 of it
   assert (permute.elements, permute.buffer_bytes) == (1000, 4000)
-  assert _hlo.sent_bytes(permute) == 4000  # the whole buffer to a neighbour
+  assert hlo.sent_bytes(permute) == 4000  # the whole buffer to a neighbour
 
 
 def test_a_psum_in_one_branch_of_a_cond(mesh):
@@ -173,15 +173,15 @@ def test_a_psum_in_one_branch_of_a_cond(mesh):
     in_specs=(P(), P(AXIS)),
     out_specs=P(AXIS),
   )
-  op = _only(_hlo.compiled_collectives(text))
+  op = _only(hlo.compiled_collectives(text))
   assert (op.kind, op.elements, op.group_size) == ("all-reduce", 250, N)
   assert op.context == "conditional"
   # lax.cond(pred, true, false) compiles to branches [false, true].
   assert op.branch.endswith("#1"), op.branch
-  [[false_branch, true_branch]] = _hlo.branch_collectives(text)
+  [[false_branch, true_branch]] = hlo.branch_collectives(text)
   assert false_branch == []
   assert [(o.kind, o.elements) for o in true_branch] == [("all-reduce", 250)]
-  split = _hlo.by_branch(_hlo.compiled_collectives(text), _hlo.sent_bytes)
+  split = hlo.by_branch(hlo.compiled_collectives(text), hlo.sent_bytes)
   assert split["top"] == 0
   assert split["branches"] == {
     op.branch: {
@@ -217,8 +217,8 @@ def test_hierarchy_weights_each_level_by_the_steps_it_wins():
     ]
     return jax.lax.switch(level, branches, jax.lax.psum(x, "i"))
 
-  ops = _hlo.compiled_collectives(_pmap_text(levels), num_devices=N)
-  schedule = _hlo.Schedule(schedules.hierarchy({4: 2, 16: 8}))
+  ops = hlo.compiled_collectives(_pmap_text(levels), num_devices=N)
+  schedule = hlo.Schedule(schedules.hierarchy({4: 2, 16: 8}))
 
   def step_bytes(t):  # the largest period dividing t wins
     extra = 0.0
@@ -228,14 +228,14 @@ def test_hierarchy_weights_each_level_by_the_steps_it_wins():
       extra = _ring(8, 1024)
     return _ring(8, 1024) + extra
 
-  measured = _hlo.per_step(ops, schedule, measure=_hlo.sent_bytes)
+  measured = hlo.per_step(ops, schedule, measure=hlo.sent_bytes)
   assert measured["warning"] == ""
   cycle = np.array([step_bytes(t) for t in range(1, 17)])
   assert measured["cycle"] == cycle.tolist()
   assert measured["mean_bytes"] == pytest.approx(cycle.mean())
   assert measured["peak_bytes"] == cycle.max()
   for steps in (1, 4, 15, 16, 17, 100):
-    assert _hlo.run_bytes(measured, schedule, steps) == pytest.approx(
+    assert hlo.run_bytes(measured, schedule, steps) == pytest.approx(
       _numpy_run(step_bytes, steps)
     )
 
@@ -253,15 +253,15 @@ def test_streaming_fragments_each_once_per_period_at_their_offset(lag):
       )
     return x
 
-  ops = _hlo.compiled_collectives(_pmap_text(fragments), num_devices=N)
-  schedule = _hlo.Schedule(schedules.streaming(64, 4, lag=lag))
+  ops = hlo.compiled_collectives(_pmap_text(fragments), num_devices=N)
+  schedule = hlo.Schedule(schedules.streaming(64, 4, lag=lag))
 
   def step_bytes(t):
     # fragment f after step s iff s % 64 == 16 f, run `lag` steps later
     s = t - lag
     return sum(256.0 for f in range(4) if s >= 1 and s % 64 == 16 * f)
 
-  measured = _hlo.per_step(ops, schedule)
+  measured = hlo.per_step(ops, schedule)
   assert measured["warning"] == ""
   # The steady state: a cycle later, every lagged sync has started.
   cycle = np.array([step_bytes(t + 64) for t in range(1, 65)])
@@ -271,7 +271,7 @@ def test_streaming_fragments_each_once_per_period_at_their_offset(lag):
   )
   assert (measured["mean_bytes"], measured["peak_bytes"]) == (1024 / 64, 256)
   for steps in (1, 16, 17, 63, 64, 65, 200):
-    assert _hlo.run_bytes(measured, schedule, steps) == _numpy_run(
+    assert hlo.run_bytes(measured, schedule, steps) == _numpy_run(
       step_bytes, steps
     )
 
@@ -290,20 +290,20 @@ def test_a_warm_up_then_a_sync_every_4_steps():
       x,
     )
 
-  ops = _hlo.compiled_collectives(_pmap_text(step), num_devices=N)
-  schedule = _hlo.Schedule(schedules.every(4), warmup_steps=warmup)
+  ops = hlo.compiled_collectives(_pmap_text(step), num_devices=N)
+  schedule = hlo.Schedule(schedules.every(4), warmup_steps=warmup)
 
   def step_bytes(t):
     if t <= warmup:
       return 1024.0
     return 512.0 if (t - warmup) % 4 == 0 else 0.0
 
-  measured = _hlo.per_step(ops, schedule)
+  measured = hlo.per_step(ops, schedule)
   assert measured["warning"] == ""
   assert measured["warmup_bytes"] == 1024
   assert measured["cycle"] == [step_bytes(t) for t in range(4, 8)]
   for steps in range(1, 21):
-    assert _hlo.run_bytes(measured, schedule, steps) == _numpy_run(
+    assert hlo.run_bytes(measured, schedule, steps) == _numpy_run(
       step_bytes, steps
     )
 
@@ -318,26 +318,26 @@ def test_without_syncs_every_step_takes_one_branch(taken, expected):
       x,
     )
 
-  ops = _hlo.compiled_collectives(_pmap_text(step), num_devices=N)
-  measured = _hlo.per_step(ops, _hlo.Schedule(taken=taken))
+  ops = hlo.compiled_collectives(_pmap_text(step), num_devices=N)
+  measured = hlo.per_step(ops, hlo.Schedule(taken=taken))
   assert measured["cycle"] == [expected]
-  assert _hlo.run_bytes(measured, _hlo.Schedule(taken=taken), 10) == (
+  assert hlo.run_bytes(measured, hlo.Schedule(taken=taken), 10) == (
     10 * expected
   )
 
 
 def test_fired_is_the_engine_schedule_counted_by_numpy():
   t = np.arange(1, 65)
-  hierarchy = _hlo.Schedule(schedules.hierarchy({2: 2, 8: 4, 16: 8}))
+  hierarchy = hlo.Schedule(schedules.hierarchy({2: 2, 8: 4, 16: 8}))
   expected = np.select([t % 16 == 0, t % 8 == 0, t % 2 == 0], [3, 2, 1], 0)
-  assert _hlo.fired(hierarchy, t).tolist() == expected.tolist()
-  streaming = _hlo.Schedule(schedules.streaming(16, 4, lag=1), warmup_steps=5)
+  assert hlo.fired(hierarchy, t).tolist() == expected.tolist()
+  streaming = hlo.Schedule(schedules.streaming(16, 4, lag=1), warmup_steps=5)
   s = t - 5 - 1
   expected = np.select(
     [(s >= 1) & (s % 16 == 4 * f) for f in range(4)], [1, 2, 3, 4], 0
   )
-  assert _hlo.fired(streaming, t).tolist() == expected.tolist()
-  assert _hlo.fired(_hlo.Schedule(), t).tolist() == [0] * 64
+  assert hlo.fired(streaming, t).tolist() == expected.tolist()
+  assert hlo.fired(hlo.Schedule(), t).tolist() == [0] * 64
 
 
 # --- The engine's own steps match their schedules. ---------------------------
@@ -358,13 +358,13 @@ def _engine_ops(tx):
     .compile()
     .as_text()
   )
-  return _hlo.compiled_collectives(text, num_devices=N)
+  return hlo.compiled_collectives(text, num_devices=N)
 
 
 def test_streaming_diloco_runs_one_branch_per_fragment_at_its_offset():
   tx = shardopt.diloco(optax.sgd(0.1), AXIS, sync_period=8, num_fragments=2)
-  schedule = _hlo.Schedule(schedules.streaming(8, 2))
-  measured = _hlo.per_step(_engine_ops(tx), schedule)
+  schedule = hlo.Schedule(schedules.streaming(8, 2))
+  measured = hlo.per_step(_engine_ops(tx), schedule)
   assert measured["warning"] == ""
   assert len(measured["sync_bytes"]) == 2
   # fragment f after step t iff t % 8 == 4 f: steps 8 and 4 of a cycle
@@ -377,8 +377,8 @@ def test_hierarchical_local_sgd_branches_run_in_their_group_sizes():
   tx = shardopt.hierarchical_local_sgd(
     optax.sgd(0.1), AXIS, period_group_sizes={2: 2, 8: 8}
   )
-  schedule = _hlo.Schedule(schedules.hierarchy({2: 2, 8: 8}))
-  measured = _hlo.per_step(_engine_ops(tx), schedule, measure=_hlo.sent_bytes)
+  schedule = hlo.Schedule(schedules.hierarchy({2: 2, 8: 8}))
+  measured = hlo.per_step(_engine_ops(tx), schedule, measure=hlo.sent_bytes)
   assert measured["warning"] == ""
   pairs, everyone = measured["sync_bytes"]
   # The same params either way: a ring of 2 sends 1/2, a ring of 8 sends 7/4.

@@ -1180,7 +1180,7 @@ def test_local_sgd_and_agn_warm_start_within_groups_match_numpy(kind):
 def test_warm_start_runs_its_all_reduce_only_in_its_branch():
   """The warm-up's gradient all-reduce sits in a cond on the counter, like
   the sync's: the compiled step runs no collective outside conditionals."""
-  from shardopt import _hlo as hlo  # noqa: PLC0415
+  from shardopt.measure import hlo  # noqa: PLC0415
 
   tx = shardopt.diloco(optax.adam(0.1), "batch", sync_period=4, warmup_steps=5)
   params = _stack(_w0())

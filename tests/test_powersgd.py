@@ -4,7 +4,7 @@ The reference (``np_powersgd``, tests/_powersgd_reference.py) is written from
 the paper's algorithm as design.md section 6.3 states it (Vogels, Karimireddy
 and Jaggi, NeurIPS 2019; PyTorch's ``powerSGD_hook``): it is seeded with the
 ``Q`` that ``tx.init`` drew, so the random number generator does not matter.
-Byte counts come from the compiled (or lowered) HLO, read by ``shardopt._hlo``.
+Byte counts come from the compiled (or lowered) HLO, read by :mod:`shardopt.measure.hlo`.
 """
 
 import importlib
@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 
 AXIS = "batch"
 _module = importlib.import_module("shardopt.powersgd")

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 from shardopt.periodic import fragments as _fragments
 
 R = 8  # replicas

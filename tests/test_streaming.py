@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 
 R = 8  # replicas
 H = 4  # sync period

@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 
 R = 8  # replicas
 VOCAB, WIDTH, LAYERS, CONTEXT, BATCH = 16, 16, 4, 8, 2

@@ -18,7 +18,7 @@ import pytest
 import shardopt
 from benchmarks import methods
 from benchmarks.studies import workload
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 
 # One eval chunk (16 steps). An int8 wire's rounding can flip one quantum
 # between the two compilations later on: at 32 steps the int8 + error

@@ -1,4 +1,4 @@
-"""shardopt.wire.traffic: the bytes a step sends, per step, sync and run.
+"""shardopt.measure.traffic: the bytes a step sends, per step, sync and run.
 
 Every expected number is computed here by hand from the program: a ring
 all-reduce of B bytes in groups of g sends 2 (g - 1) / g * B from each
@@ -24,12 +24,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from shardopt.wire.traffic import Collective
-from shardopt.wire.traffic import Traffic
-from shardopt.wire.traffic import traffic
+from shardopt.measure.traffic import Collective
+from shardopt.measure.traffic import Traffic
+from shardopt.measure.traffic import traffic
 
-# The module (shardopt.wire exports the function under the same name).
-traffic_module = importlib.import_module("shardopt.wire.traffic")
+# The module (shardopt.measure exports the function under the same name).
+traffic_module = importlib.import_module("shardopt.measure.traffic")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXIS = "batch"
@@ -309,3 +309,14 @@ def test_docs_bytes_page_prints_what_it_shows_and_the_readme_numbers():
   assert readme == [
     round(sent[m] / 1e6, 2) for m in ("sync", "powersgd", "diloco", "streaming")
   ]
+
+
+@pytest.mark.parametrize("name", ["traffic", "Traffic", "Collective"])
+def test_the_names_before_the_move_give_the_same_object_with_a_warning(name):
+  """shardopt.wire's names of the reader lead to shardopt.measure's, with a
+  DeprecationWarning naming the new one (docs/layers.md: the one exception)."""
+  with pytest.warns(DeprecationWarning, match=f"shardopt.measure.{name}"):
+    old = getattr(shardopt.wire, name)
+  assert old is getattr(shardopt.measure, name)
+  with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+    shardopt.wire.nothing  # noqa: B018

@@ -1,7 +1,7 @@
 """Bytes per mini-step: ``accumulate(cross_shard(adam), k)`` vs ``cross_shard``.
 
 Both steps are compiled under ``pmap`` (8 replicas, every replica its own
-gradient) and their HLO read by :mod:`shardopt._hlo`. ``cross_shard``
+gradient) and their HLO read by :mod:`shardopt.measure.hlo`. ``cross_shard``
 all-reduces the gradient on every step (``top``); ``accumulate`` only inside
 the emit branch of its ``lax.cond`` (``conditional``), which runs once every
 ``k`` mini-steps. Bytes per mini-step = ``top + conditional / k``, in
@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import shardopt  # noqa: E402
-from shardopt import _hlo as hlo  # noqa: E402
+from shardopt.measure import hlo  # noqa: E402
 
 AXIS = "batch"
 

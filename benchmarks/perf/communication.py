@@ -1,16 +1,16 @@
 """Communication: the collectives in one compiled step of every transform.
 
 For each transform, one training step of the same MLP is compiled and its HLO
-read by :mod:`shardopt._hlo`: how many collectives of which kind, how many
+read by :mod:`shardopt.measure.hlo`: how many collectives of which kind, how many
 bytes they move, and whether they run every step (``top``) or only inside the
 sync branch of a ``lax.cond`` (``conditional``). The per-step figures weight
 each conditional branch by the steps that take it
-(:func:`shardopt._hlo.per_step`, asking the periodic engine's schedule): the
+(:func:`shardopt.measure.hlo.per_step`, asking the periodic engine's schedule): the
 mean over a cycle (``top + conditional / period`` for a single sync branch)
 and the peak step.
 
 Each is compared with the minimum for its method, in all-reduce-equivalent
-bytes (see :mod:`shardopt._hlo`): parameter bytes for ``cross_shard``; the
+bytes (see :mod:`shardopt.measure.hlo`): parameter bytes for ``cross_shard``; the
 same total split into reduce-scatter + all-gather for ``tower``; parameter
 bytes / T per step for ``agn`` (and / period for ``local_sgd``, / H for
 ``diloco``); half for a bfloat16 ``comm_dtype``. design.md section 6's
@@ -34,7 +34,7 @@ import optax
 import shardopt
 from benchmarks import methods
 from benchmarks.perf import workload
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 from shardopt.periodic import schedules
 
 NAME = "communication"
@@ -190,7 +190,7 @@ def _new_cases() -> list[dict]:
   """Rows for design.md section 6's transforms, where this shardopt has them.
 
   ``schedule`` weights each conditional branch by the steps that take it
-  (:func:`shardopt._hlo.per_step`); ``minimum`` is a fraction of P (or a
+  (:func:`shardopt.measure.hlo.per_step`); ``minimum`` is a fraction of P (or a
   function of the params).
   """
   adam = lambda: optax.adam(1e-3)
@@ -379,7 +379,7 @@ def run(quick: bool) -> dict:
     " only in a branch of a `lax.cond`/`lax.switch`. kB per step are"
     " all-reduce-equivalent (reduce-scatter and all-gather count half their"
     " full buffer each); each branch's bytes count on the steps the"
-    " transform's schedule takes it (shardopt/_hlo.py): kB/step is"
+    " transform's schedule takes it (shardopt/measure/hlo.py): kB/step is"
     " the mean over a cycle, peak the largest single step (a sync step).",
     "Wire kB/step uses the dtype of the lowered StableHLO; the compiled CPU"
     " HLO shows bf16 all-reduces widened to f32, so compiled and wire"

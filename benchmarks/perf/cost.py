@@ -76,7 +76,7 @@ from benchmarks import methods
 from benchmarks.perf import harness
 from benchmarks.perf import projection
 from benchmarks.perf import workload
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 from shardopt.periodic import schedules
 
 NAME = "cost"
@@ -192,7 +192,7 @@ class _Runner:
     return out
 
   def copied(self) -> dict:
-    """:func:`shardopt._hlo.copied_bytes` of this step's compiled HLO."""
+    """:func:`shardopt.measure.hlo.copied_bytes` of this step's compiled HLO."""
     return hlo.copied_bytes(
       self.step.lower(self.params, self.state, *self.batch).compile().as_text()
     )

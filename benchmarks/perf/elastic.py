@@ -37,7 +37,7 @@ the stall after a kill) printed and saved to
 ``--round-bytes`` alone (no processes, under a minute): compiles one plain
 round's collective program (``shardopt.elastic.rows.exchange``, float32
 wire) for 2, 4 and 8 islands on forced CPU devices, reads what one island
-sends from the compiled HLO with ``shardopt.wire.traffic``, and prints one
+sends from the compiled HLO with ``shardopt.measure.traffic``, and prints one
 JSON line: ``{"payload_bytes": P, "round_bytes_per_island": {"2": B2, "4":
 B4, "8": B8}, ...}`` (plus, for comparison, the one ``all_gather`` of whole
 rows that rounds were before, ``all_gather_bytes_per_island``), also saved
@@ -72,6 +72,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks import _report
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "elastic.json"
@@ -228,7 +230,7 @@ def round_bytes(islands=(2, 4, 8), shape=(512, 512)) -> dict:
       )
     )
     rows_in = jax.ShapeDtypeStruct((n * block[1],) + block[2:], jnp.uint8)
-    return shardopt.wire.traffic(fn, rows_in, num_devices=n).per_step
+    return shardopt.measure.traffic(fn, rows_in, num_devices=n).per_step
 
   two_phase, gather = {}, {}
   for n in islands:
@@ -254,7 +256,7 @@ def round_bytes(islands=(2, 4, 8), shape=(512, 512)) -> dict:
     "measured_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds"
     ),
-    "commit": _git_commit(),
+    "commit": _report.git_commit(),
   }
 
 
@@ -444,7 +446,7 @@ def _save(path: Path, started, result: dict) -> None:
           ["python -m benchmarks.perf.elastic", *sys.argv[1:]]
         ),
         "started_utc": started.isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": _report.git_commit(),
         **result,
       },
       indent=1,
@@ -452,13 +454,6 @@ def _save(path: Path, started, result: dict) -> None:
     )
     + "\n"
   )
-
-
-def _git_commit() -> str:
-  """The checkout's short commit (``_report``'s), recorded with the numbers."""
-  from benchmarks import _report  # noqa: PLC0415
-
-  return _report._git_commit()  # noqa: SLF001
 
 
 def main() -> None:

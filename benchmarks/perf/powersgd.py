@@ -5,7 +5,7 @@ for r in {1, 2, 4}, each against ``optax.chain(shardopt.cross_shard_mean(axis),
 adam)`` (the synchronous all-reduce it replaces):
 
 * **Bytes per step** from the compiled HLO of one ``pmap`` training step
-  (:mod:`shardopt._hlo`, all-reduce buffers), on section 3's MLP
+  (:mod:`shardopt.measure.hlo`, all-reduce buffers), on section 3's MLP
   (256-512-10) and on section 1's ~5M-parameter MLP (1024-2048-1536-10).
 * **Convergence**: section 5's digits run (same data split, 64-64-10 MLP,
   Adam 1e-3, 8 replicas, 1024 steps, 3 seeds: :func:`benchmarks.studies.workload.train_digits`).
@@ -34,7 +34,7 @@ from benchmarks.perf import harness
 from benchmarks.perf import projection
 from benchmarks.perf import workload
 from benchmarks.studies import workload as studies
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 
 NAME = "powersgd"
 TITLE = "7. PowerSGD: bytes, accuracy, step time and where it pays off"

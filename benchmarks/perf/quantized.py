@@ -39,7 +39,7 @@ import shardopt  # noqa: E402
 from benchmarks import _report  # noqa: E402
 from benchmarks.perf import harness  # noqa: E402
 from benchmarks.perf import workload  # noqa: E402
-from shardopt import _hlo as hlo  # noqa: E402
+from shardopt.measure import hlo  # noqa: E402
 
 MLP = (1024, 2048, 1536, 10)
 QUICK_MLP = (64, 128, 10)
@@ -60,7 +60,7 @@ WIRES = {
 # feedback costs however it is fused (read e, write e' every step).
 FLOOR = "float32 wire + an error buffer's read and write"
 LINKS = {"100 Gb/s": 12.5e9, "10 Gb/s": 1.25e9, "1 Gb/s": 0.125e9}
-# Per replica, the fraction of a collective's buffer (hlo.Collective's
+# Per replica, the fraction of a collective's buffer (hlo.HloCollective's
 # buffer_bytes: an all-reduce's or all-to-all's operand, an all-gather's
 # result) that it sends.
 _SENDS = {

@@ -248,7 +248,7 @@ def main(argv=None) -> int:
       *(sys.argv[1:] if argv is None else argv),
     ]
   )
-  section["commit"] = _report._git_commit()  # noqa: SLF001
+  section["commit"] = _report.git_commit()
   path = os.path.join(RESULTS, f"{NAME}.json")
   with open(path, "w") as f:
     json.dump(section, f, indent=1)

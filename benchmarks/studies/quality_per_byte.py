@@ -23,8 +23,8 @@ defaults, its own sign step instead of AdamW, at 1, 0.3 and 0.1 times the
 schedule's learning rate).
 
 Bytes: each method's training chunk is compiled once; its HLO is read by
-:mod:`shardopt._hlo` (the loop body is one step) and weighted by the
-method's schedule (:func:`shardopt._hlo.per_step`, asking the periodic
+:mod:`shardopt.measure.hlo` (the loop body is one step) and weighted by the
+method's schedule (:func:`shardopt.measure.hlo.per_step`, asking the periodic
 engine's schedule, warm-up steps included):
 bytes one replica SENDS in a bandwidth-optimal algorithm (a ring all-reduce
 of ``B`` bytes in groups of ``g`` sends ``2 (g - 1) / g * B``; the quantized
@@ -68,7 +68,7 @@ from benchmarks import RESULTS  # noqa: E402
 from benchmarks import methods  # noqa: E402
 from benchmarks.studies import harness  # noqa: E402
 from benchmarks.studies import workload  # noqa: E402
-from shardopt import _hlo as hlo  # noqa: E402
+from shardopt.measure import hlo  # noqa: E402
 
 NAME = "quality_per_byte"
 SYNC = "cross_shard(adamw) [sync]"

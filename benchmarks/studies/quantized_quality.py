@@ -1,7 +1,7 @@
 """Quality of the quantized wire: digits, 8 replicas, every wire side by side.
 
 ``python -m benchmarks.studies.quantized_quality [--quick] [--seeds S] [--steps N]``
-trains :mod:`shardopt.demo`'s workload (scikit-learn's digits, a 64-64-10
+trains :mod:`examples.demo`'s workload (scikit-learn's digits, a 64-64-10
 MLP, Adam lr 3e-3, 32 examples per replica per step, 8 replicas under
 ``pmap``; its data, model and HLO byte reader are imported from the demo)
 with
@@ -25,7 +25,7 @@ compared on identical data. The model evaluated is the one every replica
 shares (DiLoCo's center; ``cross_shard``'s params): test accuracy, test loss
 and the loss on the whole training split after the last step, mean ± std
 over the seeds. Bytes per replica over the run come from each compiled step's
-HLO (:func:`shardopt.wire.traffic`: a ring all-reduce sends
+HLO (:func:`shardopt.measure.traffic`: a ring all-reduce sends
 ``2 (n - 1) / n`` of its buffer, an all-to-all or all-gather ``(n - 1) / n``;
 collectives in a sync branch count once per ``sync_period``); a quantized
 wire's bytes include its float32 block scales and the zero padding of each
@@ -68,9 +68,9 @@ import optax  # noqa: E402
 import shardopt  # noqa: E402
 from benchmarks import RESULTS  # noqa: E402
 from benchmarks import _report  # noqa: E402
-from shardopt import demo  # noqa: E402
+from examples import demo  # noqa: E402
+from shardopt.measure.traffic import traffic  # noqa: E402
 from shardopt.periodic.checks import DEFAULT_OUTER as OUTER  # noqa: E402
-from shardopt.wire.traffic import traffic  # noqa: E402
 
 NAME = "quantized_quality"
 TITLE = (
@@ -383,7 +383,7 @@ def run(quick: bool, seeds: int | None = None, steps: int | None = None):
       ]
     )
   notes = [
-    f"Workload: shardopt.demo's digits MLP (64-{HIDDEN}-10), {REPLICAS}"
+    f"Workload: examples.demo's digits MLP (64-{HIDDEN}-10), {REPLICAS}"
     f" replicas under pmap, {BATCH} examples per replica per step, Adam lr"
     f" {LEARNING_RATE:g} inside diloco and cross_shard, {steps} steps"
     f" ({steps // SYNC_PERIOD} DiLoCo syncs at sync_period={SYNC_PERIOD},"
@@ -400,7 +400,7 @@ def run(quick: bool, seeds: int | None = None, steps: int | None = None):
     f"{max(r['max_replica_divergence'] for r in results):g}"
     " (0 = bit-identical).",
     "Bytes: what one replica sends over the run, from each compiled step's"
-    " HLO (shardopt.wire.traffic; a sync branch's collectives"
+    " HLO (shardopt.measure.traffic; a sync branch's collectives"
     " once per sync_period). A quantized wire is one all-to-all and one"
     " all-gather of uint8 rows (values, then float32 block scales, each leaf"
     " cut into n = 8 zero-padded chunks of 256-element blocks) plus a 4-byte"

@@ -25,9 +25,9 @@ H/4 local steps: the table also shows replica 0's own accuracy and the final
 ``shardopt.replica_divergence``.
 
 Bytes per step come from the compiled HLO of each method's training chunk
-(:func:`shardopt._hlo.compiled_collectives`, the collectives of the loop
+(:func:`shardopt.measure.hlo.compiled_collectives`, the collectives of the loop
 body, i.e. one step) weighted by the method's schedule
-(:func:`shardopt._hlo.per_step`), as in sections 3 and 8.
+(:func:`shardopt.measure.hlo.per_step`), as in sections 3 and 8.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import optax
 from benchmarks import methods
 from benchmarks.studies import harness
 from benchmarks.studies import workload
-from shardopt import _hlo as hlo
+from shardopt.measure import hlo
 from shardopt.periodic import fragments
 
 NAME = "schedule_convergence"
@@ -98,7 +98,7 @@ def _rounds(schedule: hlo.Schedule, steps: int, n: int) -> tuple:
   A round is one step that communicates; it is global when the sync that
   runs in it spans the whole axis of ``n`` replicas. A streaming fragment
   sync is a global round of one fragment. Which sync runs in which step is
-  the periodic engine's answer (:func:`shardopt._hlo.fired`).
+  the periodic engine's answer (:func:`shardopt.measure.hlo.fired`).
   """
   if not schedule.syncs:
     return steps, steps

@@ -8,7 +8,7 @@ of which draws its own minibatches of its own share. A 64-64-10 MLP
 test accuracy every :data:`EVAL_EVERY` steps. The MLP (:func:`mlp_init`,
 :func:`mlp_apply`, :func:`mlp_loss`) is also the model of every performance
 benchmark (:mod:`benchmarks.perf.workload` builds its steps on it); the
-library's demo (:mod:`shardopt.demo`) keeps its own copy.
+repository's demo (:mod:`examples.demo`) keeps its own copy.
 
 **Language model** (sections 8 and 8b): a byte-level transformer on the
 Python stdlib's sources.
@@ -196,11 +196,11 @@ def update_bytes(tx, params: Any, schedule, steps: int, devices=None) -> dict:
   forward and backward pass communicates nothing, so ``tx.update``'s
   collectives are the step's (``tests/test_study_replicas.py`` checks it
   against the training chunk's HLO). ``schedule`` is the method's
-  :class:`shardopt._hlo.Schedule`. Returns ``{"total_bytes",
+  :class:`shardopt.measure.hlo.Schedule`. Returns ``{"total_bytes",
   "mean_bytes_per_step", "peak_bytes_per_step", "warmup_bytes_per_step",
   "collectives", "bytes_warning", "bytes_from"}``.
   """
-  from shardopt import _hlo as hlo
+  from shardopt.measure import hlo
 
   devices = jax.devices("cpu") if devices is None else devices
   n = len(devices)

@@ -8,6 +8,7 @@ TowerOptimizer and AGNOptimizer.
 """
 
 from shardopt import elastic
+from shardopt import measure
 from shardopt import wire
 from shardopt._axes import AxisNotBoundError
 from shardopt._host_schedule import WARM_UP
@@ -80,5 +81,6 @@ __all__ = [
   "all_finite",
   "apply_if_finite",
   "elastic",
+  "measure",
   "wire",
 ]

@@ -1,6 +1,15 @@
-"""``python -m shardopt`` runs the demo (same flags as ``python -m shardopt.demo``)."""
+"""``python -m shardopt``: says where the demo is (it is not in the package).
 
-from shardopt.demo import main
+The demo trains with scikit-learn, matplotlib and tqdm, which shardopt does
+not need, so it lives in the repository: ``python -m examples.demo`` from a
+checkout (``make demo`` installs what it needs and runs it).
+"""
+
+import sys
 
 if __name__ == "__main__":
-  main()
+  sys.exit(
+    "The demo is not part of the shardopt package: from a clone of the"
+    " repository, run `make demo` (or `python -m examples.demo` after"
+    ' pip install -e ".[demo]").'
+  )

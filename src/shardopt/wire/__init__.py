@@ -15,27 +15,28 @@ the encoding, the exchange's arithmetic and the decoding:
   (needs error feedback).
 
 Error feedback lives in ``feedback``, the mean over the contributors in
-``mean``, the protocol in ``protocol``; ``traffic`` reads what a
-compiled step sends (``traffic``).
+``mean``, the protocol in ``protocol``. What a compiled step sends is read
+on the measuring floor, above the transforms: :func:`shardopt.measure.traffic`
+(``traffic``, ``Traffic`` and ``Collective`` here, its names before it
+moved, warn and lead there until shardopt 0.3).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax.numpy as jnp
 
+from shardopt._renamed import REMOVED_IN
 from shardopt.wire import blocks
 from shardopt.wire import dense
 from shardopt.wire import sparse
 from shardopt.wire.protocol import Wire
 from shardopt.wire.sparse import TopKSpec
-from shardopt.wire.traffic import Collective
-from shardopt.wire.traffic import Traffic
-from shardopt.wire.traffic import traffic
 
 # The specs' builders are shardopt.quantized and shardopt.topk.
-__all__ = ["Collective", "Traffic", "Wire", "of", "traffic"]
+__all__ = ["Wire", "of"]
 
 _USE = (
   "use a float dtype such as jnp.bfloat16 or jnp.float16, a quantized one"
@@ -91,3 +92,29 @@ def of(comm_dtype: Any, transform: str = "shardopt.wire.of", axis_name=None):
       f" a quantized one; {_USE}"
     )
   return dense.Dense(dtype)
+
+
+# The traffic reader's names before it moved up a floor to shardopt.measure
+# (docs/layers.md); removed in shardopt REMOVED_IN.
+_MOVED_TO_MEASURE = ("Collective", "Traffic", "traffic")
+
+
+def __getattr__(name: str) -> Any:
+  """``shardopt.wire.traffic``, ``.Traffic`` and ``.Collective``: the names
+  :mod:`shardopt.measure`'s reader had before it moved, until shardopt 0.3.
+
+  The one import from a floor above in ``src/`` (docs/layers.md): it runs
+  when the name is read, after every module is built, never while
+  ``shardopt.wire`` is imported.
+  """
+  if name not in _MOVED_TO_MEASURE:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  from shardopt import measure  # noqa: PLC0415 (the deprecated alias)
+
+  warnings.warn(
+    f"shardopt.wire.{name} moved to shardopt.measure.{name} (the same"
+    f" object); the old name is removed in shardopt {REMOVED_IN}.",
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  return getattr(measure, name)

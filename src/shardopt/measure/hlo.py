@@ -1,7 +1,11 @@
-"""What crosses the wire, read from a compiled step's HLO (private).
+"""What crosses the wire, read from a compiled step's HLO.
 
-The one reader of collectives in shardopt: the demo, the benchmarks and the
-tests all count bytes here.
+The measuring floor's reader of collectives, below
+:func:`shardopt.measure.traffic` (the public reader, which counts with it).
+It is shardopt's one internal door for the benchmarks and the tests: they
+import ``from shardopt.measure import hlo`` and use the names below, never a
+private one; the names may change between releases (see
+:mod:`shardopt.measure`).
 
 Readers, one per text format:
 
@@ -12,9 +16,11 @@ Readers, one per text format:
   computation or inside the branch of a ``conditional`` (``lax.cond``) or the
   body of a ``while`` loop, following ``calls=``/``to_apply=``/
   ``branch_computations=`` references transitively. Each
-  :class:`Collective` has its kind, dtypes, element count, replica-group
+  :class:`HloCollective` has its kind, dtypes, element count, replica-group
   size and bytes. :func:`branch_collectives` lists them per branch of every
-  conditional; :func:`by_branch` sums them per branch.
+  conditional; :func:`by_branch` sums them per branch;
+  :func:`copied_bytes` counts the ``copy`` instructions;
+  :func:`instructions` lists every instruction.
 * :func:`lowered_collectives` reads the lowered StableHLO
   (``jax.jit(f).lower(*args).as_text()``) and reports the dtype each
   collective was *asked* to move. XLA's CPU backend widens bfloat16
@@ -31,7 +37,7 @@ an all-to-all's or a collective-permute's result. Two measures of it:
   bandwidth-optimal algorithm: a ring all-reduce ``2 (g - 1) / g`` of its
   buffer; a reduce-scatter, an all-gather or an all-to-all ``(g - 1) / g``;
   a collective-permute its whole buffer. ``g`` is each collective's own
-  replica-group size (:attr:`Collective.group_size`).
+  replica-group size (:attr:`HloCollective.group_size`).
 * :func:`allreduce_equivalent_bytes`, the number to compare with
   "parameter bytes" for every method: all-reduce and collective-permute
   buffers count in full, reduce-scatter, all-gather and all-to-all buffers
@@ -50,12 +56,12 @@ run it.
 
 Example (8 devices, e.g. ``XLA_FLAGS=--xla_force_host_platform_device_count=8``):
   >>> import jax, jax.numpy as jnp
-  >>> from shardopt import _hlo
+  >>> from shardopt.measure import hlo
   >>> f = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")
-  >>> ops = _hlo.compiled_collectives(f.lower(jnp.ones((8, 256))).compile().as_text())
+  >>> ops = hlo.compiled_collectives(f.lower(jnp.ones((8, 256))).compile().as_text())
   >>> [(op.kind, op.context, op.elements, op.buffer_bytes) for op in ops]
   [('all-reduce', 'top', 256, 1024)]
-  >>> _hlo.sent_bytes(ops[0])  # a ring: 2 (8 - 1) / 8 of 1024 bytes
+  >>> hlo.sent_bytes(ops[0])  # a ring: 2 (8 - 1) / 8 of 1024 bytes
   1792.0
 """
 
@@ -132,7 +138,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 @dataclasses.dataclass(frozen=True)
-class Collective:
+class HloCollective:
   """One collective instruction.
 
   Attributes:
@@ -270,7 +276,7 @@ def _edges(computations: dict) -> dict:
 def _walk(hlo_text: str, caller: str) -> list[tuple[str, str, list[str]]]:
   """``(context, outermost branch, instruction lines)`` per reachable computation.
 
-  ``context`` and the branch are as in :class:`Collective` (``|``-joined when
+  ``context`` and the branch are as in :class:`HloCollective` (``|``-joined when
   a computation is reached in several).
   """
   computations, entry = _computations(hlo_text, caller)
@@ -308,8 +314,8 @@ def _walk(hlo_text: str, caller: str) -> list[tuple[str, str, list[str]]]:
 
 def _collective(
   line: str, context: str, num_devices: int, branch: str = ""
-) -> Collective | None:
-  """The :class:`Collective` an HLO instruction line runs, or None."""
+) -> HloCollective | None:
+  """The :class:`HloCollective` an HLO instruction line runs, or None."""
   inst = _INSTRUCTION.match(line)
   if not inst:
     return None
@@ -322,7 +328,7 @@ def _collective(
   group = _group_size(inst.group(4), num_devices)
   buffer_bytes, elements = _buffer(kind, sizes, counts, group, is_start)
   op_name = _OP_NAME.search(line)
-  return Collective(
+  return HloCollective(
     kind=kind,
     context=context,
     dtypes=dtypes,
@@ -337,7 +343,7 @@ def _collective(
 
 def compiled_collectives(
   hlo_text: str, *, num_devices: int = 0
-) -> list[Collective]:
+) -> list[HloCollective]:
   """Lists the collectives in compiled HLO text, with their context and bytes.
 
   Args:
@@ -345,7 +351,7 @@ def compiled_collectives(
     num_devices: group size to assume when an instruction names no groups.
 
   Returns:
-    One :class:`Collective` per collective instruction, in text order.
+    One :class:`HloCollective` per collective instruction, in text order.
   """
   found = []
   for where, branch, lines in _walk(hlo_text, "compiled_collectives"):
@@ -358,7 +364,7 @@ def compiled_collectives(
 
 def branch_collectives(
   hlo_text: str, *, num_devices: int = 0, outermost: bool = False
-) -> list[list[list[Collective]]]:
+) -> list[list[list[HloCollective]]]:
   """The collectives of every branch of every ``conditional``, in text order.
 
   ``lax.cond``/``lax.switch`` compile to a ``conditional`` whose branches are
@@ -369,12 +375,12 @@ def branch_collectives(
   are listed in the branch that holds it).
 
   Returns:
-    ``[conditional][branch] -> [Collective, ...]``.
+    ``[conditional][branch] -> [HloCollective, ...]``.
   """
   computations, _ = _computations(hlo_text, "branch_collectives")
   edges = _edges(computations)
 
-  def reachable(root: str) -> list[Collective]:
+  def reachable(root: str) -> list[HloCollective]:
     seen, stack, found = set(), [root], []
     while stack:
       name = stack.pop()
@@ -480,7 +486,7 @@ def _mlir_bytes(types_text: str) -> tuple[int, tuple, list]:
 
 def lowered_collectives(
   stablehlo_text: str, *, num_devices: int = 0
-) -> list[Collective]:
+) -> list[HloCollective]:
   """Lists the collectives in lowered StableHLO text, with their wire dtypes.
 
   The context is always ``"lowered"`` (this reader does not follow regions);
@@ -491,7 +497,7 @@ def lowered_collectives(
     num_devices: group size to assume when an op names no groups.
 
   Returns:
-    One :class:`Collective` per collective op, in text order.
+    One :class:`HloCollective` per collective op, in text order.
   """
   found = []
   for match in _MLIR_OP.finditer(stablehlo_text):
@@ -511,7 +517,7 @@ def lowered_collectives(
     buffer = operand_bytes if operand else result_bytes
     elements = sum(operand_counts if operand else result_counts)
     found.append(
-      Collective(
+      HloCollective(
         kind=kind,
         context="lowered",
         dtypes=dtypes,
@@ -524,13 +530,13 @@ def lowered_collectives(
   return found
 
 
-def allreduce_equivalent_bytes(op: Collective) -> float:
+def allreduce_equivalent_bytes(op: HloCollective) -> float:
   """``op``'s buffer in all-reduce-equivalent bytes (see the module docstring)."""
   weight = 1.0 if op.kind in ("all-reduce", "collective-permute") else 0.5
   return weight * op.buffer_bytes
 
 
-def sent_bytes(op: Collective, num_devices: int = 8) -> float:
+def sent_bytes(op: HloCollective, num_devices: int = 8) -> float:
   """Bytes one device sends for ``op`` in a bandwidth-optimal algorithm, in
   its own groups of ``g`` (``op.group_size``, or ``num_devices`` when the
   text does not say): a ring all-reduce ``2 (g - 1) / g`` of its buffer, a
@@ -542,7 +548,7 @@ def sent_bytes(op: Collective, num_devices: int = 8) -> float:
   return 2 * allreduce_equivalent_bytes(op) * (g - 1) / g
 
 
-def by_branch(collectives: list[Collective], measure=None) -> dict:
+def by_branch(collectives: list[HloCollective], measure=None) -> dict:
   """All-reduce-equivalent bytes of the top level and of each conditional branch.
 
   A step runs its ``top`` collectives every time and, for each conditional,
@@ -552,7 +558,7 @@ def by_branch(collectives: list[Collective], measure=None) -> dict:
 
   Returns:
     ``{"top": bytes, "branches": {label: {"bytes", "group_sizes", "count"}}}``
-    with ``label`` the outermost branch (:attr:`Collective.branch`),
+    with ``label`` the outermost branch (:attr:`HloCollective.branch`),
     ``group_sizes`` the sorted replica-group sizes of its collectives and
     ``count`` ``{kind: n}``. Branches without collectives are not listed.
     ``measure(op)`` gives an op's bytes (default
@@ -585,7 +591,7 @@ def by_branch(collectives: list[Collective], measure=None) -> dict:
   }
 
 
-def summarize(collectives: list[Collective]) -> dict:
+def summarize(collectives: list[HloCollective]) -> dict:
   """Counts and bytes by kind and context, plus all-reduce-equivalent bytes.
 
   Returns:
@@ -609,30 +615,15 @@ def summarize(collectives: list[Collective]) -> dict:
   }
 
 
-def instruction_mix(hlo_text: str) -> dict:
-  """``{"opcode shape": count}`` over every instruction of compiled HLO text.
-
-  Two steps with the same mix run the same kernels on the same shapes: a
-  cheap, name-independent way to show that a wrapper compiles away.
-  """
-  mix: dict = defaultdict(int)
+def instructions(hlo_text: str) -> list[tuple[str, str]]:
+  """``(opcode, result shape)`` of every instruction of compiled HLO text, in
+  text order (shapes as HLO spells them, layouts included)."""
+  out = []
   for line in hlo_text.splitlines():
     inst = _INSTRUCTION.match(line)
-    if inst and inst.group(3) not in (
-      "parameter",
-      "get-tuple-element",
-      "tuple",
-      "bitcast",
-      "copy",
-    ):
-      shape = re.sub(r"\{[\d,]*\}", "", inst.group(2))  # drop layouts
-      mix[f"{inst.group(3)} {shape}"] += 1
-  return dict(mix)
-
-
-def mix_difference(a: dict, b: dict) -> int:
-  """Number of instructions by which two :func:`instruction_mix` results differ."""
-  return sum(abs(a.get(k, 0) - b.get(k, 0)) for k in set(a) | set(b))
+    if inst:
+      out.append((inst.group(3), inst.group(2)))
+  return out
 
 
 # --------------------------------------------------------------------------
@@ -698,10 +689,10 @@ def fired(schedule: Schedule, steps: Sequence[int]) -> np.ndarray:
   (:func:`shardopt.periodic.schedules.firing`), not a copy of it.
 
   Example:
-    >>> from shardopt import _hlo
+    >>> from shardopt.measure import hlo
     >>> from shardopt.periodic import schedules
-    >>> every_4 = _hlo.Schedule(schedules.every(4), warmup_steps=2)
-    >>> _hlo.fired(every_4, range(1, 11)).tolist()
+    >>> every_4 = hlo.Schedule(schedules.every(4), warmup_steps=2)
+    >>> hlo.fired(every_4, range(1, 11)).tolist()
     [0, 0, 0, 0, 0, 1, 0, 0, 0, 1]
   """
   steps = np.asarray(steps, np.int32)
@@ -723,6 +714,13 @@ def _label_key(label: str) -> tuple:
   """Branch labels (``conditional.12#1``) in numeric order: one cond per
   sync, numbered in program order, so ``.9`` comes before ``.10``."""
   return tuple(int(n) for n in re.findall(r"\d+", label))
+
+
+def branch_labels(collectives: list) -> list[str]:
+  """The outermost ``conditional`` branches that hold collectives
+  (:attr:`HloCollective.branch`), in program order: the order in which
+  :func:`per_step` gives them to the warm-up and the syncs."""
+  return sorted({op.branch for op in collectives if op.branch}, key=_label_key)
 
 
 def _sync_bytes(
@@ -774,19 +772,19 @@ def per_step(collectives: list, schedule: Schedule, measure=None) -> dict:
 
   Example: a ``psum`` every step and one in a sync branch every 4 steps.
     >>> import jax, jax.numpy as jnp
-    >>> from shardopt import _hlo
+    >>> from shardopt.measure import hlo
     >>> from shardopt.periodic import schedules
     >>> f = jax.pmap(lambda t, x: jax.lax.psum(x, "i") + jax.lax.cond(
     ...   t % 4 == 0, lambda: jax.lax.psum(x, "i"), lambda: x), axis_name="i")
     >>> text = f.lower(jnp.arange(8), jnp.ones((8, 256))).compile().as_text()
-    >>> ops = _hlo.compiled_collectives(text)
-    >>> measured = _hlo.per_step(ops, _hlo.Schedule(schedules.every(4)))
+    >>> ops = hlo.compiled_collectives(text)
+    >>> measured = hlo.per_step(ops, hlo.Schedule(schedules.every(4)))
     >>> measured["cycle"], measured["mean_bytes"], measured["peak_bytes"]
     ([1024.0, 1024.0, 1024.0, 2048.0], 1280.0, 2048.0)
   """
   split = by_branch(collectives, measure)
   top, branches = split["top"], split["branches"]
-  labels = sorted(branches, key=_label_key)
+  labels = branch_labels(collectives)
   sizes = {label: branches[label]["bytes"] for label in labels}
   warning = ""
   warmup_bytes = 0.0

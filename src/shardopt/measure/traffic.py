@@ -1,7 +1,7 @@
 """The bytes a step sends, read from the compiled step: the reader behind
 ``make demo``'s table and the benchmarks' "MB sent".
 
-:func:`~shardopt.wire.traffic` compiles a ``jax.jit``- or
+:func:`~shardopt.measure.traffic` compiles a ``jax.jit``- or
 ``jax.pmap``-wrapped step for example arguments and reads the collectives
 XLA will run (after its passes have combined them), then counts what one
 replica *sends* for each in a bandwidth-optimal (ring) algorithm, within its
@@ -17,7 +17,7 @@ A step of a periodic transform holds every collective it can ever run:
 those outside any ``lax.cond`` run on every step, those inside a branch only
 on the steps that take it. The transform's own schedule says which steps
 those are (``tx``: ``diloco``, ``local_sgd``, ``agn`` and
-``hierarchical_local_sgd`` carry it), so :class:`~shardopt.wire.Traffic` has
+``hierarchical_local_sgd`` carry it), so :class:`~shardopt.measure.Traffic` has
 the bytes of a step on average and at its peak, of each sync, and of a run
 of ``N`` steps.
 
@@ -25,14 +25,14 @@ The numbers are those of the compiled program on the backend that compiled
 it. XLA's CPU backend widens some narrow floating collectives (bfloat16
 runs in float32, float8 in float16; float16 stays), so on a CPU a
 ``comm_dtype=jnp.bfloat16`` step counts float32 bytes;
-:attr:`~shardopt.wire.Traffic.wire_dtypes` lists the dtypes the program
+:attr:`~shardopt.measure.Traffic.wire_dtypes` lists the dtypes the program
 asked for (from the lowered StableHLO), which are what an accelerator moves,
-and :attr:`~shardopt.wire.Traffic.widened` those the compiled step does not
+and :attr:`~shardopt.measure.Traffic.widened` those the compiled step does not
 move. shardopt's quantized wires (``comm_dtype=jnp.int8``, ``jnp.int4``,
 ``jnp.float8_e4m3fn``, :func:`shardopt.topk`) travel as bytes (``uint8``)
 and are counted exactly everywhere.
 
-The parsing is ``shardopt._hlo``'s, the schedule
+The parsing is :mod:`shardopt.measure.hlo`'s, the schedule
 ``shardopt.periodic.schedules``' own: the demo and the benchmarks count
 with the same code.
 """
@@ -46,10 +46,10 @@ from typing import Any, NamedTuple
 
 import jax
 
-from shardopt import _hlo
+from shardopt.measure import hlo
 from shardopt.periodic import schedules
 
-_TRAFFIC = "shardopt.wire.traffic"
+_TRAFFIC = "shardopt.measure.traffic"
 
 # HLO element types -> NumPy names (the rest are spelled alike).
 _NUMPY_NAMES = {
@@ -92,7 +92,7 @@ class Collective(NamedTuple):
     dtypes: the element types it moves in the compiled program, as NumPy
       names (``("float32",)``; ``("uint8",)`` for a quantized wire). On a
       CPU a bfloat16 collective shows ``float32``: see
-      :attr:`~shardopt.wire.Traffic.wire_dtypes`.
+      :attr:`~shardopt.measure.Traffic.wire_dtypes`.
     elements: elements of its full-size buffer (summed over the arrays of a
       collective XLA combined from several).
     group_size: replicas per group.
@@ -100,12 +100,12 @@ class Collective(NamedTuple):
       reduce-scatter's operand, an all-gather's result (the gathered
       array), an all-to-all's or a collective-permute's result.
     sent_bytes: what one replica sends for it in a ring algorithm (see
-      :func:`~shardopt.wire.traffic`).
+      :func:`~shardopt.measure.traffic`).
     where: when it runs: ``"every step"`` (outside any ``lax.cond``),
       ``"warm-up"`` (the branch of the warm-up steps), ``"sync k"`` (the
       branch of the ``k``-th sync of the schedule, from 1), or ``"branch
       <conditional>#<index>"`` where the branches do not match the schedule
-      (:attr:`~shardopt.wire.Traffic.warning` says how).
+      (:attr:`~shardopt.measure.Traffic.warning` says how).
   """
 
   kind: str
@@ -121,10 +121,10 @@ class Collective(NamedTuple):
 class Traffic:
   """What one replica sends, per step and per run, for a compiled step.
 
-  Built by :func:`~shardopt.wire.traffic`. Bytes are what one replica sends
-  in a ring algorithm (:attr:`~shardopt.wire.Collective.sent_bytes`),
+  Built by :func:`~shardopt.measure.traffic`. Bytes are what one replica sends
+  in a ring algorithm (:attr:`~shardopt.measure.Collective.sent_bytes`),
   summed over the collectives a step runs. ``print(t)`` shows
-  :meth:`~shardopt.wire.Traffic.table`.
+  :meth:`~shardopt.measure.Traffic.table`.
 
   Attributes:
     per_step: mean bytes per step over one cycle of the schedule, after any
@@ -146,15 +146,15 @@ class Traffic:
     schedule: the schedule in words (``"once per 16 steps"``, ``"every
       step"``).
     num_devices: replicas assumed where a collective names no groups.
-    collectives: every :class:`~shardopt.wire.Collective` of the step, in
+    collectives: every :class:`~shardopt.measure.Collective` of the step, in
       program order.
     wire_dtypes: the dtypes the program asks its collectives to move, from
       the lowered StableHLO (NumPy names, sorted): what an accelerator
       moves. ``None`` when only the compiled step (or its HLO text) was
       given. Where it holds a dtype that
-      :attr:`~shardopt.wire.Collective.dtypes` lack (``bfloat16`` against
+      :attr:`~shardopt.measure.Collective.dtypes` lack (``bfloat16`` against
       ``float32``), the compiling backend widened it: see
-      :attr:`~shardopt.wire.Traffic.widened`.
+      :attr:`~shardopt.measure.Traffic.widened`.
     warning: ``""``, or how the step's branches do not look like the
       schedule (say two branches with collectives where the schedule has
       four fragments): the numbers are then a best guess.
@@ -191,7 +191,7 @@ class Traffic:
         f"{_TRAFFIC}: Traffic.run(steps={steps!r}); pass the number of"
         " training steps, a non-negative int (e.g. 1000)."
       )
-    return float(_hlo.run_bytes(self._measured, self._schedule, steps))
+    return float(hlo.run_bytes(self._measured, self._schedule, steps))
 
   @property
   def widened(self) -> tuple:
@@ -322,9 +322,9 @@ def _maker(tx: Any) -> str:
   return name.split(".<locals>")[0]
 
 
-def _schedule(tx: Any, sync_period: Any, ops: list) -> _hlo.Schedule:
+def _schedule(tx: Any, sync_period: Any, ops: list) -> hlo.Schedule:
   """Which steps take the step's ``lax.cond`` branches with collectives."""
-  branches = sorted({op.branch for op in ops if op.branch}, key=_hlo._label_key)
+  branches = hlo.branch_labels(ops)
   if tx is not None and sync_period is not None:
     raise ValueError(
       f"{_TRAFFIC}: pass tx or sync_period, not both; tx={_maker(tx)}'s"
@@ -341,7 +341,7 @@ def _schedule(tx: Any, sync_period: Any, ops: list) -> _hlo.Schedule:
         " the step's lax.cond branches run once every sync_period steps"
         " (e.g. 4 for shardopt.accumulate(inner, 4))."
       )
-    return _hlo.Schedule(schedules.every(sync_period))
+    return hlo.Schedule(schedules.every(sync_period))
   if tx is not None and not callable(getattr(tx, "update", None)):
     raise TypeError(
       f"{_TRAFFIC}: tx={tx!r} is not an optax GradientTransformation; pass"
@@ -350,7 +350,7 @@ def _schedule(tx: Any, sync_period: Any, ops: list) -> _hlo.Schedule:
     )
   engine = getattr(getattr(tx, "update", None), "engine", None)
   if engine is not None:
-    return _hlo.Schedule(tuple(engine.syncs), engine.warmup_steps)
+    return hlo.Schedule(tuple(engine.syncs), engine.warmup_steps)
   if branches:
     given = (
       "no tx says" if tx is None else f"tx (built by {_maker(tx)}) does not say"
@@ -364,13 +364,13 @@ def _schedule(tx: Any, sync_period: Any, ops: list) -> _hlo.Schedule:
       " says; or sync_period=k if they run once every k steps"
       " (shardopt.accumulate(inner, k): sync_period=k)."
     )
-  return _hlo.Schedule()
+  return hlo.Schedule()
 
 
-def _where(ops: list, schedule: _hlo.Schedule) -> dict:
+def _where(ops: list, schedule: hlo.Schedule) -> dict:
   """``{branch label: "warm-up" | "sync k" | "branch <label>"}``, as
-  ``shardopt._hlo.per_step`` assigns the branches to the schedule."""
-  labels = sorted({op.branch for op in ops if op.branch}, key=_hlo._label_key)
+  :func:`shardopt.measure.hlo.per_step` assigns the branches to the schedule."""
+  labels = hlo.branch_labels(ops)
   names = {"": "every step"}
   if schedule.warmup_steps and labels:
     names[labels.pop(0)] = "warm-up"
@@ -423,7 +423,7 @@ def traffic(
       for.
 
   Returns:
-    A :class:`~shardopt.wire.Traffic`: ``per_step``, ``peak_step``,
+    A :class:`~shardopt.measure.Traffic`: ``per_step``, ``peak_step``,
     ``per_sync``, ``collectives``, ``run(steps)`` and a printable
     ``table()``.
 
@@ -440,7 +440,7 @@ def traffic(
 
     >>> import jax, jax.numpy as jnp, shardopt
     >>> step = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")
-    >>> t = shardopt.wire.traffic(step, jnp.ones((8, 256)))
+    >>> t = shardopt.measure.traffic(step, jnp.ones((8, 256)))
     >>> t.per_step, t.peak_step, t.run(10)
     (1792.0, 1792.0, 17920.0)
     >>> op = t.collectives[0]
@@ -454,7 +454,7 @@ def traffic(
     >>> step = jax.pmap(lambda t, x: jax.lax.cond(
     ...     t % 4 == 0, lambda: jax.lax.psum(x, "i"), lambda: x),
     ...     axis_name="i")
-    >>> t = shardopt.wire.traffic(
+    >>> t = shardopt.measure.traffic(
     ...     step, jnp.arange(8), jnp.ones((8, 256)), sync_period=4)
     >>> t.per_sync, t.cycle, t.per_step, t.run(10)
     ((1792.0,), (0.0, 0.0, 0.0, 1792.0), 448.0, 3584.0)
@@ -480,10 +480,10 @@ def traffic(
     )
   compiled_text, stablehlo = _texts(step, example_args)
   devices = num_devices or _num_devices(compiled_text)
-  ops = _hlo.compiled_collectives(compiled_text, num_devices=devices)
+  ops = hlo.compiled_collectives(compiled_text, num_devices=devices)
   schedule = _schedule(tx, sync_period, ops)
-  sent = functools.partial(_hlo.sent_bytes, num_devices=devices)
-  measured = _hlo.per_step(ops, schedule, measure=sent)
+  sent = functools.partial(hlo.sent_bytes, num_devices=devices)
+  measured = hlo.per_step(ops, schedule, measure=sent)
   warning = measured["warning"]
   if schedule.syncs and not any(op.branch for op in ops):
     warning = warning or (
@@ -497,7 +497,7 @@ def traffic(
       sorted(
         {
           _numpy_name(d)
-          for op in _hlo.lowered_collectives(stablehlo, num_devices=devices)
+          for op in hlo.lowered_collectives(stablehlo, num_devices=devices)
           for d in op.dtypes
         }
       )

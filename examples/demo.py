@@ -1,4 +1,4 @@
-"""``python -m shardopt.demo``: what shardopt is for, in two minutes.
+"""``python -m examples.demo``: what shardopt is for, in two minutes.
 
 The demo trains the same multilayer perceptron on scikit-learn's bundled
 ``digits`` data (1797 8x8 images, no download) over 8 devices, four ways:
@@ -15,7 +15,7 @@ The demo trains the same multilayer perceptron on scikit-learn's bundled
   gradient on a 4-bit wire (``--outer-dtype``; per-block float32 scales).
 
 For each it prints the test accuracy and the bytes each replica sends over
-the run, read from the compiled step by :func:`shardopt.wire.traffic`
+the run, read from the compiled step by :func:`shardopt.measure.traffic`
 (collectives at the top level run every step; those inside a ``lax.cond``
 branch on the steps the transform's schedule runs it: once per sync
 period), and the ratio to ``sync``. It saves the frontier (accuracy against
@@ -34,14 +34,17 @@ process; the demo then uses the devices that exist.
 
 Usage::
 
-    python -m shardopt.demo [--steps N] [--devices N] [--sync-period H]
+    python -m examples.demo [--steps N] [--devices N] [--sync-period H]
                             [--method sync|powersgd|diloco|streaming|all]
                             [--outer-dtype int4|int8|float8_e4m3fn|bfloat16|float32]
                             [--out DIR] [--json PATH]
 
-It needs scikit-learn, matplotlib and tqdm, which shardopt itself does not
-install: ``pip install "shardopt[demo]"`` (the ``demo`` extra). Without them
-it says so and exits with status 1.
+It runs from a clone of the repository, at its root (``make demo``
+installs what it needs and runs it); it is no part of the ``shardopt``
+package, whose import graph never reaches it (docs/layers.md). It needs
+scikit-learn, matplotlib and tqdm, which shardopt itself does not install:
+``pip install -e ".[demo]"`` (the ``demo`` extra). Without them it says so
+and exits with status 1.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from benchmarks._report import git_commit
 
 METHODS = ("sync", "powersgd", "diloco", "streaming")
 AXIS = "batch"
@@ -70,7 +75,7 @@ DEMO_EXTRA = {
 
 
 def require_demo_extra() -> None:
-  """Exits (status 1, no traceback) naming ``pip install "shardopt[demo]"``
+  """Exits (status 1, no traceback) naming ``pip install -e ".[demo]"``
   when a module the demo imports is not installed."""
   missing = []
   for module, distribution in DEMO_EXTRA.items():
@@ -80,10 +85,10 @@ def require_demo_extra() -> None:
       missing.append(distribution)
   if missing:
     raise SystemExit(
-      f"python -m shardopt (the demo) needs {', '.join(missing)}, which"
+      f"python -m examples.demo needs {', '.join(missing)}, which"
       " shardopt does not install. Install the demo extra:\n"
-      '    pip install "shardopt[demo]"\n'
-      'or, from a checkout, pip install -e ".[demo]" (or make demo).'
+      '    pip install -e ".[demo]"\n'
+      "(or run make demo, which does)."
     )
 
 
@@ -118,7 +123,7 @@ def select_devices(count: int) -> list:
     pool = jax.devices("cpu")
   if len(pool) < count:
     raise RuntimeError(
-      f"shardopt.demo: --devices {count} asked for {count} devices, but only"
+      f"examples.demo: --devices {count} asked for {count} devices, but only"
       f" {len(pool)} {pool[0].platform} device(s) exist. Run the demo in a"
       f" fresh process (XLA_FLAGS={_FORCE_FLAG}={count} is applied before JAX"
       " starts), or pass a smaller --devices."
@@ -209,7 +214,7 @@ def make_optimizer(
       comm_dtype=outer_dtype if method == "streaming" else None,
     )
   raise ValueError(
-    f"shardopt.demo: unknown method {method!r}; use one of {METHODS} or 'all'."
+    f"examples.demo: unknown method {method!r}; use one of {METHODS} or 'all'."
   )
 
 
@@ -237,7 +242,7 @@ def train(
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
 
   import shardopt  # pylint: disable=g-import-not-at-top
-  from shardopt.wire.traffic import traffic  # pylint: disable=g-import-not-at-top
+  from shardopt.measure import traffic  # pylint: disable=g-import-not-at-top
 
   x_train, x_test, y_train, y_test = data
   n = len(devices)
@@ -269,7 +274,7 @@ def train(
   idx = batches[0]
   # What one replica sends over the run, read from the compiled step: the
   # sync branches of diloco and streaming count on the steps tx's schedule
-  # runs them (shardopt.wire.traffic; nothing runs here).
+  # runs them (shardopt.measure.traffic; nothing runs here).
   sent = traffic(
     step, params, opt_state, x_train[idx], y_train[idx], tx=tx
   ).run(steps)
@@ -424,23 +429,6 @@ def plot_results(results: Sequence[RunResult], path: str) -> str:
   return path
 
 
-def _git_commit() -> str | None:
-  """The checkout's short commit, or None (not a git checkout, no git)."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-
-  try:
-    out = subprocess.run(
-      ["git", "rev-parse", "--short", "HEAD"],
-      cwd=os.path.dirname(os.path.abspath(__file__)),
-      capture_output=True,
-      text=True,
-      timeout=10,
-    )
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return out.stdout.strip() or None
-
-
 def write_json(
   path: str,
   results: Sequence[RunResult],
@@ -455,11 +443,11 @@ def write_json(
 
   argv = sys.argv[1:] if argv is None else list(argv)
   data = {
-    "command": " ".join(["python -m shardopt", *argv]),
+    "command": " ".join(["python -m examples.demo", *argv]),
     "measured_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds"
     ),
-    "commit": _git_commit(),
+    "commit": git_commit(),
     "devices": len(devices),
     "platform": devices[0].platform,
     "steps": args.steps,
@@ -488,7 +476,7 @@ def write_json(
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-    prog="python -m shardopt.demo",
+    prog="python -m examples.demo",
     description="Train an MLP on sklearn digits over several devices with"
     " synchronous data parallelism, PowerSGD, DiLoCo and streaming DiLoCo,"
     " and compare accuracy with the bytes each sends.",
