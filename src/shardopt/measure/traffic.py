@@ -48,6 +48,7 @@ import jax
 
 from shardopt.measure import hlo
 from shardopt.periodic import schedules
+from shardopt.periodic.engine import engine_of
 
 _TRAFFIC = "shardopt.measure.traffic"
 
@@ -348,7 +349,7 @@ def _schedule(tx: Any, sync_period: Any, ops: list) -> hlo.Schedule:
       " the transform the step runs (its schedule says when its syncs run),"
       " or leave tx out."
     )
-  engine = getattr(getattr(tx, "update", None), "engine", None)
+  engine = engine_of(tx)
   if engine is not None:
     return hlo.Schedule(tuple(engine.syncs), engine.warmup_steps)
   if branches:
