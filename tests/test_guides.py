@@ -135,6 +135,18 @@ def test_diloco(diloco_page):
   assert all(gaps[t] > 1e-3 for t in (0, 1, 2, 4, 5, 6)), gaps
   assert gaps[3] < 1e-6 and gaps[7] < 1e-6, gaps
   assert int(ns["state"].sync_count) == 2
+  # The loop the host schedules: the same numbers to float32 rounding (the
+  # in-graph step routes this example's updates through the sync's cond),
+  # the same counters.
+  for got, want in zip(
+    jax.tree.leaves((ns["host_p"], ns["host_state"])),
+    jax.tree.leaves((ns["p"], ns["state"])),
+  ):
+    np.testing.assert_allclose(
+      np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7
+    )
+  assert int(ns["host_state"].count) == 8
+  assert int(ns["host_state"].sync_count) == 2
   center = np.asarray(ns["state"].center["w"])
   np.testing.assert_allclose(
     np.asarray(ns["p"]["w"]).reshape(2, 16, 8),
