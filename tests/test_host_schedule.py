@@ -99,15 +99,22 @@ FAST = ("diloco_overlap", "diloco_fragments_warmup", "accumulate_diloco")
 # sync=0 step is the plain optimizer's, bit for bit
 # (test_the_host_local_step_is_the_plain_optimizers_to_the_bit); against the
 # in-graph schedule these agree to float32 rounding.
-# Under pmap the in-graph schedule's merge select (an overlap's) sits
-# between the update and the caller's add in more fusions than under
-# shard_map: the same rounding difference.
+# Under pmap and vmap XLA fuses the in-graph schedule's selects (an
+# overlap's merge, a clip before the schedule) into the caller's add in more
+# places than under jit + shard_map: the same rounding difference, which
+# these mappings are held to.
 ROUNDING_ONLY = {"diloco_fragments_warmup", "finite_local_sgd"}
 
 
 def assert_same_numbers(name, host, in_graph, mapping="shard_map"):
-  if name in ROUNDING_ONLY or mapping == "pmap":
-    chex.assert_trees_all_close(host, in_graph, rtol=1e-5, atol=1e-6)
+  if name in ROUNDING_ONLY or mapping != "shard_map":
+    # A quantized wire's error buffer holds what rounding to the wire
+    # dropped: a last-bit difference in a contribution can move an element
+    # across a rounding boundary, by one quantization step.
+    lossy = "int8" in name or "topk" in name
+    chex.assert_trees_all_close(
+      host, in_graph, rtol=1e-5, atol=1e-4 if lossy else 1e-6
+    )
   else:
     chex.assert_trees_all_equal(host, in_graph)
 
