@@ -31,8 +31,9 @@ from shardopt import wire as _wire
 from shardopt.wire import feedback as _feedback
 
 __all__ = ["broadcast", "reduce", "replica_divergence"]
-# The other names without an underscore (reduce_for, reduce_with_error,
-# reduce_on_wire) are shardopt's own: its transforms reduce through them.
+# The other names without an underscore (reduce_for, reduce_with_error)
+# are shardopt's own: its transforms reduce through them, on the Wire they
+# canonicalised when they were built (shardopt.wire.of).
 
 _REDUCE = "shardopt.reduce"
 
@@ -110,35 +111,6 @@ def _psum_leaf(y, varying: tuple, groups: tuple | None):
     return _grouped_psum_by_slots(y, axis, groups)
 
 
-def reduce_on_wire(
-  x, summing_collective, members: int, comm_dtype, reduction: str
-):
-  """Runs ``summing_collective`` on ``x`` with a dense ``comm_dtype`` on the
-  wire (:meth:`shardopt.wire.dense.Dense.reduce`: a cast before, a cast
-  after, float16 divided by ``members`` first). ``summing_collective`` sums
-  over ``members`` replicas and may change the shape (``psum_scatter``
-  keeps one chunk). A quantized or sparse ``comm_dtype`` has its own
-  reduction (:meth:`shardopt.wire.Wire.all_reduce`, from
-  :func:`reduce`); an opaque collective cannot take it.
-  """
-  wire = _wire.of(comm_dtype)
-  if isinstance(wire, _wire.sparse.Sparse):
-    raise NotImplementedError(
-      f"comm_dtype={comm_dtype!r}: the top-k wire is implemented for the"
-      " all-reduces of the transforms with error feedback (cross_shard*,"
-      " local_sgd, diloco, agn with error_feedback=True), not for this"
-      " collective. Use a float comm_dtype (e.g. jnp.bfloat16) here."
-    )
-  if isinstance(wire, _wire.blocks.Blocks):
-    raise NotImplementedError(
-      f"comm_dtype={comm_dtype!r}: a quantized wire is implemented for"
-      " all-reduces (shardopt.reduce, cross_shard*, the periodic family,"
-      " powersgd) and tower's reduce-scatter, not for this collective. Use a"
-      " float comm_dtype (e.g. jnp.bfloat16) here."
-    )
-  return wire.reduce(x, summing_collective, members, reduction)
-
-
 def reduce(
   tree: Any,
   axis_name: Any,
@@ -214,7 +186,7 @@ def reduce(
     axis_name,
     reduction=reduction,
     axis_index_groups=axis_index_groups,
-    comm_dtype=comm_dtype,
+    wire=_wire.of(comm_dtype, _REDUCE, axis_name),
   )
 
 
@@ -225,12 +197,14 @@ def reduce_for(
   *,
   reduction: str = "mean",
   axis_index_groups=None,
-  comm_dtype=None,
+  wire: _wire.Wire = _wire.dense.OWN,
 ) -> Any:
-  """:func:`reduce`, whose error messages name ``transform`` (the shardopt
-  transform that reduces, e.g. ``"shardopt.cross_shard_mean"``)."""
+  """:func:`reduce` on ``wire`` (canonicalised by the caller with
+  :func:`shardopt.wire.of`; by default each leaf's own dtype), whose error
+  messages name ``transform`` (the shardopt transform that reduces, e.g.
+  ``"shardopt.cross_shard_mean"``)."""
   reduced, _ = _reduce_tree(
-    tree, None, axis_name, transform, reduction, axis_index_groups, comm_dtype
+    tree, None, axis_name, transform, reduction, axis_index_groups, wire
   )
   return reduced
 
@@ -243,7 +217,7 @@ def reduce_with_error(
   *,
   reduction: str = "mean",
   axis_index_groups=None,
-  comm_dtype=None,
+  wire: _wire.Wire,
 ) -> tuple[Any, Any]:
   """:func:`reduce_for` with error feedback on a quantized or sparse wire.
 
@@ -260,7 +234,7 @@ def reduce_with_error(
     ``(reduced, new_error)``, both trees like ``tree``.
   """
   return _reduce_tree(
-    tree, error, axis_name, transform, reduction, axis_index_groups, comm_dtype
+    tree, error, axis_name, transform, reduction, axis_index_groups, wire
   )
 
 
@@ -271,12 +245,11 @@ def _reduce_tree(
   transform: str,
   reduction: str,
   axis_index_groups,
-  comm_dtype,
+  wire: _wire.Wire,
 ) -> tuple[Any, Any]:
-  """:func:`reduce` of ``tree`` (plus ``error``, unless None): ``(reduced,
-  new_error)``, ``new_error`` None without ``error``."""
+  """:func:`reduce` of ``tree`` (plus ``error``, unless None) on ``wire``:
+  ``(reduced, new_error)``, ``new_error`` None without ``error``."""
   _axes.check_reduction(reduction, transform, axis_name)
-  wire = _wire.of(comm_dtype, transform, axis_name)
   if axis_name is None:
     if axis_index_groups is not None:
       raise ValueError(
@@ -288,18 +261,15 @@ def _reduce_tree(
   groups = _axes.validate_groups(axis_index_groups, size, transform, axis_name)
   members = _axes.group_size(groups, size)
 
-  # A dense wire runs XLA's all-reduce; the others have their own.
-  own = not isinstance(wire, _wire.dense.Dense)
-  top_k = wire.sparse
   if error is not None and not wire.takes_error_feedback:
     raise ValueError(
       f"{transform}: error feedback needs a quantized comm_dtype (e.g."
       f" jnp.int8 or shardopt.quantized(jnp.int4)) or shardopt.topk(k), got"
-      f" {comm_dtype!r}."
+      f" {wire.spec!r}."
     )
   if wire.needs_error_feedback and error is None and jax.tree.leaves(tree):
     raise ValueError(
-      f"{transform}: comm_dtype={comm_dtype!r} (axis {axis_name!r}) needs"
+      f"{transform}: comm_dtype={wire.spec!r} (axis {axis_name!r}) needs"
       " error feedback: the top-k wire drops most of every contribution and"
       " sends it later from a per-replica error buffer, which a stateless"
       " reduction cannot keep. Use a transform with error_feedback=True:"
@@ -316,7 +286,7 @@ def _reduce_tree(
   )
   out = [None] * len(leaves_with_path)
   new_errors = list(errors)
-  queued = {}  # varying axes -> indices of leaves for the quantized wire
+  queued = {}  # varying axes -> indices of the leaves wire.all_reduce takes
 
   for i, (path, x) in enumerate(leaves_with_path):
     _axes.check_float_leaf(path, x, transform, axis_name)
@@ -332,13 +302,13 @@ def _reduce_tree(
         " to='varying') before jax.grad, so each replica keeps its own"
         " gradient."
       )
-    # The top-k wire takes only the leaves that carry an error buffer (those
-    # varying over every axis); others travel dense, in float32.
-    sparse_ok = not top_k or len(varying) == every_axis
-    if varying and own and x.size > 0 and sparse_ok:
+    # A wire's own all-reduce takes the leaves it carries, all at once (the
+    # top-k wire only those varying over every axis, which keep an error
+    # buffer); every other leaf goes alone through XLA's all-reduce.
+    if varying and wire.carries_leaf(x.size, len(varying) == every_axis):
       queued.setdefault(varying, []).append(i)
     elif varying:
-      out[i] = (wire if not own else _wire.of(None)).reduce(
+      out[i] = wire.rest.reduce(
         x,
         lambda y, varying=varying: _psum_leaf(y, varying, groups),
         members,

@@ -35,12 +35,11 @@ def _reducing_transform(
   axis_name: Any,
   reduction: str,
   axis_index_groups,
-  comm_dtype,
+  on_wire: wire.Wire,
   error_feedback: bool = False,
 ) -> optax.GradientTransformation:
+  """``cross_shard_mean``/``cross_shard_sum`` on ``on_wire`` (canonical)."""
   _axes.check_reduction(reduction, name, axis_name)
-  on_wire = wire.of(comm_dtype, name, axis_name)
-  comm_dtype = on_wire.spec
   if feedback.check(error_feedback, on_wire, name, axis_name):
 
     def init_fn(params):
@@ -58,7 +57,7 @@ def _reducing_transform(
         axis_name,
         reduction=reduction,
         axis_index_groups=axis_index_groups,
-        comm_dtype=comm_dtype,
+        wire=on_wire,
       )
       return updates, ErrorFeedbackState(error, state.inner_state)
 
@@ -77,7 +76,7 @@ def _reducing_transform(
       axis_name,
       reduction=reduction,
       axis_index_groups=axis_index_groups,
-      comm_dtype=comm_dtype,
+      wire=on_wire,
     )
     return updates, state
 
@@ -160,12 +159,13 @@ def cross_shard_mean(
     Data-Parallel Distributed Training of Speech DNNs, Interspeech 2014
     (error feedback).
   """
+  name = "shardopt.cross_shard_mean"
   return _reducing_transform(
-    "shardopt.cross_shard_mean",
+    name,
     axis_name,
     "mean",
     axis_index_groups,
-    comm_dtype,
+    wire.of(comm_dtype, name, axis_name),
     error_feedback,
   )
 
@@ -208,12 +208,13 @@ def cross_shard_sum(
   References:
     TensorFlow, ``tf.compat.v1.tpu.CrossShardOptimizer``.
   """
+  name = "shardopt.cross_shard_sum"
   return _reducing_transform(
-    "shardopt.cross_shard_sum",
+    name,
     axis_name,
     "sum",
     axis_index_groups,
-    comm_dtype,
+    wire.of(comm_dtype, name, axis_name),
     error_feedback,
   )
 
@@ -269,7 +270,6 @@ def cross_shard(
   _axes.check_transform(inner, name)
   _axes.check_reduction(reduction, name, axis_name)
   on_wire = wire.of(comm_dtype, name, axis_name)
-  comm_dtype = on_wire.spec
   if feedback.check(error_feedback, on_wire, name, axis_name):
     inner = optax.with_extra_args_support(inner)
 
@@ -287,7 +287,7 @@ def cross_shard(
         axis_name,
         reduction=reduction,
         axis_index_groups=axis_index_groups,
-        comm_dtype=comm_dtype,
+        wire=on_wire,
       )
       updates, inner_state = inner.update(
         updates, state.inner_state, params, **extra_args
@@ -306,7 +306,7 @@ def cross_shard(
       axis_name,
       reduction=reduction,
       axis_index_groups=axis_index_groups,
-      comm_dtype=comm_dtype,
+      wire=on_wire,
     )
     return inner.update(updates, state, params, **extra_args)
 

@@ -130,9 +130,9 @@ def _project(matrix: jax.Array, q: jax.Array) -> jax.Array:
   return _factor_matmul(matrix, q)
 
 
-def _mean(factors: list, axis_name: Any, comm_dtype) -> list:
-  """Steps 0, 3 and 6: the mean over the axis (``comm_dtype`` on the wire)."""
-  return reduce_for(_POWERSGD, factors, axis_name, comm_dtype=comm_dtype)
+def _mean(factors: list, axis_name: Any, on_wire: wire.Wire) -> list:
+  """Steps 0, 3 and 6: the mean over the axis (on ``on_wire``)."""
+  return reduce_for(_POWERSGD, factors, axis_name, wire=on_wire)
 
 
 def _orthonormalize(p: jax.Array) -> jax.Array:
@@ -192,7 +192,8 @@ def _check_args(
   seed,
   comm_dtype,
 ):
-  """Validates every argument of :func:`powersgd` before anything is traced."""
+  """Validates every argument of :func:`powersgd` before anything is traced;
+  returns the wire ``comm_dtype`` names."""
   if axis_name is None:
     raise ValueError(
       f"{_POWERSGD}: axis_name=None, but powersgd needs a named axis: it"
@@ -234,17 +235,16 @@ def _check_args(
       " an integer, the seed of the initial Q; e.g. seed=0."
     )
   on_wire = wire.of(comm_dtype, _POWERSGD, axis_name)
-  comm_dtype = on_wire.spec
   if on_wire.sparse:
     raise ValueError(
-      f"{_POWERSGD}: comm_dtype={comm_dtype!r} (axis {axis_name!r}): the"
+      f"{_POWERSGD}: comm_dtype={on_wire.spec!r} (axis {axis_name!r}): the"
       " top-k wire does not carry powersgd's factors (already compressed,"
       " with powersgd's own error feedback). Use a float or quantized"
       " comm_dtype (e.g. jnp.bfloat16, jnp.int8), or the top-k wire instead"
       " of powersgd: cross_shard_mean(axis, comm_dtype=shardopt.topk(k),"
       " error_feedback=True)."
     )
-  return comm_dtype
+  return on_wire
 
 
 def _check_leaf(
@@ -446,7 +446,7 @@ def powersgd(
     <https://arxiv.org/abs/1905.13727>`_, NeurIPS 2019.
     PyTorch, ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``.
   """
-  comm_dtype = _check_args(
+  on_wire = _check_args(
     axis_name,
     rank,
     start_step,
@@ -485,25 +485,25 @@ def powersgd(
   def warm_up_step(grads, errors, qs, count):
     """Every leaf mean-reduced; ``error`` and ``q`` kept."""
     del count
-    return _mean(grads, axis_name, comm_dtype), errors, qs
+    return _mean(grads, axis_name, on_wire), errors, qs
 
   def compressed_step(grads, errors, qs, count):
     """Steps 0-9 of the docstring over every leaf of the gradient."""
     big = [i for i, g in enumerate(grads) if compressed(g)]
     small = [i for i, g in enumerate(grads) if not compressed(g)]
     updates, errors, qs = list(grads), list(errors), list(qs)
-    means = _mean([grads[i] for i in small], axis_name, comm_dtype)  # 0
+    means = _mean([grads[i] for i in small], axis_name, on_wire)  # 0
     matrices = [
       _with_error(grads[i], errors[i], error_feedback) for i in big
     ]  # 1
     p = [
       _project(mat, qs[i]) for mat, i in zip(matrices, big, strict=True)
     ]  # 2
-    p = [_orthonormalize(x) for x in _mean(p, axis_name, comm_dtype)]  # 3, 4
+    p = [_orthonormalize(x) for x in _mean(p, axis_name, on_wire)]  # 3, 4
     q = _mean(
       [_back_project(mat, x) for mat, x in zip(matrices, p, strict=True)],
       axis_name,
-      comm_dtype,
+      on_wire,
     )  # 5, 6
     for i, mean in zip(small, means, strict=True):
       updates[i] = mean

@@ -32,8 +32,6 @@ import optax
 from shardopt import _axes
 from shardopt import _shapes
 from shardopt import wire
-from shardopt.collectives import reduce_on_wire
-from shardopt.wire import blocks
 
 _TOWER = "shardopt.tower"
 _CLIP = "shardopt.clip_by_global_norm"
@@ -190,23 +188,25 @@ def _owned_sum(
   return jnp.reshape(blocks, layout.chunk)
 
 
-def _quantized_owned_sum(
+def _owned_sum_on_wire(
   g: jax.Array,
   names: tuple,
   varying: tuple,
   num_owners: int,
-  spec: blocks.QuantizedSpec,
+  on_wire: wire.Wire,
   reduction: str,
 ) -> jax.Array:
-  """The owned chunk of the sum (or mean) of ``g`` over a quantized wire
-  (``shardopt.wire.blocks.reduce_scatter``): each replica sends every
-  owner its chunk in blocks of ``spec`` with float32 scales, and the owner
-  sums them in float32. The updates then travel back exact (all-gather)."""
+  """The owned chunk of the sum (or mean) of ``g`` over a wire that runs its
+  own collectives (:meth:`shardopt.wire.Wire.reduce_scatter`; quantized:
+  each replica sends every owner its chunk in blocks with float32 scales,
+  and the owner sums them in float32). The updates then travel back exact
+  (all-gather)."""
   layout = _layout(g, num_owners)
   if len(varying) != len(names) or not (layout.flat and layout.owners == 0):
     raise NotImplementedError(
-      f"{_TOWER}: comm_dtype={spec!r} on axis {_axes.as_axis(names)!r}: a"
-      " quantized reduce-scatter is implemented for gradients varying over"
+      f"{_TOWER}: comm_dtype={on_wire.spec!r} on axis"
+      f" {_axes.as_axis(names)!r}: a quantized reduce-scatter is"
+      " implemented for gradients varying over"
       " every axis of axis_name, on replicas that are not model-parallel;"
       f" here the gradient varies over {varying!r} only, or the replicas"
       " are sharded over a model axis. Use a float comm_dtype (e.g."
@@ -214,10 +214,9 @@ def _quantized_owned_sum(
       " comm_dtype=...)."
     )
   rows = _owners_view(g, layout)
-  owned = blocks.reduce_scatter(
+  owned = on_wire.reduce_scatter(
     rows,
     _axes.as_axis(names),
-    spec,
     divisor=num_owners if reduction == "mean" else 1,
   )
   return jnp.reshape(owned, layout.chunk).astype(g.dtype)
@@ -407,10 +406,9 @@ def tower(
     )
   _axes.check_reduction(reduction, _TOWER, axis_name)
   on_wire = wire.of(comm_dtype, _TOWER, axis_name)
-  comm_dtype = on_wire.spec
   if on_wire.sparse:
     raise NotImplementedError(
-      f"{_TOWER}: comm_dtype={comm_dtype!r} (axis {axis_name!r}): the top-k"
+      f"{_TOWER}: comm_dtype={on_wire.spec!r} (axis {axis_name!r}): the top-k"
       " wire needs an error buffer per replica, which tower does not keep."
       " Use a float or quantized comm_dtype (e.g. jnp.bfloat16, jnp.int8)"
       " with tower, or the top-k wire with cross_shard(inner, axis,"
@@ -444,15 +442,14 @@ def tower(
           if (reduction == "mean")
           else chunk
         )
-      if isinstance(on_wire, blocks.Blocks):
-        return _quantized_owned_sum(
-          g, names, varying, num_owners, comm_dtype, reduction
+      if on_wire.runs_own_collective:
+        return _owned_sum_on_wire(
+          g, names, varying, num_owners, on_wire, reduction
         )
-      return reduce_on_wire(
+      return on_wire.reduce(
         g,
         lambda y: _owned_sum(y, names, varying, sizes, num_owners),
         num_owners,
-        comm_dtype,
         reduction,
       )
 

@@ -156,11 +156,6 @@ def header(
   return jnp.stack([jnp.asarray(f, jnp.int32).reshape(()) for f in fields])
 
 
-def wire_of(engine) -> _wire.Wire:
-  """The transform's wire."""
-  return _wire.of(engine.comm_dtype, engine.name, engine.axis_name)
-
-
 def contribution(engine, sync: int, state, params, up_to_date, weight=None):
   """This island's contribution to ``sync``: per piece of the sync, flat
   float32 (with error feedback, plus its error buffer: :mod:`shardopt.wire
@@ -175,7 +170,7 @@ def contribution(engine, sync: int, state, params, up_to_date, weight=None):
     parts = split.pieces(engine, params, sync)
     error = split.take(jax.tree.leaves(state.error), parts)
     mine = [
-      feedback.add(m, e.reshape(-1), wire_of(engine))
+      feedback.add(m, e.reshape(-1), engine.wire)
       for m, e in zip(mine, error, strict=True)
     ]
   mine = [m.astype(jnp.float32) for m in mine]
@@ -245,7 +240,7 @@ def plain_rows(
   ``weight``: the contribution's (rounds on the clock), else 1.
   """
   flats, finite = contribution(engine, sync, state, params, trains, weight)
-  wire = wire_of(engine)
+  wire = engine.wire
   head = to_bytes(
     header(island, 1, finite, state, sync, process, _weight(weight))
   )
@@ -304,7 +299,7 @@ def exchange(engine, sizes: tuple, rows: jax.Array, axis, islands: int):
   ``all_gather``; 5. every island's chunk decoded. Top-k wire: one
   ``all_gather`` of the rows, summed in (island, process) order.
   """
-  wire = wire_of(engine)
+  wire = engine.wire
   if not wire.two_phase:
     gathered = jax.lax.all_gather(rows.reshape(1, -1), axis, tiled=True)
     gathered, head, _ = _canonical(gathered)
@@ -348,7 +343,7 @@ def on_the_wire(engine, flats: list) -> tuple[list, list]:
   error feedback's buffer is spent as a plain round spends it: sent whole,
   the top-k wire's buffer (most of every outer gradient since the last
   rounds) would land on the center at once."""
-  wire = wire_of(engine)
+  wire = engine.wire
   if wire.two_phase:
     sizes = tuple(f.size for f in flats)
     _, dropped = wire.scatter(flats, wire.plan(sizes, 1))

@@ -20,12 +20,12 @@ def combine(
   groups,
   *,
   reduction: str,
-  comm_dtype,
+  wire: _wire.Wire,
   whole_axis_count: bool,
   transform: str,
   error: list | None = None,
 ):
-  """One collective round; a non-finite contribution is left out.
+  """One collective round on ``wire``; a non-finite contribution is left out.
 
   Returns the combined contribution (sum or mean over the finite replicas of
   the group), this replica's finiteness, the number of finite replicas in its
@@ -48,14 +48,14 @@ def combine(
   # With a float32 (or wider) wire it rides with the contributions, one
   # round; with a narrow or a quantized wire it has its own float32
   # all-reduce (same groups).
-  if _wire.of(comm_dtype).carries_counts:
+  if wire.carries_counts:
     *total, in_group = reduce_for(
       transform,
       masked + [flag],
       axis_name,
       reduction="sum",
       axis_index_groups=groups,
-      comm_dtype=comm_dtype,
+      wire=wire,
     )
   else:
     if error:
@@ -66,7 +66,7 @@ def combine(
         axis_name,
         reduction="sum",
         axis_index_groups=groups,
-        comm_dtype=comm_dtype,
+        wire=wire,
       )
     else:
       total = reduce_for(
@@ -75,7 +75,7 @@ def combine(
         axis_name,
         reduction="sum",
         axis_index_groups=groups,
-        comm_dtype=comm_dtype,
+        wire=wire,
       )
     in_group = reduce_for(
       transform, flag, axis_name, reduction="sum", axis_index_groups=groups

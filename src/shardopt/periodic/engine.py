@@ -89,7 +89,7 @@ class _Engine:
   outer_step: outer.OuterStep
   reduction: str
   axis_index_groups: Any
-  comm_dtype: Any
+  wire: wire.Wire
   num_fragments: int
   layer_axes: Any
   error_feedback: bool
@@ -378,7 +378,7 @@ def _sync(step: _Step, k: int, part: Carry) -> Carry:
     engine.axis_name,
     step.groups[k],
     reduction=engine.reduction,
-    comm_dtype=engine.comm_dtype,
+    wire=engine.wire,
     whole_axis_count=engine.whole_axis_count,
     transform=engine.name,
     error=take(part.error) if part.error else None,
@@ -648,7 +648,7 @@ def periodic(
     outer_step=outer_step,
     reduction=reduction,
     axis_index_groups=axis_index_groups,
-    comm_dtype=on_wire.spec,
+    wire=on_wire,
     num_fragments=num_fragments,
     layer_axes=layer_axes,
     error_feedback=feedback.check(error_feedback, on_wire, name, axis_name),

@@ -14,6 +14,11 @@ the encoding, the exchange's arithmetic and the decoding:
 - :func:`shardopt.topk`: ``sparse``, the top k of every chunk, gathered
   (needs error feedback).
 
+Every public entry point canonicalises its ``comm_dtype`` once, when the
+transform is built, and passes the ``Wire`` down: what runs below asks the
+wire what it can do and calls its methods (:class:`Wire`, a
+``typing.Protocol``), never which class it is.
+
 Error feedback lives in ``feedback``, the mean over the contributors in
 ``mean``, the protocol in ``protocol``. What a compiled step sends is read
 on the measuring floor, above the transforms: :func:`shardopt.measure.traffic`
@@ -47,14 +52,15 @@ _USE = (
 
 
 def of(comm_dtype: Any, transform: str = "shardopt.wire.of", axis_name=None):
-  """The ``Wire`` a ``comm_dtype`` names.
+  """The ``Wire`` a ``comm_dtype`` names: the one place that reads it.
 
   None and float dtypes give a dense wire (``spec`` None or the
   ``np.dtype``), ``jnp.int8``, ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2``,
   ``jnp.int4`` and :func:`shardopt.quantized` specs the quantized blocks
   (``spec`` a ``QuantizedSpec``), :func:`shardopt.topk` specs the sparse
-  wire. Anything else raises ``TypeError`` naming ``transform``, the axis
-  and the dtypes that work.
+  wire; a ``Wire`` is returned as it is. Anything else raises
+  ``TypeError`` naming ``transform``, the axis and the dtypes that work.
+  Each public transform calls it once, when it is built.
 
   Example:
     >>> import jax.numpy as jnp, shardopt
@@ -65,11 +71,13 @@ def of(comm_dtype: Any, transform: str = "shardopt.wire.of", axis_name=None):
     True
     >>> shardopt.wire.of(None).carries_counts
     True
+    >>> shardopt.wire.of(w) is w  # already canonical
+    True
   """
   if isinstance(comm_dtype, Wire):
     return comm_dtype
   if comm_dtype is None:
-    return dense.Dense(None)
+    return dense.OWN
   if isinstance(comm_dtype, TopKSpec):
     return sparse.Sparse(comm_dtype)
   spec = blocks.as_spec(comm_dtype)

@@ -62,6 +62,7 @@ import ml_dtypes
 import numpy as np
 
 from shardopt import _axes
+from shardopt.wire import dense
 from shardopt.wire import protocol
 
 __all__ = ["QuantizedSpec", "quantized"]
@@ -507,7 +508,7 @@ def residuals_of(values, wire, owned, reduced, position, spec, p, divisor):
 # The wire.
 
 
-class Blocks(protocol.Wire):
+class Blocks(protocol.Base):
   """Quantized blocks (:func:`quantized`): a two-phase wire that takes error
   feedback; counts travel beside it in float32."""
 
@@ -516,8 +517,28 @@ class Blocks(protocol.Wire):
   def __init__(self, spec: QuantizedSpec):
     self.spec = spec
 
-  def all_reduce(self, leaves, axis, groups, members, **kwargs):
-    return all_reduce(leaves, axis, groups, members, self.spec, **kwargs)
+  rest = dense.OWN  # the leaves all_reduce does not carry
+
+  def all_reduce(self, leaves, axis, groups, members, *, chunks=None, **kw):
+    if chunks is not None:
+      raise ValueError(
+        f"{self!r}: chunks={chunks!r} sets the top-k wire's chunks; a"
+        " quantized wire cuts every leaf into one chunk per member (its"
+        " block size is the spec's). Use shardopt.topk(k) for chunks=, or"
+        " leave it out."
+      )
+    return all_reduce(leaves, axis, groups, members, self.spec, **kw)
+
+  def reduce_scatter(self, rows, axis, *, divisor):
+    return reduce_scatter(rows, axis, self.spec, divisor=divisor)
+
+  def reduce(self, x, summing_collective, members, reduction):
+    raise NotImplementedError(
+      f"comm_dtype={self.spec!r}: a quantized wire is implemented for"
+      " all-reduces (shardopt.reduce, cross_shard*, the periodic family,"
+      " powersgd) and tower's reduce-scatter, not for this collective. Use a"
+      " float comm_dtype (e.g. jnp.bfloat16) here."
+    )
 
   def plan(self, sizes, members):
     return plan(sizes, members, self.spec)

@@ -32,9 +32,12 @@ class Plan(NamedTuple):
   per: tuple
 
 
-class Dense(protocol.Wire):
+class Dense(protocol.Base):
   """A float wire (``dtype`` None: each leaf's own dtype). Counts ride with
-  the contributions when it is float32 or wider."""
+  the contributions when it is float32 or wider. Inside a step its
+  collective is XLA's (``reduce``: a cast around it), one leaf at a time."""
+
+  runs_own_collective = False
 
   def __init__(self, dtype: np.dtype | None):
     self.spec = dtype
@@ -42,6 +45,10 @@ class Dense(protocol.Wire):
   @property
   def carries_counts(self) -> bool:
     return self.spec is None or self.spec.itemsize >= 4
+
+  @property
+  def rest(self) -> Dense:
+    return self
 
   def _dtype(self, dtype) -> np.dtype:
     return np.dtype(dtype if self.spec is None else self.spec)
@@ -125,3 +132,8 @@ class Dense(protocol.Wire):
         strict=True,
       )
     ]
+
+
+# Each leaf in its own dtype: comm_dtype=None, and what a quantized or
+# sparse wire's all_reduce does not carry (``Wire.rest``).
+OWN = Dense(None)

@@ -91,6 +91,7 @@ import numpy as np
 from shardopt import _args
 from shardopt import _axes
 from shardopt.wire import blocks
+from shardopt.wire import dense
 from shardopt.wire import protocol
 
 __all__ = ["TopKSpec", "topk"]
@@ -601,9 +602,12 @@ def all_reduce(
 # The wire.
 
 
-class Sparse(protocol.Wire):
+class Sparse(protocol.Base):
   """The top k of every chunk (:func:`topk`): needs error feedback, is
-  gathered whole (the sum of sparse contributions is not sparse)."""
+  gathered whole (the sum of sparse contributions is not sparse). Inside a
+  step it carries the leaves that keep an error buffer (those varying over
+  every axis of the reduction); the others travel dense, in their own
+  dtype."""
 
   sparse = True
   needs_error_feedback = True
@@ -612,6 +616,19 @@ class Sparse(protocol.Wire):
 
   def __init__(self, spec: TopKSpec):
     self.spec = spec
+
+  def carries_leaf(self, size, every_axis):
+    return size > 0 and every_axis
+
+  rest = dense.OWN  # the leaves all_reduce does not carry
+
+  def reduce(self, x, summing_collective, members, reduction):
+    raise NotImplementedError(
+      f"comm_dtype={self.spec!r}: the top-k wire is implemented for the"
+      " all-reduces of the transforms with error feedback (cross_shard*,"
+      " local_sgd, diloco, agn with error_feedback=True), not for this"
+      " collective. Use a float comm_dtype (e.g. jnp.bfloat16) here."
+    )
 
   def all_reduce(self, leaves, axis, groups, members, **kwargs):
     return all_reduce(leaves, axis, groups, members, self.spec, **kwargs)
