@@ -475,6 +475,8 @@ def all_reduce(
         [kept for _, kept in requantized],
         position,
         divisor,
+        # int4 sums its rows unrolled: a select would redo that per row.
+        in_place=spec.bits == 4,
       ),
       strict=True,
     )
@@ -482,7 +484,9 @@ def all_reduce(
   return out, res
 
 
-def residuals_of(values, sent, owned, requantized, position, divisor):
+def residuals_of(
+  values, sent, owned, requantized, position, divisor, *, in_place=False
+):
   """Error feedback's residual of every leaf, ``(members, blocks, block)``.
 
   ``values`` and ``sent`` are phase 1's chunks and what their bytes decode
@@ -493,11 +497,13 @@ def residuals_of(values, sent, owned, requantized, position, divisor):
   non-finite element of a replica's own row makes its block of the owned
   sum NaN, so the result is the same as checking the two terms' sum once).
 
-  Its cost: ``values - sent`` is the same elementwise computation as the
-  quantization (XLA fuses it with the encoding's pass, or beside it on a
-  backend without multi-output fusions), with no decode of the bytes; the
-  owned row is updated in place (a dynamic-update-slice over one row of
-  ``n``): its ``(owned - requantized)`` reads ``1 / n`` of the elements.
+  Cost: ``values - sent`` comes from the quantization's own values (no
+  decode of the bytes). By default the owned row is chosen by a select, so
+  that the residual is one elementwise pass (the guard included) over the
+  contributions; its other branch reads the owned sum, a loop's output
+  buffer on the 8-bit wires, in every row. ``in_place`` (int4, whose sum is
+  not a loop and would be recomputed in every row) writes the owned row
+  over the residual instead (a dynamic-update-slice of one row).
   """
   out = []
   for v, kept, total, total_kept in zip(
@@ -505,6 +511,14 @@ def residuals_of(values, sent, owned, requantized, position, divisor):
   ):
     dropped = v - kept
     again = jnp.float32(divisor) * (total - total_kept)
+    if in_place:
+      dropped = protocol.finite_or_zero(dropped)
+      own = jax.lax.dynamic_index_in_dim(dropped, position, keepdims=False)
+      mine = protocol.finite_or_zero(own + again)
+      out.append(
+        jax.lax.dynamic_update_index_in_dim(dropped, mine, position, 0)
+      )
+      continue
     row = jax.lax.broadcasted_iota(jnp.int32, dropped.shape, 0)
     mine = protocol.finite_or_zero(dropped) + again
     out.append(
