@@ -48,7 +48,13 @@ With error feedback (``cross_shard_mean(..., error_feedback=True)``) each
 replica also gets back what the quantizations dropped from its contribution
 (phase 1, and for the owner of a chunk the phase-2 requantization times the
 divisor), to add to its next contribution; see
-:func:`shardopt.cross_shard_mean`.
+:func:`shardopt.cross_shard_mean`. The residual comes from the values the
+encoding stands for, in the encoding's elementwise computation, with the
+owned row and the non-finite guard in the same pass (:func:`residuals_of`):
+error feedback adds the buffer's read to the absmax and encoding passes and
+one pass that writes it (XLA's CPU cost analysis: +37.5 bytes per element on
+int8's 26.6, 20 of them the CPU backend's; benchmarks/README.md, section
+10c).
 """
 
 from __future__ import annotations
@@ -439,7 +445,10 @@ def all_reduce(
   """
   p = plan([x.size for x in leaves], members, spec)
   values = scatter_values(leaves, p)
-  wire = encode_rows(values, spec)
+  # Each chunk's bytes and the values they stand for, from one elementwise
+  # computation (the residual below needs no decode of the bytes sent).
+  sent = [_encode(v, spec) for v in values]
+  wire = jnp.concatenate([payload for payload, _ in sent], axis=-1)
   received = _axes.grouped(
     lambda: jax.lax.all_to_all(wire, axis, 0, 0, axis_index_groups=groups),
     f"the {spec.dtype.name} wire with axis_index_groups",
@@ -449,8 +458,8 @@ def all_reduce(
   owned = sum_rows(received, spec, p)
   if divisor != 1:  # times the float32 reciprocal, as for the scales
     owned = [total * jnp.float32(1.0 / divisor) for total in owned]
-  reduced = [encode(total, spec) for total in owned]
-  gather = jnp.concatenate(reduced, axis=-1)
+  requantized = [_encode(total, spec) for total in owned]
+  gather = jnp.concatenate([payload for payload, _ in requantized], axis=-1)
   if invariant_result:
     gathered = jax.lax.all_gather(gather, axis, to="invarying")
   else:
@@ -466,41 +475,62 @@ def all_reduce(
     dropped.reshape(-1)[: x.size].reshape(x.shape)
     for x, dropped in zip(
       leaves,
-      residuals_of(values, wire, owned, reduced, position, spec, p, divisor),
+      residuals_of(
+        values,
+        [kept for _, kept in sent],
+        owned,
+        [kept for _, kept in requantized],
+        position,
+        divisor,
+        # int4 sums its rows unrolled: a select would redo that per row.
+        in_place=spec.bits == 4,
+      ),
       strict=True,
     )
   ]
   return out, res
 
 
-def residuals_of(values, wire, owned, reduced, position, spec, p, divisor):
-  """Error feedback's residual of every leaf, ``(members, blocks, block)``:
-  phase 1 (every row: the contribution less what its bytes decode to), and
-  on the owned row (``position``) phase 2 too (``divisor`` x what
-  requantizing the owned sum dropped), written over it in place: computed
-  on its own, the chunk's sum is read once per element of one row, where a
-  select or scatter over all the rows made XLA compute it for every row."""
+def residuals_of(
+  values, sent, owned, requantized, position, divisor, *, in_place=False
+):
+  """Error feedback's residual of every leaf, ``(members, blocks, block)``.
+
+  ``values`` and ``sent`` are phase 1's chunks and what their bytes decode
+  to (:func:`_encode`'s second result), ``owned`` and ``requantized`` the
+  owned sums and what phase 2's bytes decode to. Every row keeps ``values -
+  sent`` (0 where not finite); the owned row (``position``) adds ``divisor``
+  times what requantizing its sum dropped, again 0 where not finite (a
+  non-finite element of a replica's own row makes its block of the owned
+  sum NaN, so the result is the same as checking the two terms' sum once).
+
+  Cost: ``values - sent`` comes from the quantization's own values (no
+  decode of the bytes). By default the owned row is chosen by a select, so
+  that the residual is one elementwise pass (the guard included) over the
+  contributions; its other branch reads the owned sum, a loop's output
+  buffer on the 8-bit wires, in every row. ``in_place`` (int4, whose sum is
+  not a loop and would be recomputed in every row) writes the owned row
+  over the residual instead (a dynamic-update-slice of one row).
+  """
   out = []
-  for v, sent_rows, m, owned_payload, (block, blocks) in zip(
-    values,
-    protocol.split_bytes(wire, p.widths),
-    owned,
-    reduced,
-    p.layouts,
-    strict=True,
+  for v, kept, total, total_kept in zip(
+    values, sent, owned, requantized, strict=True
   ):
-    dropped = protocol.finite_or_zero(
-      v - decode(sent_rows, spec, block, blocks)
+    dropped = v - kept
+    again = jnp.float32(divisor) * (total - total_kept)
+    if in_place:
+      dropped = protocol.finite_or_zero(dropped)
+      own = jax.lax.dynamic_index_in_dim(dropped, position, keepdims=False)
+      mine = protocol.finite_or_zero(own + again)
+      out.append(
+        jax.lax.dynamic_update_index_in_dim(dropped, mine, position, 0)
+      )
+      continue
+    row = jax.lax.broadcasted_iota(jnp.int32, dropped.shape, 0)
+    mine = protocol.finite_or_zero(dropped) + again
+    out.append(
+      protocol.finite_or_zero(jnp.where(row == position, mine, dropped))
     )
-    own = jax.lax.dynamic_index_in_dim(v, position, keepdims=False)
-    own_sent = jax.lax.dynamic_index_in_dim(sent_rows, position, keepdims=False)
-    again = jnp.float32(divisor) * (
-      m - decode(owned_payload, spec, block, blocks)
-    )
-    mine = protocol.finite_or_zero(
-      (own - decode(own_sent, spec, block, blocks)) + again
-    )
-    out.append(jax.lax.dynamic_update_index_in_dim(dropped, mine, position, 0))
   return out
 
 
@@ -545,18 +575,12 @@ class Blocks(protocol.Base):
 
   def scatter(self, flats, p):
     values = scatter_values(flats, p)
-    rows = encode_rows(values, self.spec)
+    sent = [_encode(v, self.spec) for v in values]
     dropped = [
-      protocol.finite_or_zero(v - decode(r, self.spec, *lay)).reshape(-1)[:size]
-      for v, r, lay, size in zip(
-        values,
-        protocol.split_bytes(rows, p.widths),
-        p.layouts,
-        p.sizes,
-        strict=True,
-      )
+      protocol.finite_or_zero(v - kept).reshape(-1)[:size]
+      for v, (_, kept), size in zip(values, sent, p.sizes, strict=True)
     ]
-    return rows, dropped
+    return jnp.concatenate([payload for payload, _ in sent], axis=-1), dropped
 
   def sum_rows(self, received, keep, p):
     return [t.reshape(-1) for t in sum_rows(received, self.spec, p, keep)]
