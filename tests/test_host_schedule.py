@@ -177,9 +177,7 @@ def run_shard_map(tx, host: bool):
     return lambda p, s, x, y: f(p, s, *_mlp.on_mesh((x, y), mesh))
 
   params = _mlp.on_mesh(stacked, mesh)
-  return jax.tree.map(
-    np.asarray, _loop(tx, on_mesh_step, state, params, host)
-  )
+  return jax.tree.map(np.asarray, _loop(tx, on_mesh_step, state, params, host))
 
 
 def run_pmap(tx, host: bool):
@@ -369,7 +367,9 @@ def test_due_follows_the_streaming_rule(
     overlap_steps=overlap,
     sync_offset=offset,
   )
-  phases = [((f * period) // fragments + offset) % period for f in range(fragments)]
+  phases = [
+    ((f * period) // fragments + offset) % period for f in range(fragments)
+  ]
   got = [shardopt.due(tx, t) for t in range(1, 4 * period + warmup + 1)]
   want = [
     _reference_due(
@@ -391,8 +391,19 @@ def test_due_of_hierarchical_levels_and_accumulate():
   acc = shardopt.accumulate(optax.sgd(1.0), 3)
   assert [shardopt.due(acc, t) for t in range(1, 7)] == [0, 0, 1, 0, 0, 1]
   # accumulate around a periodic transform: 1 + the inner's value.
-  nested = shardopt.accumulate(shardopt.local_sgd(optax.sgd(1.0), AXIS, sync_period=2), 2)
-  assert [shardopt.due(nested, t) for t in range(1, 9)] == [0, 1, 0, 2, 0, 1, 0, 2]
+  nested = shardopt.accumulate(
+    shardopt.local_sgd(optax.sgd(1.0), AXIS, sync_period=2), 2
+  )
+  assert [shardopt.due(nested, t) for t in range(1, 9)] == [
+    0,
+    1,
+    0,
+    2,
+    0,
+    1,
+    0,
+    2,
+  ]
 
 
 def test_due_refuses_what_it_cannot_schedule():
@@ -427,7 +438,10 @@ def test_a_sync_the_counter_does_not_ask_for_raises_naming_both():
   tx = shardopt.local_sgd(optax.sgd(0.1), AXIS, sync_period=4)
   w = jnp.ones((R, 3))
   state = jax.pmap(tx.init, axis_name=AXIS)(w)
-  with pytest.raises(Exception, match=r"says sync=1 for this step, but the state.s counter \(0 before the step\) says sync=0"):
+  with pytest.raises(
+    Exception,
+    match=r"says sync=1 for this step, but the state.s counter \(0 before the step\) says sync=0",
+  ):
     jax.block_until_ready(_pmap_step(tx, 1)(w, state, w))
 
 
@@ -450,9 +464,9 @@ def test_sync_must_be_a_static_int_of_the_schedule():
   with pytest.raises(ValueError, match="sync=5 is not a program"):
     _pmap_step(tx, 5)(w, state, w)
   with pytest.raises(TypeError, match="must be a static Python int"):
-    jax.pmap(
-      lambda p, s, g, k: tx.update(g, s, p, sync=k), axis_name=AXIS
-    )(w, state, w, jnp.zeros(R, jnp.int32))
+    jax.pmap(lambda p, s, g, k: tx.update(g, s, p, sync=k), axis_name=AXIS)(
+      w, state, w, jnp.zeros(R, jnp.int32)
+    )
 
 
 # --------------------------------------------------------------------------
@@ -471,9 +485,7 @@ def compiled_step(tx, sync=None):
   """``(bytes accessed, conditionals, collectives)`` of the compiled,
   donated training step of ``tx`` (with ``sync=`` if given)."""
   mesh = jax.make_mesh((R,), (AXIS,))
-  stacked = _mlp.replicate(
-    _mlp.mlp_init(jax.random.key(0), PROGRAM_SIZES), R
-  )
+  stacked = _mlp.replicate(_mlp.mlp_init(jax.random.key(0), PROGRAM_SIZES), R)
   state = _mlp.on_mesh(jax.pmap(tx.init, axis_name=AXIS)(stacked), mesh)
   specs = _mlp.concat_specs(state)
 
@@ -493,7 +505,9 @@ def compiled_step(tx, sync=None):
     ),
     donate_argnums=(0, 1),
   )
-  batch = _mlp.batch(jax.random.key(1), R, 4, PROGRAM_SIZES[0], PROGRAM_SIZES[-1])
+  batch = _mlp.batch(
+    jax.random.key(1), R, 4, PROGRAM_SIZES[0], PROGRAM_SIZES[-1]
+  )
   compiled = f.lower(
     _mlp.on_mesh(stacked, mesh), state, *_mlp.on_mesh(batch, mesh)
   ).compile()
@@ -537,14 +551,14 @@ def _program_cases():
   adam = optax.adam(1e-3)
   cases = {}
   for wire, kw in WIRES.items():
-    cases[f"local_sgd, {wire}"] = (
-      lambda kw=kw: shardopt.local_sgd(adam, AXIS, sync_period=4, **kw)
+    cases[f"local_sgd, {wire}"] = lambda kw=kw: shardopt.local_sgd(
+      adam, AXIS, sync_period=4, **kw
     )
-    cases[f"diloco, {wire}"] = (
-      lambda kw=kw: shardopt.diloco(adam, AXIS, sync_period=4, **kw)
+    cases[f"diloco, {wire}"] = lambda kw=kw: shardopt.diloco(
+      adam, AXIS, sync_period=4, **kw
     )
-    cases[f"agn, {wire}"] = (
-      lambda kw=kw: shardopt.agn(adam, AXIS, sync_period=4, **kw)
+    cases[f"agn, {wire}"] = lambda kw=kw: shardopt.agn(
+      adam, AXIS, sync_period=4, **kw
     )
   cases["diloco, 4 fragments, overlap, warm-up"] = lambda: shardopt.diloco(
     adam,

@@ -275,8 +275,10 @@ def mark(ok: jax.Array, counter: jax.Array) -> jax.Array:
 def poison(ok: jax.Array, updates: Any) -> Any:
   """NaN updates where the host disagreed (a select the local step fuses)."""
   return jax.tree.map(
-    lambda u: jnp.where(ok, u, jnp.asarray(jnp.nan, u.dtype))
-    if jnp.issubdtype(u.dtype, jnp.inexact)
-    else u,
+    lambda u: (
+      jnp.where(ok, u, jnp.asarray(jnp.nan, u.dtype))
+      if jnp.issubdtype(u.dtype, jnp.inexact)
+      else u
+    ),
     updates,
   )

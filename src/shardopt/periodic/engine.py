@@ -131,8 +131,10 @@ class _Engine:
     ValueError naming the fix)."""
     slots = len(self.syncs) + 1
     sync, merge = code % slots, code // slots
-    valid = code == WARM_UP and self.warmup_steps or (
-      code >= 0 and merge <= len(self.merges)
+    valid = (
+      code == WARM_UP
+      and self.warmup_steps
+      or (code >= 0 and merge <= len(self.merges))
     )
     if not valid:
       raise _host_schedule.bad_value(self.name, code, self)
