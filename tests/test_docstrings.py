@@ -1,4 +1,5 @@
-"""Every docstring example in the package runs and prints what it says."""
+"""Every docstring example in the package, in every module and submodule,
+runs and prints what it says."""
 
 import doctest
 import importlib
@@ -8,9 +9,11 @@ import pytest
 
 import shardopt
 
+# Every module, the submodules of the packages (wire, periodic, elastic,
+# measure) included.
 MODULES = sorted(
   m.name
-  for m in pkgutil.iter_modules(shardopt.__path__, "shardopt.")
+  for m in pkgutil.walk_packages(shardopt.__path__, "shardopt.")
   if m.name != "shardopt.__main__"
 )
 

@@ -157,7 +157,7 @@ def due(tx: Any, t: int) -> int:
     >>> tx = shardopt.diloco(optax.adam(1e-3), "batch", sync_period=4,
     ...                      num_fragments=2, warmup_steps=2)
     >>> [shardopt.due(tx, t) for t in range(1, 9)]
-    [-1, -1, 0, 0, 2, 0, 1, 0]
+    [-1, -1, 0, 2, 0, 1, 0, 2]
     >>> chained = optax.chain(optax.clip(1.0), shardopt.accumulate(optax.sgd(1.0), 2))
     >>> [shardopt.due(chained, t) for t in range(1, 5)]
     [0, 1, 0, 1]

@@ -66,12 +66,3 @@ __all__ = [
   "hierarchical_local_sgd",
   "local_sgd",
 ]
-
-# The public functions live in .transforms; their examples run with this
-# module's doctests (tests/test_docstrings.py walks shardopt's top level).
-__test__ = {
-  "agn": agn,
-  "diloco": diloco,
-  "hierarchical_local_sgd": hierarchical_local_sgd,
-  "local_sgd": local_sgd,
-}
