@@ -89,7 +89,7 @@ def _transforms():
 
 
 TRANSFORMS = _transforms()
-FAST = ("diloco_overlap", "diloco_fragments_warmup", "accumulate_diloco")
+FAST = ("diloco_overlap", "accumulate_diloco")
 
 # Where the in-graph schedule's local step is not the plain optimizer's to
 # the bit: after a warm-up it reads the gradient out of the warm-up's cond,
@@ -294,7 +294,11 @@ def _plain_step_on_mesh(tx, params, state, t):
 
 @pytest.mark.parametrize(
   "name,t",
-  [("diloco_fragments_warmup", 3), ("finite_local_sgd", 2), ("diloco", 2)],
+  [
+    ("diloco_fragments_warmup", 3),
+    pytest.param("finite_local_sgd", 2, marks=pytest.mark.slow),
+    pytest.param("diloco", 2, marks=pytest.mark.slow),
+  ],
 )
 def test_the_host_local_step_is_the_plain_optimizers_to_the_bit(name, t):
   """Step t (no sync) of the host schedule from the state after t - 1 is
