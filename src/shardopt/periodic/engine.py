@@ -45,6 +45,13 @@ shared center). ``update`` runs these steps, one call each:
 
 What a step costs, and the tricks that keep a step without a sync as cheap
 as the plain local step, are in :mod:`._xla`.
+
+With ``sync=k`` (the host's choice, :func:`shardopt.due`), ``update`` builds
+one program: ``k = 0`` is :func:`local_only` (steps 1-3 and 6-8, no cond, no
+collective, no read of the center), checked against the counter
+(:func:`_host_local`); otherwise the steps above with sync ``k`` alone in
+step 5 (a merge or a warm-up step: none), its cond on the counter, so that
+the numbers are the in-graph schedule's.
 """
 
 from __future__ import annotations
@@ -129,14 +136,11 @@ class _Engine:
   def decode(self, code: int) -> tuple[int, int]:
     """``(sync, merge)`` of a program :meth:`due` returned (valid or a
     ValueError naming the fix)."""
+    if code == WARM_UP and self.warmup_steps:
+      return 0, 0  # the warm-up's own conds, no sync
     slots = len(self.syncs) + 1
     sync, merge = code % slots, code // slots
-    valid = (
-      code == WARM_UP
-      and self.warmup_steps
-      or (code >= 0 and merge <= len(self.merges))
-    )
-    if not valid:
+    if code < 0 or merge > len(self.merges):
       raise _host_schedule.bad_value(self.name, code, self)
     return sync, merge
 
