@@ -15,6 +15,7 @@ from benchmarks._blocks_format import table
 from benchmarks._blocks_format import top_provenance
 from benchmarks.studies.quality_per_byte_blocks import LM_ROWS
 from benchmarks.studies.quality_per_byte_blocks import LM_SYNC
+from benchmarks.studies.quality_per_byte_blocks import frontier_table
 
 ACCELERATOR = "benchmarks/results/accelerator_h100.json"
 ACCELERATOR_FRONTIER = "benchmarks/results/accelerator_h100_frontier.json"
@@ -51,11 +52,7 @@ def render_accelerator_frontier(data: Sequence[dict]) -> str:
   return (
     top_provenance(d, ACCELERATOR_FRONTIER, f"; {_device(d)}")
     + "\n\n"
-    + table(
-      ["method", "MB sent", "vs sync", "val bits/byte", "Δ vs sync"],
-      rows,
-      "lrrrr",
-    )
+    + frontier_table(rows)
     + "\n\n"
     + f"{f['params']:,} params, {f['replicas']} replicas under `jax.vmap`"
     f" on the one device, {config['steps']} steps of"

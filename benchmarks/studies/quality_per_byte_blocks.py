@@ -38,6 +38,17 @@ LM_ROWS = {
 LM_SYNC = "cross_shard(adamw) [sync]"
 
 
+def frontier_table(rows: Sequence[Sequence]) -> str:
+  """The LM's methods, one row each: words, MB sent, the fraction of
+  sync's bytes, final val bits/byte, the change against sync (README's
+  table of section 8, and of the accelerator's run of the same LM)."""
+  return table(
+    ["method", "MB sent", "vs sync", "val bits/byte", "Δ vs sync"],
+    rows,
+    "lrrrr",
+  )
+
+
 def render_lm_frontier(data: Sequence[dict]) -> str:
   """README's byte-level LM table: chosen rows of section 8."""
   (results,) = data
@@ -69,11 +80,7 @@ def render_lm_frontier(data: Sequence[dict]) -> str:
   return (
     section_provenance(results, "quality_per_byte", LATEST)
     + "\n\n"
-    + table(
-      ["method", "MB sent", "vs sync", "val bits/byte", "Δ vs sync"],
-      rows,
-      "lrrrr",
-    )
+    + frontier_table(rows)
     + "\n\n"
     + f"{d['params']:,} params, {d['replicas']} replicas,"
     f" {config['steps']} steps, {len(seeds)} seeds ({', '.join(map(str, seeds))});"
