@@ -437,7 +437,8 @@ def write_json(
   argv: Sequence[str] | None,
 ) -> None:
   """The results as JSON, with the command, the date (UTC) and the commit:
-  what ``python -m benchmarks.blocks`` renders the README's table from."""
+  what ``python -m benchmarks.blocks`` renders the README's table from
+  (``examples/demo_blocks.py``)."""
   import datetime  # pylint: disable=g-import-not-at-top
   import json  # pylint: disable=g-import-not-at-top
 

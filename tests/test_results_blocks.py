@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +23,8 @@ if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
 from benchmarks import blocks  # noqa: E402
+from benchmarks.perf import elastic_blocks  # noqa: E402
+from benchmarks.studies import outer_sweep_blocks  # noqa: E402
 
 BY_NAME = {b.name: b for b in blocks.BLOCKS}
 
@@ -31,6 +35,40 @@ def test_every_block_matches_its_results_file():
     "results blocks out of date (fix: python -m benchmarks.blocks):\n"
     + "\n".join(problems)
   )
+
+
+def test_every_blocks_module_is_registered():
+  """Each ``*_blocks.py`` beside a script is in :data:`blocks.MODULES`
+  (a module left out would render nothing, and its markers would fail the
+  check as unknown)."""
+  found = {
+    path.relative_to(ROOT).as_posix()
+    for folder in ("benchmarks", "examples")
+    for path in (ROOT / folder).rglob("*_blocks.py")
+  }
+  registered = {
+    Path(m.__file__).resolve().relative_to(ROOT).as_posix()
+    for m in blocks.MODULES
+  }
+  assert found == registered, (found - registered, registered - found)
+
+
+def test_the_check_imports_no_jax():
+  """The renderers live beside scripts that import JAX (some set XLA_FLAGS
+  at import time); the registry imports only the renderers, so loading it
+  in a fresh process loads no JAX."""
+  code = "import sys, benchmarks.blocks; print('jax' in sys.modules)"
+  proc = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=ROOT,
+    env={**os.environ, "PYTHONPATH": str(ROOT)},
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.strip() == "False", proc.stdout
 
 
 def test_every_results_file_and_page_of_the_registry_exists():
@@ -102,7 +140,7 @@ def _copy_tree(tmp_path: Path) -> Path:
 def test_the_check_names_a_stale_block_and_the_writer_fixes_it(tmp_path):
   root = _copy_tree(tmp_path)
   assert blocks.check(root) == []
-  source = root / blocks.ROUND_BYTES
+  source = root / elastic_blocks.ROUND_BYTES
   data = json.loads(source.read_text())
   data["round_bytes_per_island"]["4"] += 1000
   stale = f"{data['round_bytes_per_island']['4']:,.0f}"  # what is written
@@ -178,16 +216,17 @@ def test_an_outer_sweep_file_without_its_command_gets_it_rebuilt():
   their settings (flags only where they differ from the defaults, --name
   from the file), and a recorded command wins."""
   (sweep,) = BY_NAME["outer-sweep"].load()
-  assert blocks.outer_sweep_command(sweep, blocks.OUTER_SWEEP) == (
+  command = outer_sweep_blocks.outer_sweep_command
+  assert command(sweep, outer_sweep_blocks.OUTER_SWEEP) == (
     "python -m benchmarks.studies.outer_sweep --seeds 2 --end-fraction 0.1"
   )
   batch4, batch16 = BY_NAME["outer-batch"].load()
-  assert blocks.outer_sweep_command(batch16, blocks.OUTER_BATCH[1]) == (
+  assert command(batch16, outer_sweep_blocks.OUTER_BATCH[1]) == (
     "python -m benchmarks.studies.outer_sweep --periods 16"
     ' --outer "0.7,0.9;1,0" --batch-per-replica 16 --name outer_sweep_batch16'
   )
   recorded = dict(batch4, command="python -m benchmarks.studies.outer_sweep X")
-  assert blocks.outer_sweep_command(recorded, "any") == recorded["command"]
+  assert command(recorded, "any") == recorded["command"]
 
 
 def test_the_outer_sweep_table_reads_each_run():

@@ -7,7 +7,7 @@ the date, the commit and the machine, to
 ``benchmarks/results/cost_guards.json`` (``results/quick/`` with
 ``--quick``). The guard tables of README.md, docs/reliability.md and
 benchmarks/README.md are generated from that file by ``python -m
-benchmarks.blocks``.
+benchmarks.blocks`` (the renderers: :mod:`benchmarks.perf.cost_guards_blocks`).
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ def main(argv=None) -> int:
   section = run(args.steps, args.seeds, periods, outer)
   print(table(section))
   # What produced the numbers, for the tables generated from this file
-  # (python -m benchmarks.blocks).
+  # (python -m benchmarks.blocks; renderers in outer_defaults_blocks.py).
   section["command"] = " ".join(
     [
       "python -m benchmarks.studies.outer_defaults",

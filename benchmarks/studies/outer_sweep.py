@@ -215,7 +215,7 @@ def main(argv=None) -> int:
   directory = RESULTS
   png = plot(section, directory, args.name)
   # What produced the numbers, for the tables generated from this file
-  # (python -m benchmarks.blocks).
+  # (python -m benchmarks.blocks; renderers in outer_sweep_blocks.py).
   section["command"] = " ".join(
     [
       "python -m benchmarks.studies.outer_sweep",

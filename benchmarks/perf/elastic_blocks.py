@@ -1,0 +1,280 @@
+"""docs/elastic.md's tables, from the files :mod:`benchmarks.perf.elastic`
+writes.
+
+:data:`BLOCKS` registers them with :mod:`benchmarks.blocks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from benchmarks._blocks_format import Block
+from benchmarks._blocks_format import spread
+from benchmarks._blocks_format import table
+from benchmarks._blocks_format import top_provenance
+
+ELASTIC = "benchmarks/results/elastic.json"
+ROUND_BYTES = "benchmarks/results/elastic_round_bytes.json"
+
+
+def render_elastic_round_costs(data: Sequence[dict]) -> str:
+  """docs/elastic.md: an elastic round against today's sync."""
+  (d,) = data
+  costs = d["round_costs"]
+  m = costs["median_s"]
+  rows = [
+    ["inner step (island-local, 2 devices)", m["inner_step"]],
+    [
+      "elastic round (`island.sync`: `live_devices`, one collective program, commit)",
+      m["elastic_round"],
+    ],
+    [
+      "today's `diloco` step over all 6 devices, without a sync",
+      m["plain_local"],
+    ],
+    ["today's `diloco` step over all 6 devices, with a sync", m["plain_sync"]],
+    ["today's sync (the difference)", costs["todays_sync_s"]],
+  ]
+  return (
+    top_provenance(
+      d, ELASTIC, f"; median of {costs['repeats']} interleaved repeats"
+    )
+    + "\n\n"
+    + table(["what", "seconds"], [[w, f"{s:.4f}"] for w, s in rows], "lr")
+    + "\n\n"
+    + f"An elastic round cost {costs['round_vs_todays_sync']:.2f}x today's"
+    f" sync, and an inner step plus a round"
+    f" {costs['step_plus_round_vs_todays_sync_step']:.2f}x today's step with a"
+    f" sync; today's step without a sync was"
+    f" {m['plain_local'] / m['inner_step']:.1f}x the island-local step."
+  )
+
+
+def render_elastic_detection(data: Sequence[dict]) -> str:
+  """docs/elastic.md: seconds from the kill to the failed round and to the
+  commit without the killed island, both survivors."""
+  (d,) = data
+  rows, between = [], sum(1 for w, _ in d["detection"] if w == "between")
+  seen = 0
+  for where, run in d["detection"]:
+    survivors = [run[k] for k in sorted(run) if k.startswith("p")]
+    if where == "between":
+      seen += 1
+      label = "between syncs" + (f" (run {seen})" if between > 1 else "")
+    else:
+      label = "inside a round"
+    rows.append(
+      [
+        label,
+        spread([s["failed_after_s"] for s in survivors]),
+        spread([s["committed_without_it_after_s"] for s in survivors]),
+      ]
+    )
+  return (
+    top_provenance(d, ELASTIC)
+    + "\n\n"
+    + table(
+      ["killed", "survivors' round failed", "committed without it"],
+      rows,
+      "lrr",
+    )
+  )
+
+
+def render_elastic_round_bytes(data: Sequence[dict]) -> str:
+  """docs/elastic.md: one island's bytes per plain round."""
+  (d,) = data
+  payload = d["payload_bytes"]
+  two, gather = d["round_bytes_per_island"], d["all_gather_bytes_per_island"]
+  rows = [
+    [
+      n,
+      f"{two[n]:,.0f}",
+      f"{two[n] / payload:.2f}",
+      f"{gather[n]:,.0f}",
+      f"{gather[n] / payload:.2f}",
+    ]
+    for n in sorted(two, key=int)
+  ]
+  return (
+    top_provenance(d, ROUND_BYTES, f"; payload {payload:,} bytes")
+    + "\n\n"
+    + table(
+      [
+        "islands",
+        "two-phase round (bytes)",
+        "/ payload",
+        "one `all_gather` of the rows, before (bytes)",
+        "/ payload",
+      ],
+      rows,
+      "rrrrr",
+    )
+  )
+
+
+MODEL_PARALLEL = "benchmarks/results/elastic_model_parallel.json"
+UNEQUAL = "benchmarks/results/elastic_unequal.json"
+
+
+def render_elastic_unequal(data: Sequence[dict]) -> str:
+  """docs/elastic.md: islands of unequal speed, clock vs steps."""
+  (d,) = data
+  speeds = "/".join(f"{v:g}" for v in d["speeds_s"])
+  rows = [
+    [
+      label,
+      ", ".join(f"{v:.0%}" for v in r["goodput"].values()),
+      ", ".join(f"{v:,}" for v in r["inner_steps"].values()),
+      r["rounds"],
+      f"{r['final_loss']:.5f}",
+      ", ".join(sorted({str(c) for c in r["exit_codes"].values()})),
+    ]
+    for label, r in d["runs"].items()
+  ]
+  return (
+    top_provenance(
+      d,
+      UNEQUAL,
+      f"; 3 islands x 2 CPU devices, {speeds} s per inner step (equal"
+      f" islands: the fastest's), {d['seconds']:g} s of training each",
+    )
+    + "\n\n"
+    + table(
+      [
+        "run",
+        "goodput per island",
+        "inner steps per island",
+        "rounds",
+        "center's held-out loss at the end",
+        "exit codes",
+      ],
+      rows,
+      "lllrrl",
+    )
+  )
+
+
+CHAOS = "benchmarks/results/elastic_chaos.json"
+
+
+def render_elastic_model_parallel(data: Sequence[dict]) -> str:
+  """docs/elastic.md: bytes per device of a model-parallel island."""
+  (d,) = data
+
+  def held(r: dict) -> int:
+    return r["params_bytes_per_device"] + r["state_bytes_per_device"]
+
+  base = held(d["by_m"]["1"])
+  rows = []
+  for m, r in d["by_m"].items():
+    rows.append(
+      [
+        m,
+        f"{r['params_bytes_per_device']:,}",
+        f"{r['state_bytes_per_device']:,}",
+        f"{r['plain_round_rows_bytes_per_device']:,}",
+        f"{r['healing_row_bytes_per_device']:,}",
+        f"{held(r) / base:.3f}",
+      ]
+    )
+  return (
+    top_provenance(
+      d,
+      MODEL_PARALLEL,
+      f"; {d['layers']} layers of width {d['width']}, {d['devices']} CPU"
+      " devices per island",
+    )
+    + "\n\n"
+    + table(
+      [
+        "M (model-parallel)",
+        "params / device (bytes)",
+        "state / device",
+        "a plain round's rows",
+        "a healing round's row",
+        "params + state vs M = 1",
+      ],
+      rows,
+      "rrrrrr",
+    )
+  )
+
+
+def render_elastic_chaos(data: Sequence[dict]) -> str:
+  """docs/elastic.md: the chaos run's report."""
+  (d,) = data
+  st = d["settings"]
+  stall = d["stall_after_kill_s"]
+  codes = sorted(set(d["exit_codes"].values()), key=str)
+  rows = [
+    [
+      "kills",
+      f"{d['kills']} ({d['kills_of_every_island']} of every island at once)",
+    ],
+    [
+      "rounds committed",
+      f"{d['rounds_committed']} ({d['failed_attempts']} failed attempts)",
+    ],
+    ["rounds lost", f"{len(d['rounds_lost'])}"],
+    ["rounds whose bits differ", f"{len(d['rounds_with_other_bits'])}"],
+    [
+      "goodput (inner steps that reached a committed center)",
+      f"{d['goodput']:.1%} ({d['inner_steps_in_committed_rounds']:,} of {d['inner_steps']:,})",
+    ],
+    [
+      "stall from a kill to the next committed round",
+      f"median {stall['median']:.1f} s, max {stall['max']:.1f} s"
+      f" ({stall['count']} kills with survivors)",
+    ],
+    ["exit codes", ", ".join(map(str, codes))],
+    ["wall time", f"{d['wall_s']:.0f} s"],
+  ]
+  return (
+    top_provenance(
+      d,
+      CHAOS,
+      f"; {st['islands']} islands x {st['devices_per_process']} CPU devices"
+      f" and a dedicated coordinator, H = {st['sync_period']},"
+      f" {st['step_seconds']} s per inner step, a kill every"
+      f" {st['kill_every_s'][0]:g}-{st['kill_every_s'][1]:g} s, back after"
+      f" {st['back_after_s'][0]:g}-{st['back_after_s'][1]:g} s, seed {st['seed']}",
+    )
+    + "\n\n"
+    + table(["what", "measured"], rows, "lr")
+  )
+
+
+BLOCKS = (
+  Block(
+    "elastic-round-costs",
+    (ELASTIC,),
+    render_elastic_round_costs,
+    ("docs/elastic.md",),
+  ),
+  Block(
+    "elastic-detection",
+    (ELASTIC,),
+    render_elastic_detection,
+    ("docs/elastic.md",),
+  ),
+  Block(
+    "elastic-round-bytes",
+    (ROUND_BYTES,),
+    render_elastic_round_bytes,
+    ("docs/elastic.md",),
+  ),
+  Block(
+    "elastic-model-parallel",
+    (MODEL_PARALLEL,),
+    render_elastic_model_parallel,
+    ("docs/elastic.md",),
+  ),
+  Block("elastic-chaos", (CHAOS,), render_elastic_chaos, ("docs/elastic.md",)),
+  Block(
+    "elastic-unequal",
+    (UNEQUAL,),
+    render_elastic_unequal,
+    ("docs/elastic.md",),
+  ),
+)
