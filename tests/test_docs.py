@@ -22,7 +22,7 @@ DIRECTIVE = re.compile(
   re.M,
 )
 # Public subpackages, whose names are documented as "elastic.Island".
-SUBPACKAGES = ("elastic", "wire")
+SUBPACKAGES = ("elastic", "measure", "wire")
 
 
 def _exported() -> list:
