@@ -133,7 +133,12 @@ def concat_specs(tree: Any) -> Any:
 
 
 def concat_shard_map_step(
-  tx: optax.GradientTransformation, mesh, specs, *, donate: bool = False
+  tx: optax.GradientTransformation,
+  mesh,
+  specs,
+  *,
+  donate: bool = False,
+  sync: int | None = None,
 ) -> Callable:
   """:func:`pmap_step` on ``jax.jit`` + ``shard_map(check_vma=False)``.
 
@@ -145,12 +150,15 @@ def concat_shard_map_step(
   are the state's (:func:`concat_specs`). ``donate`` donates params and state
   to ``jax.jit``, which aliases input and output buffers; ``pmap``'s donation
   (jax 0.10, CPU) copies every donated output instead, so a donated ``pmap``
-  step pays copies that no training loop on ``jit`` pays.
+  step pays copies that no training loop on ``jit`` pays. ``sync`` (a
+  static int, ``shardopt.due(tx, t)``) builds the host-scheduled program of
+  that value; None, the in-graph schedule.
   """
+  extra = {} if sync is None else {"sync": sync}
 
   def step(params, opt_state, x, y):
     grads = jax.grad(mlp_loss)(params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
     return optax.apply_updates(params, updates), opt_state
 
   return jax.jit(
