@@ -41,10 +41,13 @@ if __name__ == "__main__":  # before jax is imported
 import argparse  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import shardopt  # noqa: E402
 from benchmarks import _report  # noqa: E402
@@ -55,9 +58,10 @@ from shardopt.measure import hlo  # noqa: E402
 PROG = "benchmarks.perf.step_bytes"
 FILENAME = "step_bytes.json"
 AXIS = workload.AXIS
-MLP = (512, 1024, 1024, 10)  # benchmarks.perf.cost's
+# tests/test_host_schedule.py's program MLP and batch (issue 54's numbers)
+MLP = (64, 256, 256, 10)
 QUICK_MLP = (32, 64, 10)
-PER_REPLICA = 16
+PER_REPLICA = 4
 PROGRAMS = blocks.STEP_PROGRAMS  # in-graph, host sync=0, host sync=1
 
 WIRES: dict[str, dict] = {
@@ -159,13 +163,29 @@ class Compiler:
       self.mesh,
     )
 
-  def program(self, tx, sync: int | None = None) -> dict:
+  def state(self, tx) -> Any:
+    """``tx``'s state in :func:`workload.on_mesh`'s layout, as shapes only
+    (the step is compiled, never run)."""
+
+    def placed(a):
+      # (n, d0, ...) -> (n * d0, ...); one scalar per replica -> a scalar
+      shape = (
+        () if len(a.shape) == 1 else (a.shape[0] * a.shape[1],) + a.shape[2:]
+      )
+      spec = P(AXIS) if shape else P()
+      sharding = NamedSharding(self.mesh, spec)
+      return jax.ShapeDtypeStruct(shape, a.dtype, sharding=sharding)
+
+    shapes = jax.eval_shape(jax.pmap(tx.init, axis_name=AXIS), self.stacked)
+    return jax.tree.map(placed, shapes)
+
+  def program(self, tx, state, sync: int | None = None) -> dict:
     """``bytes_accessed``, ``conditionals``, ``collectives`` and
-    ``copied_bytes`` of ``tx``'s donated step (``sync=`` if given)."""
-    state = jax.pmap(tx.init, axis_name=AXIS)(self.stacked)
-    state = workload.on_mesh(state, self.mesh)
+    ``copied_bytes`` of ``tx``'s donated step (``sync=`` if given);
+    ``state``: :meth:`state`'s."""
+    specs = jax.tree.map(lambda a: a.sharding.spec, state)
     step = workload.concat_shard_map_step(
-      tx, self.mesh, workload.concat_specs(state), donate=True, sync=sync
+      tx, self.mesh, specs, donate=True, sync=sync
     )
     compiled = step.lower(self.params, state, *self.batch).compile()
     return read(compiled, self.n)
@@ -198,7 +218,10 @@ def run(quick: bool, argv: Sequence[str] | None = None) -> dict:
   result = _report.provenance(PROG, argv)
   sizes = QUICK_MLP if quick else MLP
   compiler = Compiler(sizes)
-  floors = {name: compiler.program(make()) for name, make in FLOORS.items()}
+  floors = {}
+  for name, make in FLOORS.items():
+    tx = make()
+    floors[name] = compiler.program(tx, compiler.state(tx))
   rows = []
   for name, (make, floor) in TRANSFORMS.items():
     for wire in QUICK_WIRES if quick else WIRES:
@@ -208,8 +231,9 @@ def run(quick: bool, argv: Sequence[str] | None = None) -> dict:
       except (TypeError, ValueError) as exc:  # the transform refuses it
         rows.append({**row, "refused": _refusal(exc)})
         continue
+      state = compiler.state(tx)
       for program, sync in zip(PROGRAMS, (None, 0, 1), strict=True):
-        read_ = compiler.program(tx, sync)
+        read_ = compiler.program(tx, state, sync)
         read_["ratio_to_floor"] = (
           read_["bytes_accessed"] / floors[floor]["bytes_accessed"]
         )
