@@ -25,6 +25,7 @@ import optax
 import pytest
 
 import shardopt
+from shardopt.measure import hlo
 
 AXIS = _mlp.AXIS
 R = 8
@@ -170,9 +171,7 @@ def run_shard_map(tx, host: bool):
     return lambda p, s, x, y: f(p, s, *_mlp.on_mesh((x, y), mesh))
 
   params = _mlp.on_mesh(stacked, mesh)
-  return jax.tree.map(
-    np.asarray, _loop(tx, on_mesh_step, state, params, host)
-  )
+  return jax.tree.map(np.asarray, _loop(tx, on_mesh_step, state, params, host))
 
 
 def run_pmap(tx, host: bool):
@@ -362,7 +361,9 @@ def test_due_follows_the_streaming_rule(
     overlap_steps=overlap,
     sync_offset=offset,
   )
-  phases = [((f * period) // fragments + offset) % period for f in range(fragments)]
+  phases = [
+    ((f * period) // fragments + offset) % period for f in range(fragments)
+  ]
   got = [shardopt.due(tx, t) for t in range(1, 4 * period + warmup + 1)]
   want = [
     _reference_due(
@@ -384,8 +385,19 @@ def test_due_of_hierarchical_levels_and_accumulate():
   acc = shardopt.accumulate(optax.sgd(1.0), 3)
   assert [shardopt.due(acc, t) for t in range(1, 7)] == [0, 0, 1, 0, 0, 1]
   # accumulate around a periodic transform: 1 + the inner's value.
-  nested = shardopt.accumulate(shardopt.local_sgd(optax.sgd(1.0), AXIS, sync_period=2), 2)
-  assert [shardopt.due(nested, t) for t in range(1, 9)] == [0, 1, 0, 2, 0, 1, 0, 2]
+  nested = shardopt.accumulate(
+    shardopt.local_sgd(optax.sgd(1.0), AXIS, sync_period=2), 2
+  )
+  assert [shardopt.due(nested, t) for t in range(1, 9)] == [
+    0,
+    1,
+    0,
+    2,
+    0,
+    1,
+    0,
+    2,
+  ]
 
 
 def test_due_refuses_what_it_cannot_schedule():
@@ -420,7 +432,10 @@ def test_a_sync_the_counter_does_not_ask_for_raises_naming_both():
   tx = shardopt.local_sgd(optax.sgd(0.1), AXIS, sync_period=4)
   w = jnp.ones((R, 3))
   state = jax.pmap(tx.init, axis_name=AXIS)(w)
-  with pytest.raises(Exception, match=r"says sync=1 for this step, but the state.s counter \(0 before the step\) says sync=0"):
+  with pytest.raises(
+    Exception,
+    match=r"says sync=1 for this step, but the state.s counter \(0 before the step\) says sync=0",
+  ):
     jax.block_until_ready(_pmap_step(tx, 1)(w, state, w))
 
 
@@ -443,9 +458,9 @@ def test_sync_must_be_a_static_int_of_the_schedule():
   with pytest.raises(ValueError, match="sync=5 is not a program"):
     _pmap_step(tx, 5)(w, state, w)
   with pytest.raises(TypeError, match="must be a static Python int"):
-    jax.pmap(
-      lambda p, s, g, k: tx.update(g, s, p, sync=k), axis_name=AXIS
-    )(w, state, w, jnp.zeros(R, jnp.int32))
+    jax.pmap(lambda p, s, g, k: tx.update(g, s, p, sync=k), axis_name=AXIS)(
+      w, state, w, jnp.zeros(R, jnp.int32)
+    )
 
 
 # --------------------------------------------------------------------------
@@ -464,9 +479,7 @@ def compiled_step(tx, sync=None):
   """``(bytes accessed, conditionals, collectives)`` of the compiled,
   donated training step of ``tx`` (with ``sync=`` if given)."""
   mesh = jax.make_mesh((R,), (AXIS,))
-  stacked = _mlp.replicate(
-    _mlp.mlp_init(jax.random.key(0), PROGRAM_SIZES), R
-  )
+  stacked = _mlp.replicate(_mlp.mlp_init(jax.random.key(0), PROGRAM_SIZES), R)
   state = _mlp.on_mesh(jax.pmap(tx.init, axis_name=AXIS)(stacked), mesh)
   specs = _mlp.concat_specs(state)
 
@@ -486,7 +499,9 @@ def compiled_step(tx, sync=None):
     ),
     donate_argnums=(0, 1),
   )
-  batch = _mlp.batch(jax.random.key(1), R, 4, PROGRAM_SIZES[0], PROGRAM_SIZES[-1])
+  batch = _mlp.batch(
+    jax.random.key(1), R, 4, PROGRAM_SIZES[0], PROGRAM_SIZES[-1]
+  )
   compiled = f.lower(
     _mlp.on_mesh(stacked, mesh), state, *_mlp.on_mesh(batch, mesh)
   ).compile()
@@ -530,14 +545,14 @@ def _program_cases():
   adam = optax.adam(1e-3)
   cases = {}
   for wire, kw in WIRES.items():
-    cases[f"local_sgd, {wire}"] = (
-      lambda kw=kw: shardopt.local_sgd(adam, AXIS, sync_period=4, **kw)
+    cases[f"local_sgd, {wire}"] = lambda kw=kw: shardopt.local_sgd(
+      adam, AXIS, sync_period=4, **kw
     )
-    cases[f"diloco, {wire}"] = (
-      lambda kw=kw: shardopt.diloco(adam, AXIS, sync_period=4, **kw)
+    cases[f"diloco, {wire}"] = lambda kw=kw: shardopt.diloco(
+      adam, AXIS, sync_period=4, **kw
     )
-    cases[f"agn, {wire}"] = (
-      lambda kw=kw: shardopt.agn(adam, AXIS, sync_period=4, **kw)
+    cases[f"agn, {wire}"] = lambda kw=kw: shardopt.agn(
+      adam, AXIS, sync_period=4, **kw
     )
   cases["diloco, 4 fragments, overlap, warm-up"] = lambda: shardopt.diloco(
     adam,
@@ -580,3 +595,53 @@ def test_the_sync_0_program_is_the_plain_local_step(name):
   # The in-graph schedule's program carries the sync on every step.
   in_graph, in_graph_conds, _ = compiled_step(tx)
   assert in_graph_conds >= 1 and in_graph > 1.5 * floor
+
+
+# --------------------------------------------------------------------------
+# Under jax.vmap (the accelerator command's mapping): the in-graph schedule's
+# non-sync branch copies agn's whole batched accumulator (issue 54); the
+# host's sync=0 program has no branch to copy it through.
+
+
+def _vmap_step_text(tx, params, sync=None) -> str:
+  """Compiled HLO of ``tx``'s donated step of R replicas under ``jax.vmap``
+  (the state's axes from ``shardopt.vmap_axes``, counters unbatched), the
+  per-replica gradients handed in."""
+  axes = shardopt.vmap_axes(tx, params, AXIS, axis_size=R)
+  state = jax.vmap(
+    tx.init, in_axes=None, out_axes=axes, axis_name=AXIS, axis_size=R
+  )(params)
+  kw = {} if sync is None else {"sync": sync}
+
+  def step(p, s, g):
+    updates, s = tx.update(g, s, p, **kw)
+    return optax.apply_updates(p, updates), s
+
+  f = jax.jit(
+    jax.vmap(step, in_axes=(0, axes, 0), out_axes=(0, axes), axis_name=AXIS),
+    donate_argnums=(0, 1),
+  )
+  stacked = jax.tree.map(lambda a: jnp.zeros((R,) + a.shape, a.dtype), params)
+  return f.lower(stacked, state, stacked).compile().as_text()
+
+
+def test_agn_under_vmap_host_sync_0_copies_no_buffer_in_graph_its_accumulator():
+  params = {"w": jnp.zeros((256, 64)), "b": jnp.zeros((64,))}
+  accumulator = R * sum(a.size for a in jax.tree.leaves(params)) * 4
+  tx = shardopt.agn(optax.adam(1e-3), AXIS, sync_period=4)
+
+  host = hlo.copied_bytes(_vmap_step_text(tx, params, sync=0))
+  # The counter (s32[]) and the host check's flag per replica (pred[8, 1]),
+  # no array of the params' size, and no conditional to copy through.
+  assert host["conditional"] == {} and host["top"] <= 4 + 2 * R, host
+
+  in_graph = hlo.copied_bytes(_vmap_step_text(tx, params))
+  # Measured 2026-11-28 (jax 0.10.2, CPU): the untaken-sync branch (#0, the
+  # one every non-sync step takes) copies the batched accumulator whole.
+  # Should the in-graph schedule stop copying it, this fails: drop the
+  # known cost and assert no copy here too.
+  non_sync = {
+    b: n for b, n in in_graph["conditional"].items() if b[-2:] == "#0"
+  }
+  assert list(non_sync.values()) == [accumulator], (in_graph, accumulator)
+  assert in_graph["top"] <= 4 + 2 * R, in_graph
