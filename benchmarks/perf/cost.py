@@ -56,6 +56,14 @@ step and its baseline each time:
    one more read of the gradients costs here. ``run(quick,
    only_guards=True)`` times this group alone.
 
+The host-scheduled programs of issue 54 (``tx.update(..., sync=0)`` and
+``sync=1``, chosen by ``shardopt.due``) are not timed here: their XLA bytes
+accessed, conditionals, collectives and copies beside the in-graph
+schedule's, for every periodic transform and wire, are
+:mod:`benchmarks.perf.step_bytes`'s table (``benchmarks/results/
+step_bytes.json``, benchmarks/README.md section 9d); their time against
+Adam on an accelerator, :mod:`benchmarks.accelerator`'s ``overhead``.
+
 Every entry whose transform this shardopt does not have yet is skipped and
 listed. A ``max |Δparam|`` column checks that each step computes what its
 baseline does where it should (the non-sync steps, the mid step and
