@@ -78,6 +78,7 @@ import optax  # noqa: E402
 import shardopt  # noqa: E402
 from benchmarks import _report  # noqa: E402
 from benchmarks import methods  # noqa: E402
+from benchmarks.perf import workload as perf_workload  # noqa: E402
 from benchmarks.perf.harness import compare  # noqa: E402
 from benchmarks.studies import workload  # noqa: E402
 from shardopt.measure import hlo  # noqa: E402
@@ -478,21 +479,6 @@ ADAM = "optax adam"
 NEVER = 10**9  # the sync never comes: every timed step is a local one
 
 
-def _adam_and_accumulator_add() -> optax.GradientTransformation:
-  """``optax.adam`` plus ``acc += grads``, hand-written: ``agn``'s floor
-  (the local work its step must do)."""
-  adam = optax.adam(1e-3)
-
-  def init(params):
-    return adam.init(params), jax.tree.map(jnp.zeros_like, params)
-
-  def update(grads, state, params=None):
-    updates, inner = adam.update(grads, state[0], params)
-    return updates, (inner, jax.tree.map(jnp.add, state[1], grads))
-
-  return optax.GradientTransformation(init, update)
-
-
 # name -> the transform (never syncing), each run both ways
 SCHEDULED = {
   "local_sgd": lambda: shardopt.local_sgd(
@@ -508,9 +494,11 @@ SCHEDULED = {
 }
 HOST, IN_GRAPH = "host sync=0", "in-graph non-sync"
 AGN_FLOOR = "adam + accumulator add (agn's floor)"
+GUARD = "apply_if_finite(adam)"
 # What a scheduled transform's step is held to (the goal's denominator):
-# Adam, or for agn Adam plus the accumulator add its step must do.
-FLOORS = {"agn": AGN_FLOOR}
+# Adam; for agn, Adam plus the accumulator add its step must do; for the
+# guarded local_sgd, the guard around Adam (its finite check's cost).
+FLOORS = {"agn": AGN_FLOOR, "apply_if_finite(local_sgd)": GUARD}
 
 
 def _overhead_steps() -> dict:
@@ -520,11 +508,11 @@ def _overhead_steps() -> dict:
   steps = {
     ADAM: (optax.adam(1e-3), None, False),
     AGN_FLOOR: (
-      _adam_and_accumulator_add(),
+      perf_workload.adam_and_accumulator_add(),
       None,
       False,
     ),
-    "apply_if_finite(adam)": (
+    GUARD: (
       shardopt.apply_if_finite(optax.adam(1e-3), 3, axis_name=AXIS),
       None,
       True,
@@ -623,7 +611,8 @@ def overhead(tiny: bool, clock: Clock) -> dict:
     " params and state donated; host sync=0: tx.update(..., sync=0), the"
     " program shardopt.due(tx, t) picks for a step that syncs nothing"
     f" (goal: ratio_to_floor <= {OVERHEAD_GOAL}, over optax adam's median,"
-    f" agn's over {AGN_FLOOR}'s); in-graph: tx.update(...) without sync=,"
+    f" agn's over {AGN_FLOOR}'s, the guarded one's over {GUARD}'s);"
+    " in-graph: tx.update(...) without sync=,"
     " the schedule's lax.cond in the step. bytes_accessed: XLA's"
     " cost_analysis() of the compiled step; copied_bytes: its copy"
     " instructions outside any conditional (in branches: per branch).",

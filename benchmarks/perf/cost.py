@@ -106,21 +106,6 @@ def _adam():
   return optax.adam(1e-3)
 
 
-def _adam_and_accumulator_add() -> optax.GradientTransformation:
-  """``optax.adam`` plus ``acc += grads`` in its state, hand-written: the
-  floor of ``agn``'s non-sync step, which may add its accumulator add."""
-  adam = _adam()
-
-  def init(params):
-    return adam.init(params), jax.tree.map(jnp.zeros_like, params)
-
-  def update(grads, state, params=None):
-    updates, inner = adam.update(grads, state[0], params)
-    return updates, (inner, jax.tree.map(jnp.add, state[1], grads))
-
-  return optax.GradientTransformation(init, update)
-
-
 def _adam_and_center_select() -> optax.GradientTransformation:
   """``optax.adam`` plus a kept ``center`` and the select that pulls the
   params onto it at a sync (``where(sync, center - params, updates)``),
@@ -593,7 +578,7 @@ def run(quick: bool, only_guards: bool = False, only_nonsync=False) -> dict:
     select = f"optax.adam + hand-written center select (floor){tag}"
     runners = {
       local: bench.runner(_adam(), donate),
-      floor: bench.runner(_adam_and_accumulator_add(), donate),
+      floor: bench.runner(workload.adam_and_accumulator_add(), donate),
       select: bench.runner(_adam_and_center_select(), donate),
     }
     for method in _periodic_methods(donate, len(bench.sizes) - 1):

@@ -83,23 +83,9 @@ def _adam() -> optax.GradientTransformation:
   return optax.adam(1e-3)
 
 
-def _adam_and_accumulator_add() -> optax.GradientTransformation:
-  """``optax.adam`` plus ``acc += grads``, hand-written: ``agn``'s floor."""
-  adam = _adam()
-
-  def init(params):
-    return adam.init(params), jax.tree.map(jnp.zeros_like, params)
-
-  def update(grads, state, params=None):
-    updates, inner = adam.update(grads, state[0], params)
-    return updates, (inner, jax.tree.map(jnp.add, state[1], grads))
-
-  return optax.GradientTransformation(init, update)
-
-
 FLOORS = {
   "adam": _adam,
-  "adam + accumulator add": _adam_and_accumulator_add,
+  "adam + accumulator add": workload.adam_and_accumulator_add,
 }
 
 # name -> (the transform, given a wire's keywords; its floor)

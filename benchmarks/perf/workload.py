@@ -37,6 +37,24 @@ tree_bytes = studies.tree_bytes
 replicate = studies.replicate
 
 
+def adam_and_accumulator_add(
+  learning_rate: float = 1e-3,
+) -> optax.GradientTransformation:
+  """``optax.adam`` plus ``acc += grads`` in its state, hand-written: the
+  floor of ``agn``'s step that syncs nothing (the local work it must do: a
+  read of the gradient, a read and a write of the accumulator)."""
+  adam = optax.adam(learning_rate)
+
+  def init(params):
+    return adam.init(params), jax.tree.map(jnp.zeros_like, params)
+
+  def update(grads, state, params=None):
+    updates, inner = adam.update(grads, state[0], params)
+    return updates, (inner, jax.tree.map(jnp.add, state[1], grads))
+
+  return optax.GradientTransformation(init, update)
+
+
 def pmap_step(
   tx: optax.GradientTransformation,
   *,
