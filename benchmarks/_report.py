@@ -60,11 +60,12 @@ def _cpu_model() -> str:
   return platform.processor() or "unknown"
 
 
-def git_commit() -> str:
+def git_commit(*, mark_dirty: bool = False) -> str:
   """The checkout's short commit, or ``"unknown"`` (no git, no checkout):
-  recorded with the numbers of every results file."""
+  recorded with the numbers of every results file. ``mark_dirty`` appends
+  ``+dirty`` where tracked files differ from that commit."""
   try:
-    return (
+    head = (
       subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"],
         cwd=HERE,
@@ -74,8 +75,74 @@ def git_commit() -> str:
       ).stdout.strip()
       or "unknown"
     )
+    if head == "unknown" or not mark_dirty:
+      return head
+    dirty = subprocess.run(
+      ["git", "status", "--porcelain", "--untracked-files=no"],
+      cwd=HERE,
+      capture_output=True,
+      text=True,
+      timeout=10,
+    ).stdout.strip()
   except (OSError, subprocess.SubprocessError):
     return "unknown"
+  return head + ("+dirty" if dirty else "")
+
+
+# Where git is absent (a copy of the working tree without its history, as
+# on a lent accelerator), the caller may name the commit in this variable.
+COMMIT_VARIABLE = "SHARDOPT_COMMIT"
+
+
+def _driver(device) -> dict:
+  """The runtime's own words for the device's platform and driver."""
+  out = {"platform_version": getattr(device.client, "platform_version", None)}
+  try:  # NVIDIA's kernel driver writes its version here
+    with open("/proc/driver/nvidia/version") as f:
+      out["nvidia_driver"] = f.readline().strip()
+  except OSError:
+    pass
+  return out
+
+
+def provenance(prog: str, argv: Sequence[str] | None = None) -> dict:
+  """What a results file records about its own run, written by the run
+  itself (nothing edits a results file afterwards).
+
+  ``command``: ``python -m PROG`` and the arguments as the process got them
+  (the shell's variables already expanded), ``argv`` the same list in full
+  (``sys.argv``, or ``[PROG, *argv]`` for a call with ``argv``);
+  ``date_utc``: ISO 8601 in UTC; ``commit``: the checkout's (``+dirty``
+  with local changes), else :data:`COMMIT_VARIABLE` if set, else
+  ``"unknown"``, and ``commit_from`` says which; the device kind, platform
+  and driver from the runtime (``jax.devices()[0]``), JAX's version.
+  """
+  import jax
+
+  args = list(sys.argv[1:] if argv is None else argv)
+  commit, commit_from = git_commit(mark_dirty=True), "git"
+  if commit == "unknown":
+    commit = os.environ.get(COMMIT_VARIABLE) or "unknown"
+    commit_from = (
+      f"environment variable {COMMIT_VARIABLE}"
+      if commit != "unknown"
+      else f"unknown (no git checkout, no {COMMIT_VARIABLE})"
+    )
+  device = jax.devices()[0]
+  return {
+    "command": " ".join([f"python -m {prog}", *args]),
+    "argv": list(sys.argv) if argv is None else [prog, *args],
+    "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds"
+    ),
+    "commit": commit,
+    "commit_from": commit_from,
+    "platform": device.platform,
+    "device_kind": device.device_kind,
+    "device_count": jax.device_count(),
+    "driver": _driver(device),
+    "jax": jax.__version__,
+  }
 
 
 def machine() -> dict:

@@ -22,7 +22,19 @@ ACCELERATOR_FRONTIER = "benchmarks/results/accelerator_h100_frontier.json"
 
 
 def _device(d: dict) -> str:
-  return d.get("device") or d["sections"]["backend"]["device_kind"]
+  """The device a results file names: its runtime's words (device kind,
+  platform version, NVIDIA driver) where the run wrote them."""
+  if d.get("device"):  # the 2026-11-27 files, written before provenance()
+    return d["device"]
+  if "device_kind" not in d:
+    return d["sections"]["backend"]["device_kind"]
+  driver = d.get("driver") or {}
+  words = [f"{d['device_kind']} ({d['platform']}"]
+  if driver.get("platform_version"):
+    words.append(f", runtime {driver['platform_version']}")
+  if driver.get("nvidia_driver"):
+    words.append(f", {driver['nvidia_driver']}")
+  return "".join(words) + f", JAX {d['jax']})"
 
 
 def render_accelerator_frontier(data: Sequence[dict]) -> str:
@@ -125,9 +137,11 @@ def render_accelerator(data: Sequence[dict]) -> str:
   o = sec["overhead"]
   overhead = [
     [f"`{k}`", f"{r['seconds'] * 1e3:.3f}", f"{r['ratio']:.2f}"]
+    + _overhead_bytes(r, "bytes_accessed" in r)
     for k, r in o["rows"].items()
     if "ratio" in r
   ]
+  both = any("bytes_accessed" in r for r in o["rows"].values())
   m = w["model_step"]
   return (
     top_provenance(
@@ -164,9 +178,41 @@ def render_accelerator(data: Sequence[dict]) -> str:
     + f"**Overhead**: a step that syncs nothing against plain `optax.adam`,"
     f" {o['replicas']} vmap replicas of {o['params_per_replica']:,} params,"
     f" donated, interleaved medians."
+    + (
+      " Each schedule both ways: host-scheduled (`sync=0`, the program"
+      " `shardopt.due` picks; goal: at most"
+      f" {o['goal']}x its floor, Adam or for `agn` Adam plus an accumulator"
+      " add) and in-graph (the schedule's `lax.cond` in the step); XLA's"
+      " bytes accessed and the bytes of `copy` instructions of each"
+      " compiled step (in branches: on the steps that take them)."
+      if both
+      else ""
+    )
     + "\n\n"
-    + table(["step", "ms", "/ optax adam"], overhead, "lrr")
+    + (
+      table(
+        ["step", "ms", "/ optax adam", "/ floor", "MB accessed", "MB copied"],
+        overhead,
+        "lrrrrr",
+      )
+      if both
+      else table(["step", "ms", "/ optax adam"], overhead, "lrr")
+    )
   )
+
+
+def _overhead_bytes(row: dict, measured: bool) -> list:
+  """The accelerator overhead row's floor ratio and bytes (files since
+  issue 54), or nothing (the 2026-11-27 file)."""
+  if not measured:
+    return []
+  branches = sum((row.get("copied_bytes_in_branches") or {}).values())
+  return [
+    f"{row['ratio_to_floor']:.2f}" if "ratio_to_floor" in row else "-",
+    f"{row['bytes_accessed'] / 1e6:,.1f}",
+    f"{row['copied_bytes'] / 1e6:,.1f}"
+    + (f" + {branches / 1e6:,.1f} in branches" if branches else ""),
+  ]
 
 
 BLOCKS = (

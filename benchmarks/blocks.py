@@ -62,6 +62,7 @@ from benchmarks._blocks_format import Block
 from benchmarks.perf import cost_guards_blocks
 from benchmarks.perf import elastic_blocks
 from benchmarks.perf import quantized_blocks
+from benchmarks.perf import step_bytes_blocks
 from benchmarks.studies import convergence_blocks
 from benchmarks.studies import outer_defaults_blocks
 from benchmarks.studies import outer_sweep_blocks
@@ -82,6 +83,7 @@ MODULES = (
   cost_guards_blocks,
   elastic_blocks,
   quantized_blocks,
+  step_bytes_blocks,
   accelerator_blocks,
 )
 BLOCKS: tuple[Block, ...] = tuple(b for m in MODULES for b in m.BLOCKS)

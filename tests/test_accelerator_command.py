@@ -79,8 +79,24 @@ def test_tiny_run_writes_every_section(tmp_path):
 
   overhead = sections["overhead"]["rows"]
   assert overhead["optax adam"]["ratio"] == 1.0
-  for name in ("local_sgd", "diloco", "agn"):
-    assert overhead[f"{name} (non-sync step)"]["ratio"] > 0
+  for name in ("local_sgd", "diloco", "agn", "apply_if_finite(local_sgd)"):
+    host = overhead[f"{name}, host sync=0"]
+    in_graph = overhead[f"{name}, in-graph non-sync"]
+    for row in (host, in_graph):
+      assert row["ratio"] > 0 and row["bytes_accessed"] > 0, (name, row)
+    # the host's program is the plain local step: no conditional, no copy
+    # of a buffer (the counter and a flag per replica: 20 bytes), fewer
+    # bytes than the in-graph schedule's
+    assert host["conditionals"] == 0 and host["copied_bytes"] <= 64, host
+    assert not host["copied_bytes_in_branches"], host
+    assert host["bytes_accessed"] < in_graph["bytes_accessed"], name
+    assert host["goal_met"] in (True, False) and host["ratio_to_floor"] > 0
+  # provenance written by the run itself
+  assert result["command"].startswith("python -m benchmarks.accelerator")
+  assert result["argv"][1:] == done.args[3:]
+  assert result["device_kind"] and result["platform"] == "cpu"
+  assert result["commit"] and result["commit_from"]
+  assert result["date_utc"].endswith("+00:00")
 
   frontier = sections["frontier"]["rows"]
   assert len(frontier) == 7 and not sections["frontier"]["skipped"]

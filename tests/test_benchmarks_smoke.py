@@ -188,3 +188,27 @@ def test_bytes_per_mini_step_are_one_kth_of_cross_shard():
       row["accumulate_bytes_per_mini_step"] * row["k"]
       == row["cross_shard_bytes_per_step"]
     )
+
+
+def test_step_bytes_reads_the_host_local_step_as_the_floor():
+  """benchmarks.perf.step_bytes's compiler: host sync=0 reads as plain
+  adam (no conditional, no collective, its bytes accessed), the in-graph
+  schedule with its conditional and more bytes."""
+  import optax
+
+  import shardopt
+  from benchmarks.perf import step_bytes
+
+  compiler = step_bytes.Compiler(step_bytes.QUICK_MLP)
+  adam = optax.adam(1e-3)
+  floor = compiler.program(adam, compiler.state(adam))
+  tx = shardopt.local_sgd(optax.adam(1e-3), "batch", sync_period=4)
+  state = compiler.state(tx)
+  host = compiler.program(tx, state, sync=0)
+  in_graph = compiler.program(tx, state)
+  assert host["conditionals"] == 0 and host["collectives"] == 0, host
+  assert host["bytes_accessed"] == pytest.approx(
+    floor["bytes_accessed"], rel=0.01
+  )
+  assert in_graph["conditionals"] >= 1 and in_graph["collectives"] >= 1
+  assert in_graph["bytes_accessed"] > 1.5 * floor["bytes_accessed"]

@@ -25,6 +25,7 @@ import optax
 import pytest
 
 import shardopt
+from shardopt.measure import hlo
 
 AXIS = _mlp.AXIS
 R = 8
@@ -605,3 +606,53 @@ def test_the_sync_0_program_is_the_plain_local_step(name):
   # The in-graph schedule's program carries the sync on every step.
   in_graph, in_graph_conds, _ = compiled_step(tx)
   assert in_graph_conds >= 1 and in_graph > 1.5 * floor
+
+
+# --------------------------------------------------------------------------
+# Under jax.vmap (the accelerator command's mapping): the in-graph schedule's
+# non-sync branch copies agn's whole batched accumulator (issue 54); the
+# host's sync=0 program has no branch to copy it through.
+
+
+def _vmap_step_text(tx, params, sync=None) -> str:
+  """Compiled HLO of ``tx``'s donated step of R replicas under ``jax.vmap``
+  (the state's axes from ``shardopt.vmap_axes``, counters unbatched), the
+  per-replica gradients handed in."""
+  axes = shardopt.vmap_axes(tx, params, AXIS, axis_size=R)
+  state = jax.vmap(
+    tx.init, in_axes=None, out_axes=axes, axis_name=AXIS, axis_size=R
+  )(params)
+  kw = {} if sync is None else {"sync": sync}
+
+  def step(p, s, g):
+    updates, s = tx.update(g, s, p, **kw)
+    return optax.apply_updates(p, updates), s
+
+  f = jax.jit(
+    jax.vmap(step, in_axes=(0, axes, 0), out_axes=(0, axes), axis_name=AXIS),
+    donate_argnums=(0, 1),
+  )
+  stacked = jax.tree.map(lambda a: jnp.zeros((R,) + a.shape, a.dtype), params)
+  return f.lower(stacked, state, stacked).compile().as_text()
+
+
+def test_agn_under_vmap_host_sync_0_copies_no_buffer_in_graph_its_accumulator():
+  params = {"w": jnp.zeros((256, 64)), "b": jnp.zeros((64,))}
+  accumulator = R * sum(a.size for a in jax.tree.leaves(params)) * 4
+  tx = shardopt.agn(optax.adam(1e-3), AXIS, sync_period=4)
+
+  host = hlo.copied_bytes(_vmap_step_text(tx, params, sync=0))
+  # The counter (s32[]) and the host check's flag per replica (pred[8, 1]),
+  # no array of the params' size, and no conditional to copy through.
+  assert host["conditional"] == {} and host["top"] <= 4 + 2 * R, host
+
+  in_graph = hlo.copied_bytes(_vmap_step_text(tx, params))
+  # Measured 2026-11-28 (jax 0.10.2, CPU): the untaken-sync branch (#0, the
+  # one every non-sync step takes) copies the batched accumulator whole.
+  # Should the in-graph schedule stop copying it, this fails: drop the
+  # known cost and assert no copy here too.
+  non_sync = {
+    b: n for b, n in in_graph["conditional"].items() if b[-2:] == "#0"
+  }
+  assert list(non_sync.values()) == [accumulator], (in_graph, accumulator)
+  assert in_graph["top"] <= 4 + 2 * R, in_graph

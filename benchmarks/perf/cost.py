@@ -56,6 +56,14 @@ step and its baseline each time:
    one more read of the gradients costs here. ``run(quick,
    only_guards=True)`` times this group alone.
 
+The host-scheduled programs of issue 54 (``tx.update(..., sync=0)`` and
+``sync=1``, chosen by ``shardopt.due``) are not timed here: their XLA bytes
+accessed, conditionals, collectives and copies beside the in-graph
+schedule's, for every periodic transform and wire, are
+:mod:`benchmarks.perf.step_bytes`'s table (``benchmarks/results/
+step_bytes.json``, benchmarks/README.md section 9d); their time against
+Adam on an accelerator, :mod:`benchmarks.accelerator`'s ``overhead``.
+
 Every entry whose transform this shardopt does not have yet is skipped and
 listed. A ``max |Δparam|`` column checks that each step computes what its
 baseline does where it should (the non-sync steps, the mid step and
@@ -96,21 +104,6 @@ NON_SYNC_REPEATS = 101  # timed rounds of the non-sync group (21 elsewhere)
 
 def _adam():
   return optax.adam(1e-3)
-
-
-def _adam_and_accumulator_add() -> optax.GradientTransformation:
-  """``optax.adam`` plus ``acc += grads`` in its state, hand-written: the
-  floor of ``agn``'s non-sync step, which may add its accumulator add."""
-  adam = _adam()
-
-  def init(params):
-    return adam.init(params), jax.tree.map(jnp.zeros_like, params)
-
-  def update(grads, state, params=None):
-    updates, inner = adam.update(grads, state[0], params)
-    return updates, (inner, jax.tree.map(jnp.add, state[1], grads))
-
-  return optax.GradientTransformation(init, update)
 
 
 def _adam_and_center_select() -> optax.GradientTransformation:
@@ -585,7 +578,7 @@ def run(quick: bool, only_guards: bool = False, only_nonsync=False) -> dict:
     select = f"optax.adam + hand-written center select (floor){tag}"
     runners = {
       local: bench.runner(_adam(), donate),
-      floor: bench.runner(_adam_and_accumulator_add(), donate),
+      floor: bench.runner(workload.adam_and_accumulator_add(), donate),
       select: bench.runner(_adam_and_center_select(), donate),
     }
     for method in _periodic_methods(donate, len(bench.sizes) - 1):

@@ -37,6 +37,24 @@ tree_bytes = studies.tree_bytes
 replicate = studies.replicate
 
 
+def adam_and_accumulator_add(
+  learning_rate: float = 1e-3,
+) -> optax.GradientTransformation:
+  """``optax.adam`` plus ``acc += grads`` in its state, hand-written: the
+  floor of ``agn``'s step that syncs nothing (the local work it must do: a
+  read of the gradient, a read and a write of the accumulator)."""
+  adam = optax.adam(learning_rate)
+
+  def init(params):
+    return adam.init(params), jax.tree.map(jnp.zeros_like, params)
+
+  def update(grads, state, params=None):
+    updates, inner = adam.update(grads, state[0], params)
+    return updates, (inner, jax.tree.map(jnp.add, state[1], grads))
+
+  return optax.GradientTransformation(init, update)
+
+
 def pmap_step(
   tx: optax.GradientTransformation,
   *,
@@ -133,7 +151,12 @@ def concat_specs(tree: Any) -> Any:
 
 
 def concat_shard_map_step(
-  tx: optax.GradientTransformation, mesh, specs, *, donate: bool = False
+  tx: optax.GradientTransformation,
+  mesh,
+  specs,
+  *,
+  donate: bool = False,
+  sync: int | None = None,
 ) -> Callable:
   """:func:`pmap_step` on ``jax.jit`` + ``shard_map(check_vma=False)``.
 
@@ -145,12 +168,15 @@ def concat_shard_map_step(
   are the state's (:func:`concat_specs`). ``donate`` donates params and state
   to ``jax.jit``, which aliases input and output buffers; ``pmap``'s donation
   (jax 0.10, CPU) copies every donated output instead, so a donated ``pmap``
-  step pays copies that no training loop on ``jit`` pays.
+  step pays copies that no training loop on ``jit`` pays. ``sync`` (a
+  static int, ``shardopt.due(tx, t)``) builds the host-scheduled program of
+  that value; None, the in-graph schedule.
   """
+  extra = {} if sync is None else {"sync": sync}
 
   def step(params, opt_state, x, y):
     grads = jax.grad(mlp_loss)(params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
     return optax.apply_updates(params, updates), opt_state
 
   return jax.jit(
