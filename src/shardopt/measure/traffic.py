@@ -32,7 +32,7 @@ move. shardopt's quantized wires (``comm_dtype=jnp.int8``, ``jnp.int4``,
 ``jnp.float8_e4m3fn``, :func:`shardopt.topk`) travel as bytes (``uint8``)
 and are counted exactly everywhere.
 
-The parsing is :mod:`shardopt.measure.hlo`'s, the schedule
+The parsing is ``shardopt.measure.hlo``'s, the schedule
 ``shardopt.periodic.schedules``' own: the demo and the benchmarks count
 with the same code.
 """
@@ -370,7 +370,7 @@ def _schedule(tx: Any, sync_period: Any, ops: list) -> hlo.Schedule:
 
 def _where(ops: list, schedule: hlo.Schedule) -> dict:
   """``{branch label: "warm-up" | "sync k" | "branch <label>"}``, as
-  :func:`shardopt.measure.hlo.per_step` assigns the branches to the schedule."""
+  ``shardopt.measure.hlo.per_step`` assigns the branches to the schedule."""
   labels = hlo.branch_labels(ops)
   names = {"": "every step"}
   if schedule.warmup_steps and labels:
