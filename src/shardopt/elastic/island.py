@@ -52,6 +52,7 @@ from shardopt import _args
 from shardopt import _jax
 from shardopt.elastic import cliques as _cliques
 from shardopt.elastic import coordinator as _coordinator
+from shardopt.elastic import handshake
 from shardopt.elastic import rows
 from shardopt.elastic import shards
 from shardopt.elastic import stall
@@ -89,6 +90,9 @@ class Round(NamedTuple):
 
 # The exit code of a process whose round watchdog fired (``round_timeout_s``).
 WATCHDOG_EXIT_CODE = 75
+# The exit code of every process of a round whose islands' params differ
+# (tree structure, shapes, dtypes) or are not floating point (.handshake).
+PARAMS_EXIT_CODE = 77
 # How much later process 0's watchdog fires than the others'.
 _COORDINATOR_GRACE_S = 5.0
 # Island.finish: the key-value directory of the processes that are done, and
@@ -254,6 +258,8 @@ class Island:
     self._attempts: collections.Counter = collections.Counter()  # failed
     self._blocks: collections.Counter = collections.Counter()  # all
     self._compiled: dict = {}
+    self._published = None  # the params' signature this process published
+    self._arrivals: list = []  # stall keys written since the last commit
     self._heartbeat = None
     if self._dedicated and self.trains:
       self._heartbeat = _coordinator.Heartbeat(self._store, self._me)
@@ -315,11 +321,16 @@ class Island:
     Call it after the last round, on every process (the loop in
     ``docs/elastic.md``); flushes stdout and stderr first.
     """
+    self._leave(_processes(self._last), timeout_s, exit_code)
+
+  def _leave(self, processes, timeout_s: float, exit_code: int):
+    """:meth:`finish`'s protocol: process 0 leaves last, after the others
+    of ``processes`` said they are done (up to ``timeout_s``)."""
     store = self._store
     if self._me != 0:
-      store.set(f"{_FINISHED}{self._me}", "1")
+      store.set(f"{_FINISHED}{self._me}", "1", overwrite=True)
     else:
-      others = {p for p, _ in self._last} - {0}
+      others = set(processes) - {0}
       deadline = time.monotonic() + timeout_s
       while others and time.monotonic() < deadline:
         done = {int(k.rsplit("/", 1)[-1]) for k in store.keys(_FINISHED)}
@@ -330,6 +341,19 @@ class Island:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+  def _end_job(self, error: Exception, processes) -> None:
+    """Ends this process with ``error``, which every process of the round
+    found alike (a raise would end the interpreter, whose exit aborts the
+    processes still connected once process 0 has gone): says it on stderr
+    and leaves as :meth:`finish` does, with :data:`PARAMS_EXIT_CODE`."""
+    print(
+      f"shardopt.elastic: process {self._me}: {type(error).__name__}:"
+      f" {error} Exiting with code {PARAMS_EXIT_CODE}.",
+      file=sys.stderr,
+      flush=True,
+    )
+    self._leave(processes, self._timeout_s, PARAMS_EXIT_CODE)
 
   # ------------------------------------------------------------ coordinator
 
@@ -358,34 +382,68 @@ class Island:
       on_round: ``on_round(params, state, round)`` after each committed
         round (a :class:`Round`; for logs).
       poll_s: how often it reads the key-value store while waiting.
+
+    Returns ``(params, state)`` also on SIGTERM (JAX's preemption notifier
+    would swallow it): at its next wait, after the round in flight; it says
+    so on stderr. Call :meth:`finish` after it either way.
+
+    Raises:
+      RoundFailedError: no island was up (joined, or took part in the last
+        committed round) for ``timeout_s`` (the Island's): at the job's
+        start, or after every island died.
     """
+    where = "shardopt.elastic.Island.coordinate"
     if self.trains:
       raise ValueError(
         "shardopt.elastic.Island.coordinate: only process 0 under"
         " dedicated_coordinator=True coordinates; islands call sync."
       )
+    _check_callable(on_round, "on_round", "(params, state, round)", where)
+    poll_s = _seconds(poll_s, "poll_s", "e.g. 0.05", where)
+    self._publish(params)
     watcher = _coordinator.Watcher(self._store)
     tokens: dict = {}  # the islands of the last committed round: tokens
-    while True:
-      alive = watcher.alive()
-      up = [p for p, t in tokens.items() if t and alive.get(p) == t]
-      if up:
-        ready = watcher.wanted(_host_int(state.sync_count) + 1)
-      else:
-        ready = bool(watcher.joining(alive))
-        if not ready and self._last and self._finished():
-          return params, state
-      if not ready:
-        time.sleep(poll_s)
-        continue
-      done = self._rounds(0, params, state)
-      if done is None:  # every island died in the round
-        continue
-      params, state, done = done
-      if on_round is not None:
-        on_round(params, state, done)
-      tokens = watcher.tokens(p for p in done.live if p != 0)
-      watcher.forget(_host_int(state.sync_count), done.live)
+    joining: dict = {}  # the islands seen waiting to join: tokens
+    idle_since = time.monotonic()  # no island up since
+    with _coordinator.stop_on_sigterm() as stopped:
+      while not stopped.is_set():
+        alive = watcher.alive()
+        up = [p for p, t in tokens.items() if t and alive.get(p) == t]
+        joining = {}
+        if up:
+          ready = watcher.wanted(_host_int(state.sync_count) + 1)
+        else:
+          joining = watcher.joining(alive)
+          ready = bool(joining)
+          if not ready and self._last and self._finished():
+            return params, state
+          if not ready and time.monotonic() - idle_since > self._timeout_s:
+            raise RoundFailedError(
+              f"{where}: no island joined within timeout_s={self._timeout_s}"
+              " s (at the job's start, or after every island died): the"
+              " coordinator gives up. Start the islands (processes"
+              f" 1..{jax.process_count() - 1}), or raise timeout_s."
+            )
+        if not ready:
+          time.sleep(poll_s)
+          continue
+        done = self._rounds(0, params, state)
+        if done is None:  # every island died in the round
+          continue
+        params, state, done = done
+        if on_round is not None:
+          on_round(params, state, done)
+        tokens = watcher.tokens(p for p in done.live if p != 0)
+        watcher.forget(_host_int(state.sync_count), joining, done.live)
+        idle_since = time.monotonic()
+    print(
+      f"{where}: SIGTERM: the coordinator stops at round"
+      f" {_host_int(state.sync_count)} and returns its last committed"
+      " center and state.",
+      file=sys.stderr,
+      flush=True,
+    )
+    return params, state
 
   def _finished(self) -> bool:
     """Whether every island of the last committed round has finished."""
@@ -443,6 +501,7 @@ class Island:
         " island.coordinate(params, state) there instead."
       )
     sync = self._sync_index(state, early)
+    self._publish(params)
     if self._heartbeat is not None:  # tell the coordinator (it trains not)
       if self._fresh:
         self._heartbeat.join()
@@ -454,6 +513,23 @@ class Island:
     finally:
       if watchdog is not None:
         watchdog.cancel()
+
+  def _forget(self, number: int) -> None:
+    """Deletes the keys this process wrote for round ``number``, now
+    committed (its stall arrivals, its ``want`` and ``join``
+    announcements), so that the store stays the same size however many
+    rounds run."""
+    stall.forget(self._store, self._arrivals)
+    if self._heartbeat is not None:
+      self._heartbeat.forget(number)
+
+  def _publish(self, params) -> None:
+    """This process's params' signature, for the others' check
+    (:mod:`.handshake`); written again only when it changed."""
+    text = handshake.signature(params)
+    if text != self._published:
+      handshake.publish(self._store, self._me, text)
+      self._published = text
 
   def _watchdog(self, number: int):
     """A timer that ends the process if this sync does not return in time
@@ -500,6 +576,7 @@ class Island:
               self._blocks[members],
               self._stall_timeout_s,
               _host_int(state.sync_count) + 1,
+              self._arrivals,
             ):
               healing, exchanged, dropped = self._attempt(
                 members, live, sync_now, params, state_now
@@ -537,6 +614,7 @@ class Island:
         failures=tuple(failures),
       )
       self._fresh, self._last = False, frozenset(members)
+      self._forget(_host_int(state.sync_count))
       self._count_at_commit = _host_int(state.count)
       if self._round_seconds is not None:
         self._deadline = time.monotonic() + self._round_seconds
@@ -546,6 +624,16 @@ class Island:
   def _attempt(self, members, live, sync: int, params, state):
     """Steps 2-5: the layout, the device list, the rows, the exchange."""
     healing = self._fresh or not frozenset(members) <= self._last
+    if healing:  # every member alike: one clear error, never gloo's abort
+      error = handshake.disagreement(
+        self._store,
+        _processes(members),
+        self._island_of,
+        self._timeout_s,
+        "shardopt.elastic.Island",
+      )
+      if error is not None:
+        self._end_job(error, _processes(members))
     if shards.sharded(params):
       return self._attempt_sharded(members, live, sync, params, state, healing)
     order = self._cliques.devices(
