@@ -92,6 +92,7 @@ params, state, _ = island.sync(params, state)
 say("SYNCED")
 store = _jax.KeyValueStore()
 
+
 @jax.jit
 def local_step(params, state):
   grads = jax.tree.map(lambda p: 0.01 * (p - pid), params)
