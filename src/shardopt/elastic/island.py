@@ -320,7 +320,33 @@ class Island:
 
     Call it after the last round, on every process (the loop in
     ``docs/elastic.md``); flushes stdout and stderr first.
+
+    What ``os._exit`` drops: everything the interpreter would do on its way
+    out (``atexit`` handlers, ``finally`` blocks of other threads, buffers
+    of files not closed) and every piece of asynchronous work in flight: an
+    orbax ``AsyncCheckpointer`` save still writing is cut short, as is any
+    array not yet transferred (``jax.block_until_ready`` it first). Wait for
+    what must outlive the process before calling it:
+    ``checkpointer.wait_until_finished()`` (orbax), ``f.close()``.
+
+    Args:
+      timeout_s: how long process 0 waits for the others to say they are
+        done (a finite number of seconds >= 0).
+      exit_code: the process's exit status (0..255).
     """
+    number = isinstance(timeout_s, numbers.Real) and not isinstance(
+      timeout_s, (bool, np.bool_)
+    )
+    if not number or not math.isfinite(timeout_s) or timeout_s < 0:
+      raise ValueError(
+        f"shardopt.elastic.Island.finish: timeout_s={timeout_s!r} must be a"
+        " finite number of seconds >= 0 (e.g. 60)."
+      )
+    if not _args.is_integer(exit_code) or not 0 <= exit_code <= 255:
+      raise ValueError(
+        f"shardopt.elastic.Island.finish: exit_code={exit_code!r} must be an"
+        " integer from 0 to 255 (a process's exit status)."
+      )
     self._leave(_processes(self._last), timeout_s, exit_code)
 
   def _leave(self, processes, timeout_s: float, exit_code: int):
@@ -493,6 +519,12 @@ class Island:
 
     Returns:
       ``(params, state, round)``; ``round`` is a :class:`Round`.
+
+    In a healing round (the job's start included) the islands' params are
+    compared first (:mod:`.handshake`): if their tree structure, a shape or
+    a dtype differs, or a leaf is not floating point, every process of the
+    round says so on stderr, naming the island and the leaf, and exits with
+    :data:`PARAMS_EXIT_CODE` (process 0 last, as :meth:`finish`).
     """
     if not self.trains:
       raise ValueError(
