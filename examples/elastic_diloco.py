@@ -214,6 +214,15 @@ def parse(argv=None):
     help="exit (code 75) if a round does not commit within this",
   )
   ap.add_argument(
+    "--timeout-seconds",
+    type=float,
+    default=None,
+    help=(
+      "how long a joining island waits for the others' next round"
+      " (default: 600, or half of --round-timeout-seconds if that is less)"
+    ),
+  )
+  ap.add_argument(
     "--stall-timeout-seconds",
     type=float,
     default=None,
@@ -302,6 +311,8 @@ def main(argv=None) -> None:
   island = shardopt.elastic.Island(
     tx,
     processes_per_island=k,
+    timeout_s=args.timeout_seconds
+    or min(600.0, args.round_timeout_seconds / 2),
     round_timeout_s=args.round_timeout_seconds,
     stall_timeout_s=args.stall_timeout_seconds,
     dedicated_coordinator=args.dedicated_coordinator,

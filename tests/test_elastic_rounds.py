@@ -305,6 +305,7 @@ class Islands:
         jnp.int32(i),
       )
     self.last_rows, self.last_errors = row_list, dropped
+    self.last_exchanged = exchanged
     return heads, sync
 
 
@@ -611,7 +612,11 @@ def test_rounds_on_the_clock_weigh_each_island_by_its_steps(wire):
   outer Nesterov step: three rounds against numpy (1e-6; the int8 wire's
   quantization against the same numpy arithmetic on what the wire
   delivers, so only the float32 wire is compared to the exact mean), and
-  bit-identical centers on every island."""
+  bit-identical centers on every island. On the int8 wire the delivered
+  sums (each island's decoded ``Exchanged.totals``: the bytes of phase 2,
+  decoded by the wire) are the weighted sum of the contributions within the
+  wire's error, and the center is numpy's division by the weights and
+  Nesterov step of exactly those sums (1e-6)."""
   comm = None if wire == "float32" else jnp.int8
   tx = _diloco(optax.adam(1e-2), "i", sync_period=1000, comm_dtype=comm)
   isl = Islands(tx, [_params()] * N, seed=5)
@@ -623,11 +628,12 @@ def test_rounds_on_the_clock_weigh_each_island_by_its_steps(wire):
       isl.island_steps(i, k)
     local = [_np(p) for p in isl.params]
     heads, _ = isl.plain_round(weights=steps)
-    assert list(heads[:, rows.FIELD["weight"]]) == list(steps)
+    assert list(rows.weights(heads)) == list(steps)
     _assert_islands_identical(isl, counts=False)
-    if wire != "float32":
-      continue
     total = float(sum(steps))
+    if wire != "float32":
+      _check_delivered(isl, center, momentum, local, steps, total)
+      continue
     for k in center:
       g = (
         sum(
@@ -644,6 +650,35 @@ def test_rounds_on_the_clock_weigh_each_island_by_its_steps(wire):
         np.testing.assert_allclose(
           isl.params[i][k], center[k], rtol=1e-6, atol=1e-6
         )
+
+
+def _check_delivered(isl, center, momentum, local, steps, total):
+  """One weighted round on a lossy wire against numpy: the sums every
+  island received are the weighted sum of the outer gradients within the
+  wire's error (int8 twice: 2% of the largest), the same on every island,
+  and the new center is numpy's mean and Nesterov step of those sums.
+  Updates ``center`` and ``momentum`` in place."""
+  keys = sorted(center)  # jax.tree.leaves order of the dict: "b", "w"
+  delivered = [np.asarray(t, np.float64) for t in isl.last_exchanged[0].totals]
+  for i in range(1, N):
+    for got, want in zip(
+      isl.last_exchanged[i].totals, isl.last_exchanged[0].totals, strict=True
+    ):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  for k, sent in zip(keys, delivered, strict=True):
+    exact = sum(
+      np.float64(w) * (center[k] - local[i][k]) for i, w in enumerate(steps)
+    ).reshape(-1)
+    np.testing.assert_allclose(
+      sent, exact, rtol=0, atol=0.02 * np.abs(exact).max()
+    )
+    g = (sent / total).reshape(np.shape(center[k]))
+    momentum[k] = OUTER_MOMENTUM * momentum[k] + g
+    center[k] = center[k] - OUTER_LR * (g + OUTER_MOMENTUM * momentum[k])
+    for i in range(N):
+      np.testing.assert_allclose(
+        isl.states[i].center[k], center[k], rtol=1e-6, atol=1e-6
+      )
 
 
 def test_a_weight_of_one_everywhere_is_the_plain_round_bit_for_bit():
@@ -860,6 +895,27 @@ def test_healing_restarts_the_fresh_islands_inner_state_at_its_new_params():
   new = N - 1
   chex.assert_trees_all_equal(isl.params[new], isl.params[0])
   chex.assert_trees_all_equal(isl.states[new].local_state.z, isl.params[new])
+
+
+def test_an_up_to_date_island_keeps_its_own_step_count_through_a_heal():
+  """Islands that step at their own pace (rounds on the clock) hold
+  different counts: in a healing round an up-to-date island keeps its own
+  (issue 52: a mutation giving it the source's count passed every fast
+  test), and the fresh island takes the source's (the lowest up-to-date
+  island's); the round's counters (sync_count, skipped) are the source's
+  for everyone."""
+  tx = _diloco(optax.adam(1e-2), "i", sync_period=1000)
+  isl = Islands(tx, [_params()] * 3, seed=14)
+  isl.island_steps(0, 3)
+  isl.island_steps(1, 5)
+  assert [int(s.count) for s in isl.states] == [3, 5, 0]
+  _heal_round(isl, [False, False, True], np.random.default_rng(15))
+  assert [int(s.count) for s in isl.states] == [3, 5, 3]
+  assert {int(s.sync_count) for s in isl.states} == {0}
+  # No sync was due: the up-to-date islands keep their params; the fresh
+  # one takes the center.
+  _assert_islands_identical(isl, params=False, counts=False)
+  chex.assert_trees_all_equal(isl.params[2], isl.states[0].center)
 
 
 def test_job_start_handshake_adopts_the_lowest_island():
@@ -1208,7 +1264,7 @@ def test_a_plain_round_sends_a_ring_all_reduces_bytes(islands):
   ("seconds", "work", "fragments", "error", "names"),
   [
     (0, 1, 1, ValueError, ["round_seconds=0", "> 0"]),
-    ("5", 1, 1, TypeError, ["round_seconds='5'", "seconds"]),
+    ("5", 1, 1, ValueError, ["round_seconds='5'", "seconds"]),
     (5.0, 0, 1, ValueError, ["work_per_step=0", ">= 1"]),
     (5.0, 1, 2, ValueError, ["num_fragments", "round_seconds"]),
   ],

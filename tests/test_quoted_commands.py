@@ -7,8 +7,10 @@ PATH.py ...`` and ``make TARGET``; the benchmark results files
 resolve today: the module can be found, the script exists, the make target
 is in the Makefile, every ``import X`` / ``from X import Y`` of a ``-c``
 snippet imports and has ``Y``, and a file a command is given
-(``tests/test_x.py``) exists. Then (``test_python_m_help_exits_0``) each
-distinct ``python -m`` module's ``--help`` exits 0 in a fresh process.
+(``tests/test_x.py``) exists. Then
+(``test_python_m_help_lists_every_quoted_option``) each distinct ``python
+-m`` module's ``--help`` exits 0 in a fresh process and lists every
+``--option`` the pages quote for it.
 """
 
 from __future__ import annotations
@@ -263,8 +265,15 @@ HELP_TIMEOUT_S = 120
   "module",
   sorted({m for _, m, _ in COMMANDS["module"]}),
 )
-def test_python_m_help_exits_0(module):
-  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def test_python_m_help_lists_every_quoted_option(module):
+  """``--help`` exits 0, prints a usage, and lists every option the pages
+  quote for the module (issue 52: a renamed ``--unequal`` went unnoticed
+  while ``--help`` still ran)."""
+  # This checkout's shardopt, whatever the environment has installed.
+  env = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]),
+  }
   env.pop("XLA_FLAGS", None)  # as a user's shell: the module sets its own
   done = subprocess.run(
     [sys.executable, "-m", module, "--help"],
@@ -282,6 +291,24 @@ def test_python_m_help_exits_0(module):
     f"`python -m {module} --help` printed no usage (does it parse its"
     f" arguments?):\n{done.stdout[-2000:]}"
   )
+  quoted = {
+    (flag, where)
+    for where, m, args in COMMANDS["module"]
+    if m == module
+    for flag in _QUOTED_OPTION.findall(args)
+  }
+  missing = sorted(
+    (flag, where)
+    for flag, where in quoted
+    if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", done.stdout)
+  )
+  assert not missing, (
+    f"`python -m {module} --help` does not list options the pages quote"
+    f" (option, where): {missing}\n{done.stdout[-3000:]}"
+  )
+
+
+_QUOTED_OPTION = re.compile(r"(?<![\w-])(--[A-Za-z][\w-]*)")
 
 
 def _harness_sections() -> dict:

@@ -19,7 +19,13 @@ which needs no collective and no barrier:
   dead to the coordinator.
 - ``shardopt/want/<round>/<process>``: an up-to-date island is at round
   ``round`` (its rounds committed, plus one).
-- ``shardopt/join/<process>``: a fresh island (its token) waits to join.
+- ``shardopt/join/<process>/<token>``: a fresh island waits to join.
+
+Each island deletes its own ``want`` and ``join`` keys once the round they
+announced has committed; the coordinator deletes the ``want`` keys of
+committed rounds (a dead island's too) and the ``join`` keys it saw, each
+by its token: a restarted island's fresh ``join`` key (a new token) is
+never among them.
 
 The coordinator waits, outside any collective, for the next round's
 ``want`` key (so rounds every ``sync_period`` steps and rounds on the clock
@@ -31,7 +37,9 @@ of the last committed round has finished (:meth:`Island.finish`).
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import signal
 import threading
 import time
 
@@ -81,7 +89,16 @@ class Heartbeat:
 
   def join(self) -> None:
     """This fresh island waits to join."""
-    self._store.set(f"{JOIN}{self._me}", self.token, overwrite=True)
+    self._store.set(f"{JOIN}{self._me}/{self.token}", "1", overwrite=True)
+
+  def forget(self, number: int) -> None:
+    """Deletes this island's announcements once round ``number`` (which it
+    joined, or wanted) has committed."""
+    for key in (f"{WANT}{number}/{self._me}", f"{JOIN}{self._me}/{self.token}"):
+      try:
+        self._store.delete(key)
+      except Exception:  # noqa: BLE001 (the coordinator is gone: the
+        pass  # round watchdog ends this process)
 
 
 class Watcher:
@@ -118,20 +135,48 @@ class Watcher:
     """Whether an island is at round ``number``."""
     return bool(self._store.keys(f"{WANT}{number}/"))
 
-  def joining(self, alive: dict[int, str]) -> set[int]:
-    """The live islands that wait to join (their token is current)."""
-    return {
-      int(p)
-      for p, token in _values(self._store, JOIN).items()
-      if alive.get(int(p)) == token
-    }
+  def joining(self, alive: dict[int, str]) -> dict[int, str]:
+    """``{process: token}`` of the live islands that wait to join (their
+    token is current)."""
+    out = {}
+    for key in self._store.keys(JOIN):
+      process, token = key[len(JOIN) :].split("/", 1)
+      if process.isdigit() and alive.get(int(process)) == token:
+        out[int(process)] = token
+    return out
 
-  def forget(self, rounds_up_to: int, joined) -> None:
+  def forget(self, rounds_up_to: int, joined: dict[int, str], live) -> None:
     """Deletes the ``want`` keys of rounds up to ``rounds_up_to`` and the
-    ``join`` keys of ``joined`` (a committed round served them)."""
+    ``join`` keys of ``joined`` (``{process: token}``, as :meth:`joining`
+    saw them before the round) whose process is in ``live`` (the committed
+    round served them): only those keys, by their token."""
     for key in self._store.keys(WANT):
       number = key[len(WANT) :].split("/", 1)[0]
       if number.isdigit() and int(number) <= rounds_up_to:
         self._store.delete(key)
-    for process in joined:
-      self._store.delete(f"{JOIN}{process}")
+    for process, token in joined.items():
+      if process in live:
+        self._store.delete(f"{JOIN}{process}/{token}")
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+  """``with stop_on_sigterm() as stopped:`` an event set when the process
+  gets SIGTERM. JAX's preemption notifier (``jax.distributed``) installs a
+  SIGTERM handler that only records the preemption, so a coordinator
+  waiting for islands would never end; this one lets it return. Outside the
+  main thread (where Python cannot install a handler) the event is never
+  set. Afterwards SIGTERM gets its previous Python handler back, or the
+  default one (which ends the process) if the previous was not Python's."""
+  stopped = threading.Event()
+  if threading.current_thread() is not threading.main_thread():
+    yield stopped
+    return
+  previous = signal.getsignal(signal.SIGTERM)
+  signal.signal(signal.SIGTERM, lambda signum, frame: stopped.set())
+  try:
+    yield stopped
+  finally:
+    signal.signal(
+      signal.SIGTERM, previous if previous is not None else signal.SIG_DFL
+    )

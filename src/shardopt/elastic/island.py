@@ -31,6 +31,8 @@ island. :meth:`Island.sync` runs one round whenever a sync is due:
 from __future__ import annotations
 
 import collections
+import math
+import numbers
 import os
 import sys
 import threading
@@ -46,9 +48,11 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardopt import _args
 from shardopt import _jax
 from shardopt.elastic import cliques as _cliques
 from shardopt.elastic import coordinator as _coordinator
+from shardopt.elastic import handshake
 from shardopt.elastic import rows
 from shardopt.elastic import shards
 from shardopt.elastic import stall
@@ -86,6 +90,9 @@ class Round(NamedTuple):
 
 # The exit code of a process whose round watchdog fired (``round_timeout_s``).
 WATCHDOG_EXIT_CODE = 75
+# The exit code of every process of a round whose islands' params differ
+# (tree structure, shapes, dtypes) or are not floating point (.handshake).
+PARAMS_EXIT_CODE = 77
 # How much later process 0's watchdog fires than the others'.
 _COORDINATOR_GRACE_S = 5.0
 # Island.finish: the key-value directory of the processes that are done, and
@@ -135,9 +142,10 @@ class Island:
       processes).
     timeout_s: how long a process waits for process 0 to publish a round's
       device list (a joining island waits there for the survivors' next
-      sync).
+      sync); on the dedicated coordinator, how long :meth:`coordinate`
+      waits for an island while none is up.
     max_attempts: failed attempts of one round before
-      :class:`RoundFailedError`.
+      :class:`RoundFailedError` (an integer >= 1).
     round_timeout_s: the watchdog's bound on one :meth:`sync` (all its
       attempts). A peer that hangs while its heartbeats go on is alive to
       the coordination service, so ``live_devices``' barrier would wait for
@@ -145,13 +153,14 @@ class Island:
       exits with code 75 (``WATCHDOG_EXIT_CODE``; None: no watchdog).
       Process 0 waits 5 s more, so that the others exit with their own
       message before its exit (it hosts the coordination service) aborts
-      them. Keep it above ``timeout_s`` plus a few collective timeouts.
+      them. It must be above ``timeout_s`` (keep it above ``timeout_s``
+      plus a few collective timeouts).
     stall_timeout_s: evict a stuck island rather than end the job: a
       process still inside a round's attempt this many seconds after every
       other process of it reached its end prints why and exits with code 76;
       the others go on without it, and it heals when restarted
       (``docs/elastic.md``). Keep it above the normal skew of the islands'
-      arrivals and below ``round_timeout_s``. None (the default): no
+      arrivals; it must be below ``round_timeout_s``. None (the default): no
       eviction; the round watchdog ends the job.
     dedicated_coordinator: process 0 trains nothing: it calls
       :meth:`coordinate` (not :meth:`sync`), takes part in every round with
@@ -170,11 +179,25 @@ class Island:
       equal). The transform's ``sync_period`` is then unused; one fragment
       only. None (the default): rounds every ``sync_period`` steps, weight 1.
     work_per_step: the weight of one inner step on rounds on the clock (its
-      tokens, say, if islands differ in batch size).
+      tokens, say, if islands differ in batch size): an integer from 1 to
+      ``2**40``, only with ``round_seconds`` (None: 1). A weight travels as
+      a float32, the precision of the mean's arithmetic: exact up to
+      ``2**24``, rounded to 24 significant bits above (a relative 6e-8),
+      and far from overflow for any count of steps (the weight is below
+      ``2**71``; float32 reaches ``2**128``).
     on_event: ``on_event(name, info)`` at ``"round_started"`` (inside the
       round's ``live_devices`` block, before its collective),
       ``"round_gathered"`` (after it), ``"round_failed"`` and
       ``"round_committed"``; for logs and fault injection.
+
+  Raises:
+    TypeError: ``dedicated_coordinator`` is not True/False, or ``on_event``
+      is not callable.
+    ValueError: a number of seconds that is not a finite number > 0, a count
+      that is not an integer in its range, or arguments that contradict each
+      other (``round_timeout_s <= timeout_s``, ``stall_timeout_s >=
+      round_timeout_s``, ``work_per_step`` without ``round_seconds``); the
+      message names the argument, the value and the fix.
 
   After construction, ``island.tx`` is the island-local transform (put its
   ``update`` in the island's jitted step, ``init`` builds the state),
@@ -194,7 +217,7 @@ class Island:
     stall_timeout_s: float | None = None,
     dedicated_coordinator: bool = False,
     round_seconds: float | None = None,
-    work_per_step: int = 1,
+    work_per_step: int | None = None,
     on_event: Callable[[str, dict], None] | None = None,
   ):
     self._engine = split.engine_of(tx, "shardopt.elastic.Island")
@@ -204,7 +227,17 @@ class Island:
     self._round_seconds = _check_round_seconds(
       round_seconds, work_per_step, self._engine
     )
-    self._work_per_step = work_per_step
+    self._work_per_step = 1 if work_per_step is None else int(work_per_step)
+    self._timeout_s = _seconds(timeout_s, "timeout_s", "e.g. 600")
+    self._round_timeout_s = _check_round_timeout(round_timeout_s, timeout_s)
+    self._stall_timeout_s = _check_stall_timeout(
+      stall_timeout_s, round_timeout_s
+    )
+    self._max_attempts = _count(
+      max_attempts, "max_attempts", "failed attempts of a round, e.g. 100"
+    )
+    self._on_event = _check_callable(on_event, "on_event", "(name, info)")
+    self._on_event = self._on_event or (lambda name, info: None)
     self._deadline = None  # rounds on the clock: when the next is due
     self._count_at_commit = 0  # this island's local steps at its last round
     self._k = _check_processes_per_island(processes_per_island, self._dedicated)
@@ -218,18 +251,15 @@ class Island:
     self._replicated = NamedSharding(
       Mesh(np.array(self.devices), ("island_devices",)), P()
     )
-    self._timeout_s = timeout_s
-    self._round_timeout_s = round_timeout_s
-    self._stall_timeout_s = _check_stall_timeout(stall_timeout_s)
     self._store = _jax.KeyValueStore()
-    self._cliques = _cliques.Cliques(self._store, timeout_s=timeout_s)
-    self._max_attempts = max_attempts
-    self._on_event = on_event or (lambda name, info: None)
+    self._cliques = _cliques.Cliques(self._store, timeout_s=self._timeout_s)
     self._fresh = True  # no round committed by this incarnation yet
     self._last: frozenset = frozenset()  # the last committed membership
     self._attempts: collections.Counter = collections.Counter()  # failed
     self._blocks: collections.Counter = collections.Counter()  # all
     self._compiled: dict = {}
+    self._published = None  # the params' signature this process published
+    self._arrivals: list = []  # stall keys written since the last commit
     self._heartbeat = None
     if self._dedicated and self.trains:
       self._heartbeat = _coordinator.Heartbeat(self._store, self._me)
@@ -290,12 +320,43 @@ class Island:
 
     Call it after the last round, on every process (the loop in
     ``docs/elastic.md``); flushes stdout and stderr first.
+
+    What ``os._exit`` drops: everything the interpreter would do on its way
+    out (``atexit`` handlers, ``finally`` blocks of other threads, buffers
+    of files not closed) and every piece of asynchronous work in flight: an
+    orbax ``AsyncCheckpointer`` save still writing is cut short, as is any
+    array not yet transferred (``jax.block_until_ready`` it first). Wait for
+    what must outlive the process before calling it:
+    ``checkpointer.wait_until_finished()`` (orbax), ``f.close()``.
+
+    Args:
+      timeout_s: how long process 0 waits for the others to say they are
+        done (a finite number of seconds >= 0).
+      exit_code: the process's exit status (0..255).
     """
+    number = isinstance(timeout_s, numbers.Real) and not isinstance(
+      timeout_s, (bool, np.bool_)
+    )
+    if not number or not math.isfinite(timeout_s) or timeout_s < 0:
+      raise ValueError(
+        f"shardopt.elastic.Island.finish: timeout_s={timeout_s!r} must be a"
+        " finite number of seconds >= 0 (e.g. 60)."
+      )
+    if not _args.is_integer(exit_code) or not 0 <= exit_code <= 255:
+      raise ValueError(
+        f"shardopt.elastic.Island.finish: exit_code={exit_code!r} must be an"
+        " integer from 0 to 255 (a process's exit status)."
+      )
+    self._leave(_processes(self._last), timeout_s, exit_code)
+
+  def _leave(self, processes, timeout_s: float, exit_code: int):
+    """:meth:`finish`'s protocol: process 0 leaves last, after the others
+    of ``processes`` said they are done (up to ``timeout_s``)."""
     store = self._store
     if self._me != 0:
-      store.set(f"{_FINISHED}{self._me}", "1")
+      store.set(f"{_FINISHED}{self._me}", "1", overwrite=True)
     else:
-      others = {p for p, _ in self._last} - {0}
+      others = set(processes) - {0}
       deadline = time.monotonic() + timeout_s
       while others and time.monotonic() < deadline:
         done = {int(k.rsplit("/", 1)[-1]) for k in store.keys(_FINISHED)}
@@ -306,6 +367,19 @@ class Island:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+  def _end_job(self, error: Exception, processes) -> None:
+    """Ends this process with ``error``, which every process of the round
+    found alike (a raise would end the interpreter, whose exit aborts the
+    processes still connected once process 0 has gone): says it on stderr
+    and leaves as :meth:`finish` does, with :data:`PARAMS_EXIT_CODE`."""
+    print(
+      f"shardopt.elastic: process {self._me}: {type(error).__name__}:"
+      f" {error} Exiting with code {PARAMS_EXIT_CODE}.",
+      file=sys.stderr,
+      flush=True,
+    )
+    self._leave(processes, self._timeout_s, PARAMS_EXIT_CODE)
 
   # ------------------------------------------------------------ coordinator
 
@@ -334,34 +408,68 @@ class Island:
       on_round: ``on_round(params, state, round)`` after each committed
         round (a :class:`Round`; for logs).
       poll_s: how often it reads the key-value store while waiting.
+
+    Returns ``(params, state)`` also on SIGTERM (JAX's preemption notifier
+    would swallow it): at its next wait, after the round in flight; it says
+    so on stderr. Call :meth:`finish` after it either way.
+
+    Raises:
+      RoundFailedError: no island was up (joined, or took part in the last
+        committed round) for ``timeout_s`` (the Island's): at the job's
+        start, or after every island died.
     """
+    where = "shardopt.elastic.Island.coordinate"
     if self.trains:
       raise ValueError(
         "shardopt.elastic.Island.coordinate: only process 0 under"
         " dedicated_coordinator=True coordinates; islands call sync."
       )
+    _check_callable(on_round, "on_round", "(params, state, round)", where)
+    poll_s = _seconds(poll_s, "poll_s", "e.g. 0.05", where)
+    self._publish(params)
     watcher = _coordinator.Watcher(self._store)
     tokens: dict = {}  # the islands of the last committed round: tokens
-    while True:
-      alive = watcher.alive()
-      up = [p for p, t in tokens.items() if t and alive.get(p) == t]
-      if up:
-        ready = watcher.wanted(_host_int(state.sync_count) + 1)
-      else:
-        ready = bool(watcher.joining(alive))
-        if not ready and self._last and self._finished():
-          return params, state
-      if not ready:
-        time.sleep(poll_s)
-        continue
-      done = self._rounds(0, params, state)
-      if done is None:  # every island died in the round
-        continue
-      params, state, done = done
-      if on_round is not None:
-        on_round(params, state, done)
-      tokens = watcher.tokens(p for p in done.live if p != 0)
-      watcher.forget(_host_int(state.sync_count), done.live)
+    joining: dict = {}  # the islands seen waiting to join: tokens
+    idle_since = time.monotonic()  # no island up since
+    with _coordinator.stop_on_sigterm() as stopped:
+      while not stopped.is_set():
+        alive = watcher.alive()
+        up = [p for p, t in tokens.items() if t and alive.get(p) == t]
+        joining = {}
+        if up:
+          ready = watcher.wanted(_host_int(state.sync_count) + 1)
+        else:
+          joining = watcher.joining(alive)
+          ready = bool(joining)
+          if not ready and self._last and self._finished():
+            return params, state
+          if not ready and time.monotonic() - idle_since > self._timeout_s:
+            raise RoundFailedError(
+              f"{where}: no island joined within timeout_s={self._timeout_s}"
+              " s (at the job's start, or after every island died): the"
+              " coordinator gives up. Start the islands (processes"
+              f" 1..{jax.process_count() - 1}), or raise timeout_s."
+            )
+        if not ready:
+          time.sleep(poll_s)
+          continue
+        done = self._rounds(0, params, state)
+        if done is None:  # every island died in the round
+          continue
+        params, state, done = done
+        if on_round is not None:
+          on_round(params, state, done)
+        tokens = watcher.tokens(p for p in done.live if p != 0)
+        watcher.forget(_host_int(state.sync_count), joining, done.live)
+        idle_since = time.monotonic()
+    print(
+      f"{where}: SIGTERM: the coordinator stops at round"
+      f" {_host_int(state.sync_count)} and returns its last committed"
+      " center and state.",
+      file=sys.stderr,
+      flush=True,
+    )
+    return params, state
 
   def _finished(self) -> bool:
     """Whether every island of the last committed round has finished."""
@@ -411,6 +519,12 @@ class Island:
 
     Returns:
       ``(params, state, round)``; ``round`` is a :class:`Round`.
+
+    In a healing round (the job's start included) the islands' params are
+    compared first (:mod:`.handshake`): if their tree structure, a shape or
+    a dtype differs, or a leaf is not floating point, every process of the
+    round says so on stderr, naming the island and the leaf, and exits with
+    :data:`PARAMS_EXIT_CODE` (process 0 last, as :meth:`finish`).
     """
     if not self.trains:
       raise ValueError(
@@ -419,6 +533,7 @@ class Island:
         " island.coordinate(params, state) there instead."
       )
     sync = self._sync_index(state, early)
+    self._publish(params)
     if self._heartbeat is not None:  # tell the coordinator (it trains not)
       if self._fresh:
         self._heartbeat.join()
@@ -430,6 +545,23 @@ class Island:
     finally:
       if watchdog is not None:
         watchdog.cancel()
+
+  def _forget(self, number: int) -> None:
+    """Deletes the keys this process wrote for round ``number``, now
+    committed (its stall arrivals, its ``want`` and ``join``
+    announcements), so that the store stays the same size however many
+    rounds run."""
+    stall.forget(self._store, self._arrivals)
+    if self._heartbeat is not None:
+      self._heartbeat.forget(number)
+
+  def _publish(self, params) -> None:
+    """This process's params' signature, for the others' check
+    (:mod:`.handshake`); written again only when it changed."""
+    text = handshake.signature(params)
+    if text != self._published:
+      handshake.publish(self._store, self._me, text)
+      self._published = text
 
   def _watchdog(self, number: int):
     """A timer that ends the process if this sync does not return in time
@@ -476,6 +608,7 @@ class Island:
               self._blocks[members],
               self._stall_timeout_s,
               _host_int(state.sync_count) + 1,
+              self._arrivals,
             ):
               healing, exchanged, dropped = self._attempt(
                 members, live, sync_now, params, state_now
@@ -513,6 +646,7 @@ class Island:
         failures=tuple(failures),
       )
       self._fresh, self._last = False, frozenset(members)
+      self._forget(_host_int(state.sync_count))
       self._count_at_commit = _host_int(state.count)
       if self._round_seconds is not None:
         self._deadline = time.monotonic() + self._round_seconds
@@ -522,6 +656,16 @@ class Island:
   def _attempt(self, members, live, sync: int, params, state):
     """Steps 2-5: the layout, the device list, the rows, the exchange."""
     healing = self._fresh or not frozenset(members) <= self._last
+    if healing:  # every member alike: one clear error, never gloo's abort
+      error = handshake.disagreement(
+        self._store,
+        _processes(members),
+        self._island_of,
+        self._timeout_s,
+        "shardopt.elastic.Island",
+      )
+      if error is not None:
+        self._end_job(error, _processes(members))
     if shards.sharded(params):
       return self._attempt_sharded(members, live, sync, params, state, healing)
     order = self._cliques.devices(
@@ -704,9 +848,11 @@ class Island:
     """This island's weight on rounds on the clock: its work since its last
     committed round (0 for the coordinator and a joining island)."""
     if not self._clocked or not self.trains or self._fresh:
-      return jnp.int32(0)
+      return jnp.float32(0)
     steps = _host_int(state.count) - self._count_at_commit
-    return jnp.int32(max(steps, 0) * self._work_per_step)
+    # float32, as it travels (rows.weights): steps times work_per_step
+    # (below 2**71) never overflows it.
+    return jnp.float32(float(max(steps, 0) * self._work_per_step))
 
   def _owners(self, order: list) -> tuple[np.ndarray, int]:
     """Per process of ``order``, the chunk its island owns on a two-phase
@@ -857,78 +1003,145 @@ def _host_int(x) -> int:
   return int(np.asarray(x))
 
 
-def _check_stall_timeout(seconds):
+# Every argument is checked when the Island is built, with one error type
+# per kind of mistake (as shardopt._args): a flag that is not True/False or
+# a callback that is not callable, TypeError; a number of seconds or a count
+# that is not a number in its range (a string, a bool, a NaN, an infinity, a
+# float where an integer is needed, a negative), or two arguments that
+# contradict each other, ValueError. Each message names the argument, the
+# value and the fix.
+_WHERE = "shardopt.elastic.Island"
+# work_per_step's bound: a weight (steps since the last round, below 2**31,
+# times work_per_step) stays far inside float32's range (2**128) summed over
+# any number of islands.
+MAX_WORK_PER_STEP = 2**40
+
+
+def _seconds(value, arg: str, fix: str, where: str = _WHERE) -> float:
+  """``value`` as a finite number of seconds > 0; else a ``ValueError``
+  naming ``arg`` (``fix``: an example of a good value)."""
+  number = isinstance(value, numbers.Real) and not isinstance(
+    value, (bool, np.bool_)
+  )
+  if not number or not math.isfinite(value) or value <= 0:
+    raise ValueError(
+      f"{where}: {arg}={value!r} must be a finite number of seconds > 0"
+      f" ({fix})."
+    )
+  return float(value)
+
+
+def _count(value, arg: str, fix: str, minimum: int = 1) -> int:
+  """``value`` as an integer >= ``minimum``; else a ``ValueError``."""
+  if not _args.is_integer(value) or int(value) < minimum:
+    raise ValueError(
+      f"{_WHERE}: {arg}={value!r} must be an integer >= {minimum} ({fix})."
+    )
+  return int(value)
+
+
+def _check_callable(fn, arg: str, signature: str, where: str = _WHERE):
+  if fn is not None and not callable(fn):
+    raise TypeError(
+      f"{where}: {arg}={fn!r} must be a function {arg}{signature}, or None."
+    )
+  return fn
+
+
+def _check_round_timeout(seconds, timeout_s):
   if seconds is None:
     return None
-  if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-    raise TypeError(
-      f"shardopt.elastic.Island: stall_timeout_s={seconds!r} must be a"
-      " number of seconds (or None: no stuck island is evicted)."
-    )
-  if not seconds > 0:
+  seconds = _seconds(seconds, "round_timeout_s", "None: no watchdog")
+  if seconds <= timeout_s:
     raise ValueError(
-      f"shardopt.elastic.Island: stall_timeout_s={seconds!r} must be > 0,"
-      " and above the normal skew between islands' arrivals (a joining"
-      " island's first compile), e.g. 30."
+      f"{_WHERE}: round_timeout_s={seconds!r} must be above"
+      f" timeout_s={timeout_s!r}: a joining island waits up to timeout_s"
+      " inside its sync, which the watchdog would end first. Raise"
+      " round_timeout_s (to timeout_s plus a few collective timeouts) or"
+      " lower timeout_s."
     )
-  return float(seconds)
+  return seconds
+
+
+def _check_stall_timeout(seconds, round_timeout_s=None):
+  if seconds is None:
+    return None
+  seconds = _seconds(
+    seconds,
+    "stall_timeout_s",
+    "above the normal skew between islands' arrivals, a joining island's"
+    " first compile, e.g. 30; None: no stuck island is evicted",
+  )
+  if round_timeout_s is not None and seconds >= round_timeout_s:
+    raise ValueError(
+      f"{_WHERE}: stall_timeout_s={seconds!r} must be below"
+      f" round_timeout_s={round_timeout_s!r}: the round watchdog would end"
+      " the job before a stuck island evicts itself. Lower stall_timeout_s"
+      " or raise round_timeout_s."
+    )
+  return seconds
 
 
 def _check_processes_per_island(k, dedicated: bool = False) -> int:
   n = jax.process_count() - (1 if dedicated else 0)
-  if isinstance(k, bool) or not isinstance(k, int) or k < 1 or n % k or n < 1:
+  if not _args.is_integer(k) or k < 1 or n % k or n < 1:
     what = (
       f"the number of processes but the coordinator ({n})"
       if dedicated
       else f"the number of processes ({n})"
     )
     raise ValueError(
-      f"shardopt.elastic.Island: processes_per_island={k!r} must be a"
+      f"{_WHERE}: processes_per_island={k!r} must be a"
       f" positive integer dividing {what}."
     )
-  return k
+  return int(k)
 
 
 def _check_round_seconds(seconds, work_per_step, engine):
-  if isinstance(work_per_step, bool) or not isinstance(work_per_step, int):
-    raise TypeError(
-      f"shardopt.elastic.Island: work_per_step={work_per_step!r} must be a"
-      " positive int (an inner step's weight: its tokens, say)."
+  if work_per_step is not None:
+    _count(
+      work_per_step,
+      "work_per_step",
+      "an inner step's weight on rounds on the clock: its tokens, say",
     )
-  if work_per_step < 1:
-    raise ValueError(
-      f"shardopt.elastic.Island: work_per_step={work_per_step} must be >= 1."
-    )
+    if work_per_step > MAX_WORK_PER_STEP:
+      raise ValueError(
+        f"{_WHERE}: work_per_step={work_per_step!r} must be <="
+        f" 2**40 (MAX_WORK_PER_STEP): only the ratios of the weights"
+        " count; divide every island's work_per_step by a common factor."
+      )
+    if seconds is None:
+      raise ValueError(
+        f"{_WHERE}: work_per_step={work_per_step!r} weighs rounds on the"
+        " clock only, and round_seconds is None (rounds every sync_period"
+        " steps weigh every island 1). Pass round_seconds, or drop"
+        " work_per_step."
+      )
   if seconds is None:
     return None
-  if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-    raise TypeError(
-      f"shardopt.elastic.Island: round_seconds={seconds!r} must be a number"
-      " of seconds (or None: a round every sync_period steps)."
-    )
-  if not seconds > 0:
-    raise ValueError(
-      f"shardopt.elastic.Island: round_seconds={seconds!r} must be > 0."
-    )
+  seconds = _seconds(
+    seconds, "round_seconds", "None: a round every sync_period steps"
+  )
   if len(engine.syncs) != 1:
     raise ValueError(
-      "shardopt.elastic.Island: round_seconds runs the transform's only sync"
+      f"{_WHERE}: round_seconds runs the transform's only sync"
       f" on the clock, but {engine.name} has {len(engine.syncs)} syncs"
       " (num_fragments > 1: Streaming DiLoCo's fragments have no deadlines"
       " of their own); use num_fragments=1 with round_seconds."
     )
-  return float(seconds)
+  return seconds
 
 
 def _check_dedicated(flag) -> bool:
-  if not isinstance(flag, bool):
-    raise TypeError(
-      f"shardopt.elastic.Island: dedicated_coordinator={flag!r} must be True"
-      " (process 0 trains nothing and keeps the center) or False."
-    )
+  flag = _args.flag(
+    flag,
+    "dedicated_coordinator",
+    _WHERE,
+    "True: process 0 trains nothing and keeps the center",
+  )
   if flag and jax.process_count() < 2:
     raise ValueError(
-      "shardopt.elastic.Island: dedicated_coordinator=True needs at least 2"
+      f"{_WHERE}: dedicated_coordinator=True needs at least 2"
       f" processes (the coordinator and an island); there are"
       f" {jax.process_count()}."
     )
@@ -945,8 +1158,10 @@ def _headers(head_bytes: np.ndarray) -> dict:
 
 
 def _columns(head: np.ndarray) -> dict:
-  """Sorted int32 headers: field -> column."""
-  return {name: head[:, i] for name, i in rows.FIELD.items()}
+  """Sorted int32 headers: field -> column (the weight's as float32)."""
+  columns = {name: head[:, i] for name, i in rows.FIELD.items()}
+  columns["weight"] = rows.weights(head)
+  return columns
 
 
 def _apply_plain(

@@ -25,7 +25,8 @@ Two layouts, agreed without communication (:mod:`.island` says how):
   the outer state and the counters from the first up-to-date island's row.
 
 (The processes of an island of several send the same bytes, and the combine
-counts each island once.) The header is int32: :data:`HEADER_FIELDS`.
+counts each island once.) The header is :data:`HEADER_FIELDS`, int32 words;
+the weight's word holds a float32's bits (:func:`weights`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ HEADER_FIELDS = (
   "sync",  # the sync (1-based) it contributes to, 0: none
   "process",  # the sending process (an island may have several)
   "weight",  # its contribution's weight: 1, or on rounds on the clock the
-  # work it did since its last committed round (0: none)
+  # work it did since its last committed round (0: none); a float32's bits,
+  # so that no count of steps times tokens per step overflows it
 )
 FIELD = {name: i for i, name in enumerate(HEADER_FIELDS)}
 HEADER_BYTES = 4 * len(HEADER_FIELDS)
@@ -141,7 +143,8 @@ def header(
   process: int,
   weight=1,
 ) -> jax.Array:
-  """This process's header row."""
+  """This process's header row (int32 words; the weight a float32's bits,
+  :func:`weights`)."""
   fields = [
     island,
     up_to_date,
@@ -151,9 +154,23 @@ def header(
     jnp.sum(state.skipped),
     sync,
     process,
-    weight,
   ]
-  return jnp.stack([jnp.asarray(f, jnp.int32).reshape(()) for f in fields])
+  weight_bits = jax.lax.bitcast_convert_type(
+    jnp.asarray(weight, jnp.float32).reshape(()), jnp.int32
+  )
+  return jnp.stack(
+    [jnp.asarray(f, jnp.int32).reshape(()) for f in fields] + [weight_bits]
+  )
+
+
+def weights(head) -> Any:
+  """The weight column of headers (rows of int32 words, a jax or a numpy
+  array) as float32: exact up to 2**24, rounded to float32 above (the
+  precision of the mean's arithmetic)."""
+  column = head[:, FIELD["weight"]]
+  if isinstance(column, jax.Array):
+    return jax.lax.bitcast_convert_type(column, jnp.float32)
+  return np.ascontiguousarray(column, np.int32).view(np.float32)
 
 
 def contribution(engine, sync: int, state, params, up_to_date, weight=None):
@@ -184,10 +201,7 @@ def contribution(engine, sync: int, state, params, up_to_date, weight=None):
 def total_weight(head: jax.Array) -> jax.Array:
   """The sum of the counted rows' weights (:func:`counted`): the mean's
   divisor (the number of contributing islands when every weight is 1)."""
-  return jnp.sum(
-    counted(head).astype(jnp.float32)
-    * head[:, FIELD["weight"]].astype(jnp.float32)
-  )
+  return jnp.sum(counted(head).astype(jnp.float32) * weights(head))
 
 
 def sizes_of(engine, sync: int, params) -> tuple:

@@ -7,7 +7,8 @@ device) is alive to the coordination service, so the round's
 
 1. writes, at the end of the attempt's block body (committed or failed), its
    arrival in the key-value store: ``shardopt/arrived/<membership>/<attempt>/
-   <process>``;
+   <process>`` (each process deletes its own once a round commits:
+   :func:`forget`);
 2. meanwhile watches, from a thread, the others' arrivals: once every other
    process of the membership has arrived and it has not, for ``S`` seconds,
    it prints why on stderr and exits with :data:`STALL_EXIT_CODE`.
@@ -41,14 +42,37 @@ def _digest(members) -> str:
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def forget(store, written: list) -> None:
+  """Deletes this process's arrival keys ``written`` (:func:`watched`
+  appends each it writes) once a round has committed: every member has then
+  passed the block's closing barrier, so none watches them any more (a
+  member stuck in an attempt holds every other member at that barrier).
+  ``written`` is emptied."""
+  for key in written:
+    try:
+      store.delete(key)
+    except Exception:  # noqa: BLE001 (the coordinator is gone: nothing to
+      pass  # bound any more)
+  written.clear()
+
+
 @contextlib.contextmanager
-def watched(store, me: int, members, attempt: int, stall_timeout_s, number):
+def watched(
+  store,
+  me: int,
+  members,
+  attempt: int,
+  stall_timeout_s,
+  number,
+  written: list | None = None,
+):
   """The body of one attempt's block: this process's arrival written at its
   end, and its self-eviction if the others all arrived ``stall_timeout_s``
   seconds before it (None: nothing is watched or written). ``attempt``
   counts this membership's blocks, committed or not, so that every member
   names the same attempt the same way (a membership holds each process's
-  incarnation: a restarted one starts a new count for everyone)."""
+  incarnation: a restarted one starts a new count for everyone). The key
+  it writes is appended to ``written`` (for :func:`forget`)."""
   if stall_timeout_s is None:
     yield
     return
@@ -91,5 +115,7 @@ def watched(store, me: int, members, attempt: int, stall_timeout_s, number):
     stop.set()
     try:
       store.set(prefix + str(me), "1")
+      if written is not None:
+        written.append(prefix + str(me))
     except Exception:  # noqa: BLE001 (the coordinator is gone: the round
       pass  # fails anyway, and its watchdog bounds what follows)
