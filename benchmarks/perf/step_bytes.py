@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import shardopt  # noqa: E402
 from benchmarks import _report  # noqa: E402
-from benchmarks import blocks  # noqa: E402
+from benchmarks.perf import step_bytes_blocks  # noqa: E402
 from benchmarks.perf import workload  # noqa: E402
 from shardopt.measure import hlo  # noqa: E402
 
@@ -62,7 +62,7 @@ AXIS = workload.AXIS
 MLP = (64, 256, 256, 10)
 QUICK_MLP = (32, 64, 10)
 PER_REPLICA = 4
-PROGRAMS = blocks.STEP_PROGRAMS  # in-graph, host sync=0, host sync=1
+PROGRAMS = step_bytes_blocks.STEP_PROGRAMS  # in-graph, host sync=0, host sync=1
 
 WIRES: dict[str, dict] = {
   "float32": {},
@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   )
   args = parser.parse_args(argv)
   result = run(args.quick, argv)
-  print(blocks.step_bytes_table(result))
+  print(step_bytes_blocks.step_bytes_table(result))
   path = _report.write_json(FILENAME, result, quick=args.quick)
   print(f"[step_bytes] {result['seconds']:.0f} s; wrote {path}")
   return 0
