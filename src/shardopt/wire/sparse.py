@@ -345,32 +345,102 @@ def _value(
   return jnp.where(negative, -magnitude, magnitude)
 
 
-def _select(rows: jax.Array, lay: Layout):
+def _key(rows: jax.Array) -> jax.Array:
+  """What the top k are chosen by: ``|x|``, NaN counting as ``inf``."""
+  return jnp.where(jnp.isnan(rows), jnp.inf, jnp.abs(rows))
+
+
+class Chosen(NamedTuple):
+  """Per chunk the entries that go: their in-chunk ``index`` and ``values``
+  (``(chunks, keep)``), and the same choice as an elementwise rule (so that
+  the residual is a select, not a scatter): an entry went when its key is
+  above ``threshold`` (the keep-th largest key of its chunk), or equal to it
+  at an index up to ``last_tie`` (ties go to the lower index), ``(chunks,)``
+  each."""
+
+  index: jax.Array
+  values: jax.Array
+  threshold: jax.Array
+  last_tie: jax.Array
+
+
+def _select(rows: jax.Array, lay: Layout) -> Chosen:
   """Per chunk the ``keep`` entries of largest ``|x|`` (NaN as ``inf``),
-  ties to the lower index: ``(indices, values)``, ``(chunks, keep)``."""
-  key = jnp.where(jnp.isnan(rows), jnp.inf, jnp.abs(rows))
-  _, index = jax.lax.top_k(key, lay.keep)
-  return index, jnp.take_along_axis(rows, index, axis=-1)
+  ties to the lower index (``lax.top_k``'s order)."""
+  key, index = jax.lax.top_k(_key(rows), lay.keep)
+  # The last of the descending keys, as their min: XLA's CPU backend keeps
+  # its partial-sort TopK call only while the top k are used as a whole
+  # (``key[:, -1]`` made it a full sort of every chunk).
+  threshold = jnp.min(key, axis=-1)
+  # The ties at the threshold that went are the lowest-indexed ones.
+  last_tie = jnp.max(jnp.where(key == threshold[:, None], index, -1), axis=-1)
+  values = jnp.take_along_axis(rows, index, axis=-1)
+  return Chosen(index, values, threshold, last_tie)
+
+
+def _went(rows: jax.Array, chosen: Chosen) -> jax.Array:
+  """Whether each entry of ``rows`` (the rows :func:`_select` chose from)
+  went: ``chosen``'s rule, elementwise."""
+  key = _key(rows)
+  threshold = chosen.threshold[:, None]
+  position = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 1)
+  return (key > threshold) | (
+    (key == threshold) & (position <= chosen.last_tie[:, None])
+  )
+
+
+class Quantizer(NamedTuple):
+  """A chunk's quantizer, ``(chunks,)`` each: its ``scale`` (NaN for a
+  non-finite chunk), whether it is ``usable`` (finite and positive) and
+  ``levels / scale`` (0 where not usable)."""
+
+  scale: jax.Array
+  usable: jax.Array
+  inverse: jax.Array
+
+
+def _levels(magnitude: jax.Array, quantizer: Quantizer, spec: TopKSpec):
+  """``clip(round(|v| * (L / s)), 1, L)``; level 1 where the scale is zero
+  or NaN (standing for 0 or NaN)."""
+  scaled = jnp.where(
+    quantizer.usable[..., None], magnitude * quantizer.inverse[..., None], 0.0
+  )
+  return jnp.clip(jnp.round(scaled), 1, spec.levels).astype(jnp.uint32)
+
+
+def _stands_for(values: jax.Array, quantizer, spec: TopKSpec) -> jax.Array:
+  """What a selected value ``v`` (rows of ``(chunks, ...)``) stands for once
+  sent, elementwise: ``v`` in the raw dtype, or its level times the scale,
+  ``0`` for a zero (one of the trailing zeros, standing for nothing)."""
+  if spec.raw:
+    return values.astype(RAW_DTYPES[spec.value_bits]).astype(jnp.float32)
+  magnitude = jnp.abs(values)
+  level = _levels(magnitude, quantizer, spec)
+  value = _value(values < 0, level, quantizer.scale, spec)
+  return jnp.where(magnitude == 0, 0.0, value)
 
 
 def _encode_raw(rows: jax.Array, lay: Layout, spec: TopKSpec):
   """:func:`_encode_rows` at 16 or 32 bits: the indices, then the values
   as bfloat16 or float32 (little-endian), no scale."""
-  index, values = _select(rows, lay)
-  sent = values.astype(RAW_DTYPES[spec.value_bits])
+  chosen = _select(rows, lay)
+  sent = chosen.values.astype(RAW_DTYPES[spec.value_bits])
   raw = jax.lax.bitcast_convert_type(sent, jnp.uint8)
   payload = jnp.concatenate(
-    [_pack(index, lay.index_bits), raw.reshape(lay.chunks, -1)], axis=-1
+    [_pack(chosen.index, lay.index_bits), raw.reshape(lay.chunks, -1)],
+    axis=-1,
   )
-  return payload, index, sent.astype(jnp.float32)
+  return payload, chosen, None
 
 
 def _encode_rows(rows: jax.Array, lay: Layout, spec: TopKSpec):
-  """``(chunks, chunk)`` -> (payload ``(chunks, bytes)`` uint8, selected
-  indices ``(chunks, keep)`` int32, the values they stand for)."""
+  """``(chunks, chunk)`` -> (payload ``(chunks, bytes)`` uint8, the
+  :class:`Chosen` entries, the chunks' :class:`Quantizer`, None for raw
+  values)."""
   if spec.raw:
     return _encode_raw(rows, lay, spec)
-  index, values = _select(rows, lay)
+  chosen = _select(rows, lay)
+  index, values = chosen.index, chosen.values
   magnitude = jnp.abs(values)
   zero = magnitude == 0
   empty = jnp.sum(zero, axis=-1, dtype=jnp.int32)
@@ -387,9 +457,8 @@ def _encode_rows(rows: jax.Array, lay: Layout, spec: TopKSpec):
   # NaN) scale gives level 1, standing for 0 (or NaN).
   usable = jnp.isfinite(scale) & (scale > 0)
   inverse = jnp.where(usable, jnp.float32(spec.levels) / scale, 0.0)
-  scaled = jnp.where(usable[..., None], magnitude * inverse[..., None], 0.0)
-  level = jnp.clip(jnp.round(scaled), 1, spec.levels)
-  level = level.astype(jnp.uint32)
+  quantizer = Quantizer(scale, usable, inverse)
+  level = _levels(magnitude, quantizer, spec)
   negative = values < 0
   code = (negative.astype(jnp.uint32) << (spec.value_bits - 1)) | (level - 1)
   # Zeros sort last: e trailing zero entries (a chunk with fewer than k
@@ -410,8 +479,7 @@ def _encode_rows(rows: jax.Array, lay: Layout, spec: TopKSpec):
     ],
     axis=-1,
   )
-  kept = jnp.where(zero, 0.0, _value(negative, level, scale, spec))
-  return payload, index, kept
+  return payload, chosen, quantizer
 
 
 def _decode_rows(payload: jax.Array, lay: Layout, spec: TopKSpec):
@@ -501,47 +569,81 @@ def _encode_leaves(leaves: list, spec: TopKSpec, chunks: tuple | None = None):
   return layouts, rows, encoded, payload
 
 
-def _sum_payloads(gathered: jax.Array, layouts: list, spec: TopKSpec, keep):
-  """Every member's payload (``(members, bytes)``) decoded and added into
-  one float32 buffer holding every leaf at its start (padded), member by
-  member in order, rows where ``keep`` is False left out; and the starts."""
+def _sum_in_member_order(index, values, real, lay: Layout, factor: float):
+  """One leaf's decoded entries, ``(members, chunks, keep)`` each (``real``
+  False: standing for nothing), added up per position in member order,
+  times ``factor``: the padded leaf, flat float32.
+
+  One scatter instead of one per member: per chunk, the members' entries
+  (member after member) are sorted by position, stably, so that the
+  entries of one position lie side by side in member order; each run is
+  added left to right (at most one entry per member), and its first entry
+  carries the run's sum, times ``factor``, into a zero buffer. Adding a
+  member's missing entry (a zero) changes nothing, so this is the sum
+  ``0 + v_0 + v_1 + ...`` over the members in order at every position, the
+  same float32 ops on every member, whatever the backend's scatter order
+  (each position is written once).
+  """
+  members = index.shape[0]
+  width = members * lay.keep
+
+  def by_chunk(a):  # (members, chunks, keep) -> (chunks, members * keep)
+    return jnp.moveaxis(a, 0, 1).reshape(lay.chunks, width)
+
+  position = jnp.where(by_chunk(real), by_chunk(index), lay.chunk)
+  position, value = jax.lax.sort(
+    (position, by_chunk(values)), dimension=1, is_stable=True, num_keys=1
+  )
+  run = value
+  for later in range(1, members):  # the run's next members, in order
+    same = jnp.pad(
+      position[:, later:], [(0, 0), (0, later)], constant_values=-1
+    )
+    next_value = jnp.pad(value[:, later:], [(0, 0), (0, later)])
+    run = run + jnp.where(same == position, next_value, 0.0)
+  if factor != 1:
+    run = run * jnp.float32(factor)
+  previous = jnp.pad(position[:, :-1], [(0, 0), (1, 0)], constant_values=-1)
+  first = (position != previous) & (position < lay.chunk)
+  start = jnp.arange(lay.chunks, dtype=jnp.int32)[:, None] * lay.chunk
+  end = lay.chunks * lay.chunk
+  target = _or_beyond((position + start).reshape(-1), first.reshape(-1), end)
+  return (
+    jnp.zeros(end, jnp.float32)
+    .at[target]
+    .add(run.reshape(-1), mode="drop", unique_indices=True)
+  )
+
+
+def _sum_payloads(
+  gathered: jax.Array, layouts: list, spec: TopKSpec, keep, factor=1.0
+):
+  """Every member's payload (``(members, bytes)``) decoded and added up per
+  leaf, member by member in order, times ``factor``, rows where ``keep``
+  is False left out: each leaf's padded flat float32 sum."""
   members = gathered.shape[0]
-  padded = [lay.chunks * lay.chunk for lay in layouts]
-  starts = np.cumsum([0] + padded[:-1]).tolist()
   widths = np.cumsum(
     [0] + [lay.chunks * lay.bytes_per_chunk(spec) for lay in layouts]
   )
-  positions, values, reals = [], [], []
-  for lay, start, begin, end in zip(
-    layouts, starts, widths[:-1], widths[1:], strict=True
-  ):
+  sums = []
+  for lay, begin, end in zip(layouts, widths[:-1], widths[1:], strict=True):
     part = jax.lax.slice_in_dim(gathered, int(begin), int(end), axis=-1)
     index, value, real = _decode_rows(
       part.reshape(members, lay.chunks, -1), lay, spec
     )
-    positions.append(_positions(index, lay) + start)
-    values.append(value.reshape(members, -1))
-    reals.append(real.reshape(members, -1))
-  reals = jnp.concatenate(reals, axis=-1)
-  if keep is not None:  # a left-out member's entries stand for nothing
-    reals = reals & jnp.reshape(keep, (-1, 1))
-  positions = _or_beyond(
-    jnp.concatenate(positions, axis=-1), reals, sum(padded)
-  )
-  values = jnp.concatenate(values, axis=-1)
-  total = jnp.zeros(sum(padded), jnp.float32)
-  for j in range(members):  # member order, the same on every member
-    total = total.at[positions[j]].add(
-      values[j], mode="drop", unique_indices=True
-    )
-  return total, starts
+    if keep is not None:  # a left-out member's entries stand for nothing
+      real = real & jnp.reshape(keep, (-1, 1, 1))
+    sums.append(_sum_in_member_order(index, value, real, lay, factor))
+  return sums
 
 
-def _dropped(x_size: int, rows: jax.Array, index, sent, lay: Layout):
+def _dropped(x_size: int, rows: jax.Array, chosen, quantizer, spec):
   """Error feedback's residual of a leaf, flat: its contribution minus what
-  it sent (``0`` where not finite)."""
-  chunk_ids = jnp.arange(lay.chunks)[:, None]
-  dropped = rows.at[chunk_ids, index].add(-sent, unique_indices=True)
+  it sent (``0`` where not finite). One elementwise pass over the rows
+  (which XLA fuses with the contribution's ``x + error``): where an entry
+  went (``chosen``'s rule), minus what it stands for."""
+  went = _went(rows, chosen)
+  dropped = jnp.where(went, rows - _stands_for(rows, quantizer, spec), rows)
   # A non-finite contribution is not kept: the next step starts afresh.
   return protocol.finite_or_zero(dropped.reshape(-1)[:x_size])
 
@@ -584,17 +686,16 @@ def all_reduce(
       blocks.FLOAT_FIX,
       groups=groups,
     )
-  total, starts = _sum_payloads(gathered, layouts, spec, None)
-  if divisor != 1:  # times the float32 reciprocal, as the blocks wire does
-    total = total * jnp.float32(1.0 / divisor)
+  # The mean: each position's sum times the float32 reciprocal, as the
+  # blocks wire does (folded into the one scatter).
+  sums = _sum_payloads(gathered, layouts, spec, None, 1.0 / divisor)
   out, res = [], []
-  for x, lay, start, r, (_, index, sent) in zip(
-    leaves, layouts, starts, rows, encoded, strict=True
+  for x, lay, total, r, (_, chosen, quantizer) in zip(
+    leaves, layouts, sums, rows, encoded, strict=True
   ):
-    mine = jax.lax.slice_in_dim(total, start, start + lay.size)
-    out.append(mine.reshape(x.shape).astype(x.dtype))
+    out.append(total[: lay.size].reshape(x.shape).astype(x.dtype))
     if residuals:
-      res.append(_dropped(x.size, r, index, sent, lay).reshape(x.shape))
+      res.append(_dropped(x.size, r, chosen, quantizer, spec).reshape(x.shape))
   return (out, res) if residuals else out
 
 
@@ -636,17 +737,12 @@ class Sparse(protocol.Base):
   def encode_whole(self, flats):
     layouts, rows, encoded, payload = _encode_leaves(flats, self.spec)
     dropped = [
-      _dropped(x.size, r, index, sent, lay)
-      for x, lay, r, (_, index, sent) in zip(
-        flats, layouts, rows, encoded, strict=True
-      )
+      _dropped(x.size, r, chosen, quantizer, self.spec)
+      for x, r, (_, chosen, quantizer) in zip(flats, rows, encoded, strict=True)
     ]
     return payload, dropped
 
   def sum_gathered(self, gathered, keep, sizes):
     layouts = [layout(int(s), self.spec) for s in sizes]
-    total, starts = _sum_payloads(gathered, layouts, self.spec, keep)
-    return [
-      jax.lax.slice_in_dim(total, start, start + lay.size)
-      for lay, start in zip(layouts, starts, strict=True)
-    ]
+    sums = _sum_payloads(gathered, layouts, self.spec, keep)
+    return [total[: lay.size] for lay, total in zip(layouts, sums, strict=True)]
