@@ -350,43 +350,11 @@ def _key(rows: jax.Array) -> jax.Array:
   return jnp.where(jnp.isnan(rows), jnp.inf, jnp.abs(rows))
 
 
-class Chosen(NamedTuple):
-  """Per chunk the entries that go: their in-chunk ``index`` and ``values``
-  (``(chunks, keep)``), and the same choice as an elementwise rule (so that
-  the residual is a select, not a scatter): an entry went when its key is
-  above ``threshold`` (the keep-th largest key of its chunk), or equal to it
-  at an index up to ``last_tie`` (ties go to the lower index), ``(chunks,)``
-  each."""
-
-  index: jax.Array
-  values: jax.Array
-  threshold: jax.Array
-  last_tie: jax.Array
-
-
-def _select(rows: jax.Array, lay: Layout) -> Chosen:
+def _select(rows: jax.Array, lay: Layout):
   """Per chunk the ``keep`` entries of largest ``|x|`` (NaN as ``inf``),
-  ties to the lower index (``lax.top_k``'s order)."""
-  key, index = jax.lax.top_k(_key(rows), lay.keep)
-  # The last of the descending keys, as their min: XLA's CPU backend keeps
-  # its partial-sort TopK call only while the top k are used as a whole
-  # (``key[:, -1]`` made it a full sort of every chunk).
-  threshold = jnp.min(key, axis=-1)
-  # The ties at the threshold that went are the lowest-indexed ones.
-  last_tie = jnp.max(jnp.where(key == threshold[:, None], index, -1), axis=-1)
-  values = jnp.take_along_axis(rows, index, axis=-1)
-  return Chosen(index, values, threshold, last_tie)
-
-
-def _went(rows: jax.Array, chosen: Chosen) -> jax.Array:
-  """Whether each entry of ``rows`` (the rows :func:`_select` chose from)
-  went: ``chosen``'s rule, elementwise."""
-  key = _key(rows)
-  threshold = chosen.threshold[:, None]
-  position = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 1)
-  return (key > threshold) | (
-    (key == threshold) & (position <= chosen.last_tie[:, None])
-  )
+  ties to the lower index: ``(indices, values)``, ``(chunks, keep)``."""
+  _, index = jax.lax.top_k(_key(rows), lay.keep)
+  return index, jnp.take_along_axis(rows, index, axis=-1)
 
 
 class Quantizer(NamedTuple):
@@ -423,24 +391,22 @@ def _stands_for(values: jax.Array, quantizer, spec: TopKSpec) -> jax.Array:
 def _encode_raw(rows: jax.Array, lay: Layout, spec: TopKSpec):
   """:func:`_encode_rows` at 16 or 32 bits: the indices, then the values
   as bfloat16 or float32 (little-endian), no scale."""
-  chosen = _select(rows, lay)
-  sent = chosen.values.astype(RAW_DTYPES[spec.value_bits])
+  index, values = _select(rows, lay)
+  sent = values.astype(RAW_DTYPES[spec.value_bits])
   raw = jax.lax.bitcast_convert_type(sent, jnp.uint8)
   payload = jnp.concatenate(
-    [_pack(chosen.index, lay.index_bits), raw.reshape(lay.chunks, -1)],
-    axis=-1,
+    [_pack(index, lay.index_bits), raw.reshape(lay.chunks, -1)], axis=-1
   )
-  return payload, chosen, None
+  return payload, index, None
 
 
 def _encode_rows(rows: jax.Array, lay: Layout, spec: TopKSpec):
-  """``(chunks, chunk)`` -> (payload ``(chunks, bytes)`` uint8, the
-  :class:`Chosen` entries, the chunks' :class:`Quantizer`, None for raw
-  values)."""
+  """``(chunks, chunk)`` -> (payload ``(chunks, bytes)`` uint8, selected
+  indices ``(chunks, keep)`` int32, the chunks' :class:`Quantizer`, None for
+  raw values)."""
   if spec.raw:
     return _encode_raw(rows, lay, spec)
-  chosen = _select(rows, lay)
-  index, values = chosen.index, chosen.values
+  index, values = _select(rows, lay)
   magnitude = jnp.abs(values)
   zero = magnitude == 0
   empty = jnp.sum(zero, axis=-1, dtype=jnp.int32)
@@ -479,7 +445,7 @@ def _encode_rows(rows: jax.Array, lay: Layout, spec: TopKSpec):
     ],
     axis=-1,
   )
-  return payload, chosen, quantizer
+  return payload, index, quantizer
 
 
 def _decode_rows(payload: jax.Array, lay: Layout, spec: TopKSpec):
@@ -570,7 +536,7 @@ def _encode_leaves(leaves: list, spec: TopKSpec, chunks: tuple | None = None):
 
 
 def _sum_in_member_order(index, values, real, lay: Layout, factor: float):
-  """One leaf's decoded entries, ``(members, chunks, keep)`` each (``real``
+  """One leaf's decoded entries, ``(chunks, members, keep)`` each (``real``
   False: standing for nothing), added up per position in member order,
   times ``factor``: the padded leaf, flat float32.
 
@@ -584,15 +550,14 @@ def _sum_in_member_order(index, values, real, lay: Layout, factor: float):
   same float32 ops on every member, whatever the backend's scatter order
   (each position is written once).
   """
-  members = index.shape[0]
+  members = index.shape[1]
   width = members * lay.keep
-
-  def by_chunk(a):  # (members, chunks, keep) -> (chunks, members * keep)
-    return jnp.moveaxis(a, 0, 1).reshape(lay.chunks, width)
-
-  position = jnp.where(by_chunk(real), by_chunk(index), lay.chunk)
+  position = jnp.where(real, index, lay.chunk).reshape(lay.chunks, width)
   position, value = jax.lax.sort(
-    (position, by_chunk(values)), dimension=1, is_stable=True, num_keys=1
+    (position, values.reshape(lay.chunks, width)),
+    dimension=1,
+    is_stable=True,
+    num_keys=1,
   )
   run = value
   for later in range(1, members):  # the run's next members, in order
@@ -628,21 +593,27 @@ def _sum_payloads(
   sums = []
   for lay, begin, end in zip(layouts, widths[:-1], widths[1:], strict=True):
     part = jax.lax.slice_in_dim(gathered, int(begin), int(end), axis=-1)
-    index, value, real = _decode_rows(
-      part.reshape(members, lay.chunks, -1), lay, spec
-    )
+    # Chunk by chunk, each chunk's members in order: (chunks, members, bytes).
+    part = jnp.swapaxes(part.reshape(members, lay.chunks, -1), 0, 1)
+    index, value, real = _decode_rows(part, lay, spec)
     if keep is not None:  # a left-out member's entries stand for nothing
-      real = real & jnp.reshape(keep, (-1, 1, 1))
+      real = real & jnp.reshape(keep, (1, -1, 1))
     sums.append(_sum_in_member_order(index, value, real, lay, factor))
   return sums
 
 
-def _dropped(x_size: int, rows: jax.Array, chosen, quantizer, spec):
+def _dropped(x_size: int, rows: jax.Array, index, quantizer, spec):
   """Error feedback's residual of a leaf, flat: its contribution minus what
-  it sent (``0`` where not finite). One elementwise pass over the rows
-  (which XLA fuses with the contribution's ``x + error``): where an entry
-  went (``chosen``'s rule), minus what it stands for."""
-  went = _went(rows, chosen)
+  it sent (``0`` where not finite). A select, one elementwise pass over the
+  rows (which XLA fuses with the contribution's ``x + error``): where an
+  entry went (a boolean mask, scattered from the selected indices), minus
+  what it stands for (:func:`_stands_for`, the encoding's own arithmetic)."""
+  chunk_ids = jnp.arange(rows.shape[0])[:, None]
+  went = (
+    jnp.zeros(rows.shape, bool)
+    .at[chunk_ids, index]
+    .set(True, unique_indices=True)
+  )
   dropped = jnp.where(went, rows - _stands_for(rows, quantizer, spec), rows)
   # A non-finite contribution is not kept: the next step starts afresh.
   return protocol.finite_or_zero(dropped.reshape(-1)[:x_size])
@@ -690,12 +661,12 @@ def all_reduce(
   # blocks wire does (folded into the one scatter).
   sums = _sum_payloads(gathered, layouts, spec, None, 1.0 / divisor)
   out, res = [], []
-  for x, lay, total, r, (_, chosen, quantizer) in zip(
+  for x, lay, total, r, (_, index, quantizer) in zip(
     leaves, layouts, sums, rows, encoded, strict=True
   ):
     out.append(total[: lay.size].reshape(x.shape).astype(x.dtype))
     if residuals:
-      res.append(_dropped(x.size, r, chosen, quantizer, spec).reshape(x.shape))
+      res.append(_dropped(x.size, r, index, quantizer, spec).reshape(x.shape))
   return (out, res) if residuals else out
 
 
@@ -737,8 +708,8 @@ class Sparse(protocol.Base):
   def encode_whole(self, flats):
     layouts, rows, encoded, payload = _encode_leaves(flats, self.spec)
     dropped = [
-      _dropped(x.size, r, chosen, quantizer, self.spec)
-      for x, r, (_, chosen, quantizer) in zip(flats, rows, encoded, strict=True)
+      _dropped(x.size, r, index, quantizer, self.spec)
+      for x, r, (_, index, quantizer) in zip(flats, rows, encoded, strict=True)
     ]
     return payload, dropped
 
