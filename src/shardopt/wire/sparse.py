@@ -535,71 +535,40 @@ def _encode_leaves(leaves: list, spec: TopKSpec, chunks: tuple | None = None):
   return layouts, rows, encoded, payload
 
 
-def _sum_in_member_order(index, values, real, lay: Layout, factor: float):
-  """One leaf's decoded entries, ``(chunks, members, keep)`` each (``real``
-  False: standing for nothing), added up per position in member order,
-  times ``factor``: the padded leaf, flat float32.
-
-  One scatter instead of one per member: per chunk, the members' entries
-  (member after member) are sorted by position, stably, so that the
-  entries of one position lie side by side in member order; each run is
-  added left to right (at most one entry per member), and its first entry
-  carries the run's sum, times ``factor``, into a zero buffer. Adding a
-  member's missing entry (a zero) changes nothing, so this is the sum
-  ``0 + v_0 + v_1 + ...`` over the members in order at every position, the
-  same float32 ops on every member, whatever the backend's scatter order
-  (each position is written once).
-  """
-  members = index.shape[1]
-  width = members * lay.keep
-  position = jnp.where(real, index, lay.chunk).reshape(lay.chunks, width)
-  position, value = jax.lax.sort(
-    (position, values.reshape(lay.chunks, width)),
-    dimension=1,
-    is_stable=True,
-    num_keys=1,
-  )
-  run = value
-  for later in range(1, members):  # the run's next members, in order
-    same = jnp.pad(
-      position[:, later:], [(0, 0), (0, later)], constant_values=-1
-    )
-    next_value = jnp.pad(value[:, later:], [(0, 0), (0, later)])
-    run = run + jnp.where(same == position, next_value, 0.0)
-  if factor != 1:
-    run = run * jnp.float32(factor)
-  previous = jnp.pad(position[:, :-1], [(0, 0), (1, 0)], constant_values=-1)
-  first = (position != previous) & (position < lay.chunk)
-  start = jnp.arange(lay.chunks, dtype=jnp.int32)[:, None] * lay.chunk
-  end = lay.chunks * lay.chunk
-  target = _or_beyond((position + start).reshape(-1), first.reshape(-1), end)
-  return (
-    jnp.zeros(end, jnp.float32)
-    .at[target]
-    .add(run.reshape(-1), mode="drop", unique_indices=True)
-  )
-
-
-def _sum_payloads(
-  gathered: jax.Array, layouts: list, spec: TopKSpec, keep, factor=1.0
-):
-  """Every member's payload (``(members, bytes)``) decoded and added up per
-  leaf, member by member in order, times ``factor``, rows where ``keep``
-  is False left out: each leaf's padded flat float32 sum."""
+def _sum_payloads(gathered: jax.Array, layouts: list, spec: TopKSpec, keep):
+  """Every member's payload (``(members, bytes)``) decoded and added into
+  one float32 buffer holding every leaf at its start (padded), member by
+  member in order, rows where ``keep`` is False left out; and the starts."""
   members = gathered.shape[0]
+  padded = [lay.chunks * lay.chunk for lay in layouts]
+  starts = np.cumsum([0] + padded[:-1]).tolist()
   widths = np.cumsum(
     [0] + [lay.chunks * lay.bytes_per_chunk(spec) for lay in layouts]
   )
-  sums = []
-  for lay, begin, end in zip(layouts, widths[:-1], widths[1:], strict=True):
+  positions, values, reals = [], [], []
+  for lay, start, begin, end in zip(
+    layouts, starts, widths[:-1], widths[1:], strict=True
+  ):
     part = jax.lax.slice_in_dim(gathered, int(begin), int(end), axis=-1)
-    # Chunk by chunk, each chunk's members in order: (chunks, members, bytes).
-    part = jnp.swapaxes(part.reshape(members, lay.chunks, -1), 0, 1)
-    index, value, real = _decode_rows(part, lay, spec)
-    if keep is not None:  # a left-out member's entries stand for nothing
-      real = real & jnp.reshape(keep, (1, -1, 1))
-    sums.append(_sum_in_member_order(index, value, real, lay, factor))
-  return sums
+    index, value, real = _decode_rows(
+      part.reshape(members, lay.chunks, -1), lay, spec
+    )
+    positions.append(_positions(index, lay) + start)
+    values.append(value.reshape(members, -1))
+    reals.append(real.reshape(members, -1))
+  reals = jnp.concatenate(reals, axis=-1)
+  if keep is not None:  # a left-out member's entries stand for nothing
+    reals = reals & jnp.reshape(keep, (-1, 1))
+  positions = _or_beyond(
+    jnp.concatenate(positions, axis=-1), reals, sum(padded)
+  )
+  values = jnp.concatenate(values, axis=-1)
+  total = jnp.zeros(sum(padded), jnp.float32)
+  for j in range(members):  # member order, the same on every member
+    total = total.at[positions[j]].add(
+      values[j], mode="drop", unique_indices=True
+    )
+  return total, starts
 
 
 def _dropped(x_size: int, rows: jax.Array, index, quantizer, spec):
@@ -657,14 +626,15 @@ def all_reduce(
       blocks.FLOAT_FIX,
       groups=groups,
     )
-  # The mean: each position's sum times the float32 reciprocal, as the
-  # blocks wire does (folded into the one scatter).
-  sums = _sum_payloads(gathered, layouts, spec, None, 1.0 / divisor)
+  total, starts = _sum_payloads(gathered, layouts, spec, None)
+  if divisor != 1:  # times the float32 reciprocal, as the blocks wire does
+    total = total * jnp.float32(1.0 / divisor)
   out, res = [], []
-  for x, lay, total, r, (_, index, quantizer) in zip(
-    leaves, layouts, sums, rows, encoded, strict=True
+  for x, lay, start, r, (_, index, quantizer) in zip(
+    leaves, layouts, starts, rows, encoded, strict=True
   ):
-    out.append(total[: lay.size].reshape(x.shape).astype(x.dtype))
+    mine = jax.lax.slice_in_dim(total, start, start + lay.size)
+    out.append(mine.reshape(x.shape).astype(x.dtype))
     if residuals:
       res.append(_dropped(x.size, r, index, quantizer, spec).reshape(x.shape))
   return (out, res) if residuals else out
@@ -715,5 +685,8 @@ class Sparse(protocol.Base):
 
   def sum_gathered(self, gathered, keep, sizes):
     layouts = [layout(int(s), self.spec) for s in sizes]
-    sums = _sum_payloads(gathered, layouts, self.spec, keep)
-    return [total[: lay.size] for lay, total in zip(layouts, sums, strict=True)]
+    total, starts = _sum_payloads(gathered, layouts, self.spec, keep)
+    return [
+      jax.lax.slice_in_dim(total, start, start + lay.size)
+      for lay, start in zip(layouts, starts, strict=True)
+    ]
