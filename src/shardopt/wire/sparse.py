@@ -62,8 +62,11 @@ required. A reduction of a leaf over the ``n`` members of a group:
    then multiplies by ``float32(1 / n)`` for a mean: the same bytes in, the
    same float32 ops, so every member of a group ends with **bit-identical**
    values;
-6. each replica's new error is ``c`` minus what it sent (its own payload,
-   decoded), ``0`` where that is not finite.
+6. each replica's new error is ``c`` minus what it sent (what its own
+   payload decodes to), ``0`` where that is not finite: one elementwise
+   select over ``c``, on a mask of the sent positions, with the encoding's
+   own arithmetic for what a sent entry stands for (no decode, no scatter
+   of values).
 
 So the sum over the steps of what a replica sent, plus its last error,
 equals the sum of its inputs (to float32 rounding) when ``error_decay`` is
