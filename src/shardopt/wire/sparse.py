@@ -538,39 +538,50 @@ def _encode_leaves(leaves: list, spec: TopKSpec, chunks: tuple | None = None):
   return layouts, rows, encoded, payload
 
 
+def _decode_member(payload, layouts, starts, widths, spec: TopKSpec, keep):
+  """One member's payload (``(bytes,)``, every leaf's in turn) -> the flat
+  positions of its entries in the buffer of all leaves (out of bounds where
+  an entry stands for nothing, or the member is left out: ``keep`` False)
+  and their values."""
+  end = sum(lay.chunks * lay.chunk for lay in layouts)
+  positions, values, reals = [], [], []
+  for lay, start, begin, stop in zip(
+    layouts, starts, widths[:-1], widths[1:], strict=True
+  ):
+    part = jax.lax.slice_in_dim(payload, int(begin), int(stop))
+    index, value, real = _decode_rows(part.reshape(lay.chunks, -1), lay, spec)
+    positions.append(_positions(index, lay) + start)
+    values.append(value.reshape(-1))
+    reals.append(real.reshape(-1))
+  reals = jnp.concatenate(reals)
+  if keep is not None:  # a left-out member's entries stand for nothing
+    reals = reals & keep
+  positions = _or_beyond(jnp.concatenate(positions), reals, end)
+  return positions, jnp.concatenate(values)
+
+
 def _sum_payloads(gathered: jax.Array, layouts: list, spec: TopKSpec, keep):
   """Every member's payload (``(members, bytes)``) decoded and added into
   one float32 buffer holding every leaf at its start (padded), member by
-  member in order, rows where ``keep`` is False left out; and the starts."""
-  members = gathered.shape[0]
+  member in order, rows where ``keep`` is False left out; and the starts.
+  Each member's bytes are decoded on their own (a scatter reads only its
+  member's decoded entries)."""
   padded = [lay.chunks * lay.chunk for lay in layouts]
   starts = np.cumsum([0] + padded[:-1]).tolist()
   widths = np.cumsum(
     [0] + [lay.chunks * lay.bytes_per_chunk(spec) for lay in layouts]
   )
-  positions, values, reals = [], [], []
-  for lay, start, begin, end in zip(
-    layouts, starts, widths[:-1], widths[1:], strict=True
-  ):
-    part = jax.lax.slice_in_dim(gathered, int(begin), int(end), axis=-1)
-    index, value, real = _decode_rows(
-      part.reshape(members, lay.chunks, -1), lay, spec
-    )
-    positions.append(_positions(index, lay) + start)
-    values.append(value.reshape(members, -1))
-    reals.append(real.reshape(members, -1))
-  reals = jnp.concatenate(reals, axis=-1)
-  if keep is not None:  # a left-out member's entries stand for nothing
-    reals = reals & jnp.reshape(keep, (-1, 1))
-  positions = _or_beyond(
-    jnp.concatenate(positions, axis=-1), reals, sum(padded)
-  )
-  values = jnp.concatenate(values, axis=-1)
   total = jnp.zeros(sum(padded), jnp.float32)
-  for j in range(members):  # member order, the same on every member
-    total = total.at[positions[j]].add(
-      values[j], mode="drop", unique_indices=True
+  for j in range(gathered.shape[0]):  # member order, the same on every member
+    positions, values = _decode_member(
+      gathered[j],
+      layouts,
+      starts,
+      widths,
+      spec,
+      None if keep is None else jnp.reshape(keep, (-1,))[j],
     )
+    total = total.at[positions].add(values, mode="drop", unique_indices=True)
   return total, starts
 
 
