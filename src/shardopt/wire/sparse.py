@@ -62,8 +62,11 @@ required. A reduction of a leaf over the ``n`` members of a group:
    then multiplies by ``float32(1 / n)`` for a mean: the same bytes in, the
    same float32 ops, so every member of a group ends with **bit-identical**
    values;
-6. each replica's new error is ``c`` minus what it sent (its own payload,
-   decoded), ``0`` where that is not finite.
+6. each replica's new error is ``c`` minus what it sent (what its own
+   payload decodes to), ``0`` where that is not finite: one elementwise
+   select over ``c``, on a mask of the sent positions, with the encoding's
+   own arithmetic for what a sent entry stands for (no decode, no scatter
+   of values).
 
 So the sum over the steps of what a replica sent, plus its last error,
 equals the sum of its inputs (to float32 rounding) when ``error_decay`` is
@@ -345,12 +348,47 @@ def _value(
   return jnp.where(negative, -magnitude, magnitude)
 
 
+def _key(rows: jax.Array) -> jax.Array:
+  """What the top k are chosen by: ``|x|``, NaN counting as ``inf``."""
+  return jnp.where(jnp.isnan(rows), jnp.inf, jnp.abs(rows))
+
+
 def _select(rows: jax.Array, lay: Layout):
   """Per chunk the ``keep`` entries of largest ``|x|`` (NaN as ``inf``),
   ties to the lower index: ``(indices, values)``, ``(chunks, keep)``."""
-  key = jnp.where(jnp.isnan(rows), jnp.inf, jnp.abs(rows))
-  _, index = jax.lax.top_k(key, lay.keep)
+  _, index = jax.lax.top_k(_key(rows), lay.keep)
   return index, jnp.take_along_axis(rows, index, axis=-1)
+
+
+class Quantizer(NamedTuple):
+  """A chunk's quantizer, ``(chunks,)`` each: its ``scale`` (NaN for a
+  non-finite chunk), whether it is ``usable`` (finite and positive) and
+  ``levels / scale`` (0 where not usable)."""
+
+  scale: jax.Array
+  usable: jax.Array
+  inverse: jax.Array
+
+
+def _levels(magnitude: jax.Array, quantizer: Quantizer, spec: TopKSpec):
+  """``clip(round(|v| * (L / s)), 1, L)``; level 1 where the scale is zero
+  or NaN (standing for 0 or NaN)."""
+  scaled = jnp.where(
+    quantizer.usable[..., None], magnitude * quantizer.inverse[..., None], 0.0
+  )
+  return jnp.clip(jnp.round(scaled), 1, spec.levels).astype(jnp.uint32)
+
+
+def _stands_for(values: jax.Array, quantizer, spec: TopKSpec) -> jax.Array:
+  """What a selected value ``v`` (rows of ``(chunks, ...)``) stands for once
+  sent, elementwise: ``v`` in the raw dtype, or its level times the scale,
+  ``0`` for a zero (one of the trailing zeros, standing for nothing)."""
+  if spec.raw:
+    return values.astype(RAW_DTYPES[spec.value_bits]).astype(jnp.float32)
+  magnitude = jnp.abs(values)
+  level = _levels(magnitude, quantizer, spec)
+  value = _value(values < 0, level, quantizer.scale, spec)
+  return jnp.where(magnitude == 0, 0.0, value)
 
 
 def _encode_raw(rows: jax.Array, lay: Layout, spec: TopKSpec):
@@ -362,12 +400,13 @@ def _encode_raw(rows: jax.Array, lay: Layout, spec: TopKSpec):
   payload = jnp.concatenate(
     [_pack(index, lay.index_bits), raw.reshape(lay.chunks, -1)], axis=-1
   )
-  return payload, index, sent.astype(jnp.float32)
+  return payload, index, None
 
 
 def _encode_rows(rows: jax.Array, lay: Layout, spec: TopKSpec):
   """``(chunks, chunk)`` -> (payload ``(chunks, bytes)`` uint8, selected
-  indices ``(chunks, keep)`` int32, the values they stand for)."""
+  indices ``(chunks, keep)`` int32, the chunks' :class:`Quantizer`, None for
+  raw values)."""
   if spec.raw:
     return _encode_raw(rows, lay, spec)
   index, values = _select(rows, lay)
@@ -387,9 +426,8 @@ def _encode_rows(rows: jax.Array, lay: Layout, spec: TopKSpec):
   # NaN) scale gives level 1, standing for 0 (or NaN).
   usable = jnp.isfinite(scale) & (scale > 0)
   inverse = jnp.where(usable, jnp.float32(spec.levels) / scale, 0.0)
-  scaled = jnp.where(usable[..., None], magnitude * inverse[..., None], 0.0)
-  level = jnp.clip(jnp.round(scaled), 1, spec.levels)
-  level = level.astype(jnp.uint32)
+  quantizer = Quantizer(scale, usable, inverse)
+  level = _levels(magnitude, quantizer, spec)
   negative = values < 0
   code = (negative.astype(jnp.uint32) << (spec.value_bits - 1)) | (level - 1)
   # Zeros sort last: e trailing zero entries (a chunk with fewer than k
@@ -410,8 +448,7 @@ def _encode_rows(rows: jax.Array, lay: Layout, spec: TopKSpec):
     ],
     axis=-1,
   )
-  kept = jnp.where(zero, 0.0, _value(negative, level, scale, spec))
-  return payload, index, kept
+  return payload, index, quantizer
 
 
 def _decode_rows(payload: jax.Array, lay: Layout, spec: TopKSpec):
@@ -501,47 +538,66 @@ def _encode_leaves(leaves: list, spec: TopKSpec, chunks: tuple | None = None):
   return layouts, rows, encoded, payload
 
 
+def _decode_member(payload, layouts, starts, widths, spec: TopKSpec, keep):
+  """One member's payload (``(bytes,)``, every leaf's in turn) -> the flat
+  positions of its entries in the buffer of all leaves (out of bounds where
+  an entry stands for nothing, or the member is left out: ``keep`` False)
+  and their values."""
+  end = sum(lay.chunks * lay.chunk for lay in layouts)
+  positions, values, reals = [], [], []
+  for lay, start, begin, stop in zip(
+    layouts, starts, widths[:-1], widths[1:], strict=True
+  ):
+    part = jax.lax.slice_in_dim(payload, int(begin), int(stop))
+    index, value, real = _decode_rows(part.reshape(lay.chunks, -1), lay, spec)
+    positions.append(_positions(index, lay) + start)
+    values.append(value.reshape(-1))
+    reals.append(real.reshape(-1))
+  reals = jnp.concatenate(reals)
+  if keep is not None:  # a left-out member's entries stand for nothing
+    reals = reals & keep
+  positions = _or_beyond(jnp.concatenate(positions), reals, end)
+  return positions, jnp.concatenate(values)
+
+
 def _sum_payloads(gathered: jax.Array, layouts: list, spec: TopKSpec, keep):
   """Every member's payload (``(members, bytes)``) decoded and added into
   one float32 buffer holding every leaf at its start (padded), member by
-  member in order, rows where ``keep`` is False left out; and the starts."""
-  members = gathered.shape[0]
+  member in order, rows where ``keep`` is False left out; and the starts.
+  Each member's bytes are decoded on their own (a scatter reads only its
+  member's decoded entries)."""
   padded = [lay.chunks * lay.chunk for lay in layouts]
   starts = np.cumsum([0] + padded[:-1]).tolist()
   widths = np.cumsum(
     [0] + [lay.chunks * lay.bytes_per_chunk(spec) for lay in layouts]
   )
-  positions, values, reals = [], [], []
-  for lay, start, begin, end in zip(
-    layouts, starts, widths[:-1], widths[1:], strict=True
-  ):
-    part = jax.lax.slice_in_dim(gathered, int(begin), int(end), axis=-1)
-    index, value, real = _decode_rows(
-      part.reshape(members, lay.chunks, -1), lay, spec
-    )
-    positions.append(_positions(index, lay) + start)
-    values.append(value.reshape(members, -1))
-    reals.append(real.reshape(members, -1))
-  reals = jnp.concatenate(reals, axis=-1)
-  if keep is not None:  # a left-out member's entries stand for nothing
-    reals = reals & jnp.reshape(keep, (-1, 1))
-  positions = _or_beyond(
-    jnp.concatenate(positions, axis=-1), reals, sum(padded)
-  )
-  values = jnp.concatenate(values, axis=-1)
   total = jnp.zeros(sum(padded), jnp.float32)
-  for j in range(members):  # member order, the same on every member
-    total = total.at[positions[j]].add(
-      values[j], mode="drop", unique_indices=True
+  for j in range(gathered.shape[0]):  # member order, the same on every member
+    positions, values = _decode_member(
+      gathered[j],
+      layouts,
+      starts,
+      widths,
+      spec,
+      None if keep is None else jnp.reshape(keep, (-1,))[j],
     )
+    total = total.at[positions].add(values, mode="drop", unique_indices=True)
   return total, starts
 
 
-def _dropped(x_size: int, rows: jax.Array, index, sent, lay: Layout):
+def _dropped(x_size: int, rows: jax.Array, index, quantizer, spec):
   """Error feedback's residual of a leaf, flat: its contribution minus what
-  it sent (``0`` where not finite)."""
-  chunk_ids = jnp.arange(lay.chunks)[:, None]
-  dropped = rows.at[chunk_ids, index].add(-sent, unique_indices=True)
+  it sent (``0`` where not finite). A select, one elementwise pass over the
+  rows (which XLA fuses with the contribution's ``x + error``): where an
+  entry went (a boolean mask, scattered from the selected indices), minus
+  what it stands for (:func:`_stands_for`, the encoding's own arithmetic)."""
+  chunk_ids = jnp.arange(rows.shape[0])[:, None]
+  went = (
+    jnp.zeros(rows.shape, bool)
+    .at[chunk_ids, index]
+    .set(True, unique_indices=True)
+  )
+  dropped = jnp.where(went, rows - _stands_for(rows, quantizer, spec), rows)
   # A non-finite contribution is not kept: the next step starts afresh.
   return protocol.finite_or_zero(dropped.reshape(-1)[:x_size])
 
@@ -588,13 +644,13 @@ def all_reduce(
   if divisor != 1:  # times the float32 reciprocal, as the blocks wire does
     total = total * jnp.float32(1.0 / divisor)
   out, res = [], []
-  for x, lay, start, r, (_, index, sent) in zip(
+  for x, lay, start, r, (_, index, quantizer) in zip(
     leaves, layouts, starts, rows, encoded, strict=True
   ):
     mine = jax.lax.slice_in_dim(total, start, start + lay.size)
     out.append(mine.reshape(x.shape).astype(x.dtype))
     if residuals:
-      res.append(_dropped(x.size, r, index, sent, lay).reshape(x.shape))
+      res.append(_dropped(x.size, r, index, quantizer, spec).reshape(x.shape))
   return (out, res) if residuals else out
 
 
@@ -636,10 +692,8 @@ class Sparse(protocol.Base):
   def encode_whole(self, flats):
     layouts, rows, encoded, payload = _encode_leaves(flats, self.spec)
     dropped = [
-      _dropped(x.size, r, index, sent, lay)
-      for x, lay, r, (_, index, sent) in zip(
-        flats, layouts, rows, encoded, strict=True
-      )
+      _dropped(x.size, r, index, quantizer, self.spec)
+      for x, r, (_, index, quantizer) in zip(flats, rows, encoded, strict=True)
     ]
     return payload, dropped
 
