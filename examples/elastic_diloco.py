@@ -259,9 +259,13 @@ def parse(argv=None):
 
 
 def main(argv=None) -> None:
+  started = time.time()  # this incarnation's start (goodput counts from it)
   args = parse(argv)
   me = args.process_id
   os.makedirs(args.out, exist_ok=True)
+  # The inner steps since this incarnation's last committed round, and their
+  # seconds: what its next contribution carries (DIR/sent.{I}.jsonl).
+  since = {"steps": 0, "inner_seconds": 0.0}
   if "xla_force_host_platform_device_count" not in os.environ.get(
     "XLA_FLAGS", ""
   ):
@@ -317,7 +321,7 @@ def main(argv=None) -> None:
     stall_timeout_s=args.stall_timeout_seconds,
     dedicated_coordinator=args.dedicated_coordinator,
     round_seconds=args.round_seconds,
-    on_event=_events(say, args, me),
+    on_event=_events(say, args, me, since),
   )
   step_seconds = args.step_seconds[min(me, len(args.step_seconds) - 1)]
 
@@ -399,6 +403,7 @@ def main(argv=None) -> None:
         "joined": list(done.joined),
         "attempts": done.attempts,
         "params_sha256": params_sha256(host(params)),
+        "contributions": _contributions(done),
         "time": time.time(),
       }
       with open(os.path.join(args.out, "coordinator.jsonl"), "a") as f:
@@ -422,6 +427,8 @@ def main(argv=None) -> None:
       "live": list(done.live),
       "params_sha256": params_sha256(host(params)),
       "loss": eval_loss(center),
+      "contributions": _contributions(done),
+      "incarnation": os.getpid(),
     }
     if resumed:  # took the last committed round's center, committed none
       row["resumed"] = True
@@ -461,6 +468,8 @@ def main(argv=None) -> None:
           "steps": steps,
           "inner_seconds": seconds,
           "seconds": time.monotonic() - joined_at,
+          "started": started,
+          "incarnation": os.getpid(),
         },
         f,
       )
@@ -482,11 +491,14 @@ def main(argv=None) -> None:
       time.sleep(step_seconds)
     trained += 1
     inner_s += time.monotonic() - began
+    since["steps"] += 1
+    since["inner_seconds"] += time.monotonic() - began
     record(trained, inner_s)
     due = island.due(state)
     # A last round at the end, due or not (one fragment only).
     if due or (count == args.steps and args.num_fragments == 1):
       params, state, done = island.sync(params, state, early=not due)
+      since.update(steps=0, inner_seconds=0.0)
       count = done.step
       log(done)
       record(trained, inner_s)
@@ -499,8 +511,16 @@ def main(argv=None) -> None:
   island.finish()  # process 0 hosts the coordination service: it leaves last
 
 
-def _events(say, args, me):
-  """Logs the rounds' events; the fault-injection hook for tests."""
+def _contributions(done) -> dict:
+  """``{process: [digest, weight]}`` of a committed round's contributors."""
+  weights = dict(done.weights)
+  return {str(p): [d, weights[p]] for p, d in done.digests}
+
+
+def _events(say, args, me, since):
+  """Logs the rounds' events (each contribution this process sends, before
+  the collective: ``DIR/sent.{I}.jsonl``); the fault-injection hook for
+  tests."""
   kill = os.environ.get("ELASTIC_EXAMPLE_KILL", "")
   hang = os.environ.get("ELASTIC_EXAMPLE_HANG", "")
   victim = int(
@@ -512,6 +532,16 @@ def _events(say, args, me):
   def on_event(name: str, info: dict) -> None:
     if name == "round_committed":
       rounds["next"] = info["number"] + 1
+    if name == "round_started" and info["sent"]["counted"]:
+      row = {
+        **info["sent"],
+        "round": rounds["next"],
+        "incarnation": os.getpid(),
+        **since,
+        "time": time.time(),
+      }
+      with open(os.path.join(args.out, f"sent.{me}.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
     if name == "round_failed":
       say(f"round failed after {info['seconds']:.2f}s: {info['why']}")
     if hang and me == victim and name == "round_started":
