@@ -17,7 +17,8 @@ in the round it joins.
 Each committed round appends one JSON line to ``DIR/p{I}.jsonl``::
 
   {"round": r, "step": t, "live": [process ids], "params_sha256": hex,
-   "loss": held-out MSE of the center}
+   "loss": held-out MSE of the center, "contributions": {process: [digest,
+   weight]} (what the round combined), "incarnation": pid}
 
 (and ``"time"``, the Unix time of the log; with ``"resumed": true`` on the
 row of an island that returned after every island died and took the
@@ -26,10 +27,15 @@ as that round's).
 
 ``--dedicated-coordinator``: process 0 trains nothing and keeps the center
 (it writes no ``p0.jsonl`` but ``coordinator.jsonl``, one row per committed
-round with its contributors); the islands are processes 1..N-1, and any of
-them may die, all of them at once too. Each island incarnation keeps the
-number of inner steps it took, the seconds they took and the seconds since
-it joined in ``DIR/steps.{I}.{pid}`` (JSON, for goodput).
+round with its contributors and their ``contributions``); the islands are
+processes 1..N-1, and any of them may die, all of them at once too. Each
+island incarnation keeps its start (Unix time), the number of inner steps
+it took, the seconds they took and the seconds since it joined in
+``DIR/steps.{I}.{pid}`` (JSON), and appends to ``DIR/sent.{I}.jsonl`` a
+line per contribution it sends, before the round's collective: the round,
+the digest and weight its row carries, and the inner steps and seconds
+since its last committed round (examples/elastic_chaos.py's ``audit``
+reads them: goodput, lost contributions).
 
 (rounds 1, 2, ... at steps H, 2H, ..., S; the start-up handshake is not
 logged), and the process exits 0 after S steps, leaving its final params
@@ -490,9 +496,10 @@ def main(argv=None) -> None:
     if step_seconds:
       time.sleep(step_seconds)
     trained += 1
-    inner_s += time.monotonic() - began
+    took = time.monotonic() - began
+    inner_s += took
     since["steps"] += 1
-    since["inner_seconds"] += time.monotonic() - began
+    since["inner_seconds"] += took
     record(trained, inner_s)
     due = island.due(state)
     # A last round at the end, due or not (one fragment only).
