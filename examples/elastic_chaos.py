@@ -213,7 +213,8 @@ def read_logs(out, processes) -> dict:
   out = Path(out)
   logs = {}
   for p in processes:
-    runs = [_incarnation(f) for f in sorted(out.glob(f"steps.{p}.*"))]
+    files = sorted(out.glob(f"steps.{p}.*"))
+    runs = [_incarnation(f) for f in files if f.suffix != ".tmp"]
     logs[p] = {
       "incarnations": [r for r in runs if r is not None],
       "sent": _jsonl(out / f"sent.{p}.jsonl"),

@@ -468,7 +468,7 @@ def main(argv=None) -> None:
   def record(steps: int, seconds: float) -> None:
     """This incarnation's inner steps and their seconds, and the seconds
     since it joined (a file a SIGKILL leaves behind: chaos, goodput)."""
-    with open(steps_file, "w") as f:
+    with open(steps_file + ".tmp", "w") as f:
       json.dump(
         {
           "steps": steps,
@@ -479,6 +479,7 @@ def main(argv=None) -> None:
         },
         f,
       )
+    os.replace(steps_file + ".tmp", steps_file)  # a kill never cuts it
 
   while count < args.steps:
     count += 1

@@ -724,12 +724,9 @@ def test_a_chaos_run_of_20_kills_loses_no_contribution(tmp_path):
   # Throughput under chaos depends on the machine's load; the guarantee is
   # recovery: once the kills end, rounds commit with every island in them.
   assert result["rounds_after_recovery"] >= 2, (result, report)
-  assert result["useful_island_seconds"] > 0, result
-  assert (
-    0
-    < result["goodput"]
-    <= result["inner_seconds"] / (result["island_seconds"])
-  ), result
+  # Goodput counts only inner seconds (summed per round: 1e-9 for rounding).
+  useful, inner = result["useful_island_seconds"], result["inner_seconds"]
+  assert 0 < useful <= inner * (1 + 1e-9), result
   # The check can fail: drop the last contribution an island was told was
   # committed from the coordinator's log, and the audit reports it lost.
   reference = chaos.committed(chaos._logged(islands))
