@@ -120,8 +120,6 @@ UNEQUAL = "benchmarks/results/elastic_unequal.json"
 def render_elastic_unequal(data: Sequence[dict]) -> str:
   """docs/elastic.md: islands of unequal speed, clock vs steps."""
   (d,) = data
-  if "goodput_by_island" not in next(iter(d["runs"].values())):
-    return _render_elastic_unequal_before_audit(d)
   speeds = "/".join(f"{v:g}" for v in d["speeds_s"])
   rows = [
     [
@@ -159,38 +157,6 @@ def render_elastic_unequal(data: Sequence[dict]) -> str:
       ],
       rows,
       "lrrrrlrrl",
-    )
-  )
-
-
-def _render_elastic_unequal_before_audit(d: dict) -> str:
-  """A results file written before issue 52's audit: per island its seconds
-  in inner steps over its seconds since it joined (not goodput)."""
-  rows = [
-    [
-      label,
-      ", ".join(f"{v:.0%}" for v in r["goodput"].values()),
-      ", ".join(f"{v:,}" for v in r["inner_steps"].values()),
-      r["rounds"],
-      f"{r['final_loss']:.5f}",
-      ", ".join(sorted({str(c) for c in r["exit_codes"].values()})),
-    ]
-    for label, r in d["runs"].items()
-  ]
-  return (
-    top_provenance(d, UNEQUAL, "; written before the audit of issue 52")
-    + "\n\n"
-    + table(
-      [
-        "run",
-        "seconds in inner steps / seconds since joining, per island",
-        "inner steps per island",
-        "rounds",
-        "center's held-out loss at the end",
-        "exit codes",
-      ],
-      rows,
-      "lllrrl",
     )
   )
 
