@@ -76,7 +76,7 @@ class Round(NamedTuple):
       1 each, or on rounds on the clock the work each did since its last
       committed round (its inner steps times ``work_per_step``).
     digests: ``((process, digest), ...)`` of the contributing processes:
-      each one's :func:`.rows.digest` of its contribution, as its row's
+      each one's ``rows.digest`` of its contribution, as its row's
       header carried it (a log matches it against what the island sent).
   """
 
@@ -195,7 +195,7 @@ class Island:
       ``"round_committed"``; for logs and fault injection.
       ``"round_started"``'s ``info["sent"]`` is what this process's row
       carries: ``{"digest": int, "weight": float, "counted": bool}``
-      (:func:`.rows.digest` of its contribution; ``counted``: up to date
+      (``rows.digest`` of its contribution; ``counted``: up to date
       and finite, so that a committed round would combine it).
 
   Raises:
