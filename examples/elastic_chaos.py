@@ -13,14 +13,30 @@ example's ``ELASTIC_EXAMPLE_STOP``). It writes
 ``DIR/chaos.json`` and prints:
 
 - kills, and rounds committed (the coordinator's ``coordinator.jsonl``);
-- rounds lost: round numbers the coordinator skipped (goal 0);
+- contributions lost (:func:`audit`: the islands' logs cross-checked
+  against the coordinator's; goal 0): a contribution an island was told
+  was committed that the coordinator's center of that round did not
+  combine, one combined in two rounds, or in a round other than the one
+  it was sent to;
 - rounds whose bits differ: a round logged by an island with params other
   than the coordinator's center of that round (goal 0);
-- goodput: the islands' inner steps that reached a committed center (per
-  round, its contributors times the steps since the last round) over every
-  inner step any incarnation took (``DIR/steps.*``; goal >= 90%);
+- goodput (:func:`audit`): island-seconds spent in inner steps whose
+  contribution reached a committed center over island-seconds from each
+  island's first start to the run's end (start-ups, restarts, dead time
+  and waits for rounds included), per island and overall; beside it the
+  inner-step ratio: inner steps whose contribution reached a committed
+  center over every inner step any incarnation took;
 - per kill that left a survivor, the seconds from the kill to the next
   committed round (goal: the heartbeat timeout plus one round).
+
+Each island's logs (``examples/elastic_diloco.py``): ``DIR/sent.{I}.jsonl``,
+a line per contribution it sends (before the collective: the round, its
+:func:`shardopt.elastic.rows.digest`, its weight, the inner steps and their
+seconds since its last committed round); ``DIR/p{I}.jsonl``, a line per
+round it was told committed (the contributions that round combined,
+``{process: [digest, weight]}``, and the center's sha256);
+``DIR/steps.{I}.{pid}``, per incarnation its start and its inner steps. The
+coordinator's ``coordinator.jsonl`` logs the contributions it combined.
 """
 
 from __future__ import annotations
@@ -102,7 +118,7 @@ def run(
   _wait_for_rounds(islands, everyone, recovered, rounds_after, timeout_s)
   Path(environment(islands.out)["ELASTIC_EXAMPLE_STOP"]).write_text("now")
   codes = islands.wait(timeout_s)
-  result = report(islands, kills, codes)
+  result = report(islands, kills, codes, time.time())
   result["rounds_after_recovery"] = len(
     _full_rounds(islands, everyone, recovered)
   )
@@ -149,14 +165,6 @@ def _wait_until_trained(islands, everyone, timeout_s: float) -> None:
     time.sleep(0.5)
 
 
-def _steps(path: Path) -> int:
-  """The inner steps an incarnation logged (a file cut by a kill: 0)."""
-  try:
-    return int(json.loads(path.read_text())["steps"])
-  except (ValueError, KeyError):
-    return 0
-
-
 def _logged(islands) -> list[dict]:
   """The coordinator's rows (``coordinator.jsonl``), one per commit."""
   path = Path(islands.out) / "coordinator.jsonl"
@@ -165,30 +173,164 @@ def _logged(islands) -> list[dict]:
   return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
-def report(islands, kills: list[dict], codes: dict) -> dict:
-  out = Path(islands.out)
-  logged = _logged(islands)
-  # The coordinator logs every round it commits; a handshake (the start, an
-  # island joining alone, islands resuming after all died) commits no new
-  # number: the rounds are the rows whose number is new.
+def committed(logged: list[dict]) -> list[dict]:
+  """The committed rounds of a log of commits: a handshake (the start, an
+  island joining alone, islands resuming after all died) commits no new
+  number, so the rounds are the rows whose number is new."""
   rounds, top = [], 0
   for r in logged:
     if r["round"] > top:
       rounds.append(r)
       top = r["round"]
-  numbers = [r["round"] for r in rounds]
-  lost = sorted(set(range(1, max(numbers, default=0) + 1)) - set(numbers))
+  return rounds
+
+
+def _jsonl(path: Path) -> list[dict]:
+  """A JSON-lines log; a line cut by a kill is dropped."""
+  if not path.exists():
+    return []
+  out = []
+  for line in path.read_text().splitlines():
+    try:
+      out.append(json.loads(line))
+    except ValueError:
+      continue
+  return out
+
+
+def _incarnation(path: Path) -> dict | None:
+  """An incarnation's ``steps.{I}.{pid}`` file (None if a kill cut it)."""
+  try:
+    return json.loads(path.read_text())
+  except ValueError:
+    return None
+
+
+def read_logs(out, processes) -> dict:
+  """The logs of the islands ``processes`` in ``out``, as :func:`audit`
+  takes them: per process its incarnations, the contributions it sent and
+  the commits it was told of."""
+  out = Path(out)
+  logs = {}
+  for p in processes:
+    files = sorted(out.glob(f"steps.{p}.*"))
+    runs = [_incarnation(f) for f in files if f.suffix != ".tmp"]
+    logs[p] = {
+      "incarnations": [r for r in runs if r is not None],
+      "sent": _jsonl(out / f"sent.{p}.jsonl"),
+      "told": _jsonl(out / f"p{p}.jsonl"),
+    }
+  return logs
+
+
+def audit(reference: list[dict], islands: dict, end: float) -> dict:
+  """The islands' logs cross-checked against the reference's: goodput and
+  the contributions lost. Pure: no files, no processes.
+
+  Args:
+    reference: the committed rounds (:func:`committed`) as the reference
+      logged them (the dedicated coordinator's), each ``{"round": n,
+      "contributions": {process: [digest, weight]}}``.
+    islands: ``{process: {"incarnations": [...], "sent": [...], "told":
+      [...]}}`` (:func:`read_logs`): per incarnation ``{"started": unix
+      time, "steps": inner steps taken}``; per contribution sent ``{"round",
+      "digest", "weight", "steps", "inner_seconds"}`` (the inner steps since
+      the incarnation's last committed round); per commit it was told of
+      ``{"round", "contributions"}``.
+    end: the run's end (unix time).
+
+  Returns ``{"goodput", "goodput_by_island", "useful_island_seconds",
+  "island_seconds", "inner_seconds", "inner_step_ratio",
+  "useful_inner_steps", "inner_steps", "contributions_combined",
+  "contributions_lost"}``: a contribution is lost if an island was told a
+  round combined it and the reference's round did not (with its weight),
+  if the reference combined it in two rounds, or in a round other than the
+  one it was sent to (each ``{"process", "round", "digest", "why"}``).
+  Goodput counts the inner seconds of a contribution the reference
+  combined in its round, once, over each island's seconds from its first
+  incarnation's start to ``end``.
+  """
+  applied: dict = {}  # (process, digest) -> [(round, weight)], weight > 0
+  for r in reference:
+    for p, (d, w) in r.get("contributions", {}).items():
+      if w > 0:
+        applied.setdefault((int(p), int(d)), []).append((r["round"], w))
+  lost = []
+
+  def lose(p, number, d, why):
+    entry = {"process": p, "round": number, "digest": d, "why": why}
+    if entry not in lost:
+      lost.append(entry)
+
+  for (p, d), where in applied.items():
+    if len(where) > 1:
+      numbers = [n for n, _ in where]
+      lose(p, numbers[0], d, f"combined in {len(where)} rounds {numbers}")
+  useful, useful_steps, seconds, inner_s, steps, by_island = 0.0, 0, 0, 0, 0, {}
+  for p, log in islands.items():
+    for t in log["told"]:
+      if str(p) not in t.get("contributions", {}):
+        continue
+      d, w = t["contributions"][str(p)]
+      where = dict(applied.get((p, int(d)), []))
+      if w <= 0:
+        continue
+      if not where:
+        lose(p, t["round"], d, "told it committed, not in the center")
+      elif t["round"] not in where:
+        lose(p, t["round"], d, f"told round {t['round']}, in {sorted(where)}")
+      elif where[t["round"]] != w:
+        lose(p, t["round"], d, f"told weight {w}, combined {where[t['round']]}")
+    sent = {}  # the last line per (incarnation, round): retries resend it
+    for s in log["sent"]:
+      sent[(s.get("incarnation"), s["round"], s["digest"])] = s
+    mine = 0.0
+    for s in sent.values():
+      where = applied.get((p, int(s["digest"])), [])
+      if s["weight"] <= 0 or not where:
+        continue
+      if [n for n, _ in where] == [s["round"]]:
+        mine += s["inner_seconds"]
+        useful_steps += s["steps"]
+      elif s["round"] not in [n for n, _ in where]:
+        lose(
+          p,
+          s["round"],
+          s["digest"],
+          f"sent to round {s['round']}, in {[n for n, _ in where]}",
+        )
+    runs = log["incarnations"]
+    span = end - min(r["started"] for r in runs) if runs else 0.0
+    by_island[str(p)] = mine / span if span > 0 else None
+    useful += mine
+    seconds += span
+    inner_s += sum(r.get("inner_seconds", 0.0) for r in runs)
+    steps += sum(r.get("steps", 0) for r in runs)
+  return {
+    "goodput": useful / seconds if seconds else None,
+    "goodput_by_island": by_island,
+    "useful_island_seconds": useful,
+    "island_seconds": seconds,
+    "inner_seconds": inner_s,
+    "inner_step_ratio": useful_steps / steps if steps else None,
+    "useful_inner_steps": useful_steps,
+    "inner_steps": steps,
+    "contributions_combined": sum(len(w) for w in applied.values()),
+    "contributions_lost": lost,
+  }
+
+
+def report(islands, kills: list[dict], codes: dict, end: float) -> dict:
+  """The chaos run's report (the module's docstring); ``end``: the run's
+  end, unix time."""
+  rounds = committed(_logged(islands))
   center = {r["round"]: r["params_sha256"] for r in rounds}
   differ = set()
   for i in range(1, islands.n):
     for row in islands.rows(i):
       if center.get(row["round"], row["params_sha256"]) != row["params_sha256"]:
         differ.add(row["round"])
-  useful, previous = 0, 0
-  for r in rounds:
-    useful += len(r["contributors"]) * (r["step"] - previous)
-    previous = r["step"]
-  trained = sum(_steps(p) for p in out.glob("steps.*"))
+  ledger = audit(rounds, read_logs(islands.out, range(1, islands.n)), end)
   stalls = []
   for kill in kills:
     if len(kill["islands"]) == islands.n - 1:
@@ -202,11 +344,8 @@ def report(islands, kills: list[dict], codes: dict) -> dict:
       len(k["islands"]) == islands.n - 1 for k in kills
     ),
     "rounds_committed": len(rounds),
-    "rounds_lost": lost,
     "rounds_with_other_bits": sorted(differ),
-    "inner_steps": trained,
-    "inner_steps_in_committed_rounds": useful,
-    "goodput": useful / trained if trained else None,
+    **ledger,
     "stall_after_kill_s": {
       "median": statistics.median(stalls) if stalls else None,
       "max": max(stalls) if stalls else None,
@@ -217,6 +356,10 @@ def report(islands, kills: list[dict], codes: dict) -> dict:
   }
 
 
+def _share(x) -> str:
+  return "-" if x is None else f"{x:.1%}"
+
+
 def show(result: dict) -> str:
   stall = result["stall_after_kill_s"]
   lines = [
@@ -224,13 +367,16 @@ def show(result: dict) -> str:
     f" ({result['kills_of_every_island']} of every island at once)",
     f"rounds committed           {result['rounds_committed']}"
     f" ({result['failed_attempts']} failed attempts)",
-    f"rounds lost                {len(result['rounds_lost'])}",
+    f"contributions lost         {len(result['contributions_lost'])}"
+    f" (of {result['contributions_combined']} combined)",
     f"rounds with other bits     {len(result['rounds_with_other_bits'])}",
-    f"goodput                    {result['goodput']:.1%}"
-    f" ({result['inner_steps_in_committed_rounds']} of"
-    f" {result['inner_steps']} inner steps)"
-    if result["goodput"] is not None
-    else "goodput                    -",
+    f"goodput (time)             {_share(result['goodput'])}"
+    f" ({result['useful_island_seconds']:.1f} of"
+    f" {result['island_seconds']:.1f} island-seconds; per island"
+    f" {', '.join(map(_share, result['goodput_by_island'].values()))})",
+    f"inner-step ratio           {_share(result['inner_step_ratio'])}"
+    f" ({result['useful_inner_steps']} of {result['inner_steps']} inner"
+    " steps)",
     f"stall after a kill         median {stall['median']:.1f} s,"
     f" max {stall['max']:.1f} s ({stall['count']} kills with survivors)"
     if stall["median"] is not None

@@ -17,7 +17,8 @@ in the round it joins.
 Each committed round appends one JSON line to ``DIR/p{I}.jsonl``::
 
   {"round": r, "step": t, "live": [process ids], "params_sha256": hex,
-   "loss": held-out MSE of the center}
+   "loss": held-out MSE of the center, "contributions": {process: [digest,
+   weight]} (what the round combined), "incarnation": pid}
 
 (and ``"time"``, the Unix time of the log; with ``"resumed": true`` on the
 row of an island that returned after every island died and took the
@@ -26,10 +27,15 @@ as that round's).
 
 ``--dedicated-coordinator``: process 0 trains nothing and keeps the center
 (it writes no ``p0.jsonl`` but ``coordinator.jsonl``, one row per committed
-round with its contributors); the islands are processes 1..N-1, and any of
-them may die, all of them at once too. Each island incarnation keeps the
-number of inner steps it took, the seconds they took and the seconds since
-it joined in ``DIR/steps.{I}.{pid}`` (JSON, for goodput).
+round with its contributors and their ``contributions``); the islands are
+processes 1..N-1, and any of them may die, all of them at once too. Each
+island incarnation keeps its start (Unix time), the number of inner steps
+it took, the seconds they took and the seconds since it joined in
+``DIR/steps.{I}.{pid}`` (JSON), and appends to ``DIR/sent.{I}.jsonl`` a
+line per contribution it sends, before the round's collective: the round,
+the digest and weight its row carries, and the inner steps and seconds
+since its last committed round (examples/elastic_chaos.py's ``audit``
+reads them: goodput, lost contributions).
 
 (rounds 1, 2, ... at steps H, 2H, ..., S; the start-up handshake is not
 logged), and the process exits 0 after S steps, leaving its final params
@@ -259,9 +265,13 @@ def parse(argv=None):
 
 
 def main(argv=None) -> None:
+  started = time.time()  # this incarnation's start (goodput counts from it)
   args = parse(argv)
   me = args.process_id
   os.makedirs(args.out, exist_ok=True)
+  # The inner steps since this incarnation's last committed round, and their
+  # seconds: what its next contribution carries (DIR/sent.{I}.jsonl).
+  since = {"steps": 0, "inner_seconds": 0.0}
   if "xla_force_host_platform_device_count" not in os.environ.get(
     "XLA_FLAGS", ""
   ):
@@ -317,7 +327,7 @@ def main(argv=None) -> None:
     stall_timeout_s=args.stall_timeout_seconds,
     dedicated_coordinator=args.dedicated_coordinator,
     round_seconds=args.round_seconds,
-    on_event=_events(say, args, me),
+    on_event=_events(say, args, me, since),
   )
   step_seconds = args.step_seconds[min(me, len(args.step_seconds) - 1)]
 
@@ -399,6 +409,7 @@ def main(argv=None) -> None:
         "joined": list(done.joined),
         "attempts": done.attempts,
         "params_sha256": params_sha256(host(params)),
+        "contributions": _contributions(done),
         "time": time.time(),
       }
       with open(os.path.join(args.out, "coordinator.jsonl"), "a") as f:
@@ -422,6 +433,8 @@ def main(argv=None) -> None:
       "live": list(done.live),
       "params_sha256": params_sha256(host(params)),
       "loss": eval_loss(center),
+      "contributions": _contributions(done),
+      "incarnation": os.getpid(),
     }
     if resumed:  # took the last committed round's center, committed none
       row["resumed"] = True
@@ -455,15 +468,18 @@ def main(argv=None) -> None:
   def record(steps: int, seconds: float) -> None:
     """This incarnation's inner steps and their seconds, and the seconds
     since it joined (a file a SIGKILL leaves behind: chaos, goodput)."""
-    with open(steps_file, "w") as f:
+    with open(steps_file + ".tmp", "w") as f:
       json.dump(
         {
           "steps": steps,
           "inner_seconds": seconds,
           "seconds": time.monotonic() - joined_at,
+          "started": started,
+          "incarnation": os.getpid(),
         },
         f,
       )
+    os.replace(steps_file + ".tmp", steps_file)  # a kill never cuts it
 
   while count < args.steps:
     count += 1
@@ -481,12 +497,16 @@ def main(argv=None) -> None:
     if step_seconds:
       time.sleep(step_seconds)
     trained += 1
-    inner_s += time.monotonic() - began
+    took = time.monotonic() - began
+    inner_s += took
+    since["steps"] += 1
+    since["inner_seconds"] += took
     record(trained, inner_s)
     due = island.due(state)
     # A last round at the end, due or not (one fragment only).
     if due or (count == args.steps and args.num_fragments == 1):
       params, state, done = island.sync(params, state, early=not due)
+      since.update(steps=0, inner_seconds=0.0)
       count = done.step
       log(done)
       record(trained, inner_s)
@@ -499,8 +519,16 @@ def main(argv=None) -> None:
   island.finish()  # process 0 hosts the coordination service: it leaves last
 
 
-def _events(say, args, me):
-  """Logs the rounds' events; the fault-injection hook for tests."""
+def _contributions(done) -> dict:
+  """``{process: [digest, weight]}`` of a committed round's contributors."""
+  weights = dict(done.weights)
+  return {str(p): [d, weights[p]] for p, d in done.digests}
+
+
+def _events(say, args, me, since):
+  """Logs the rounds' events (each contribution this process sends, before
+  the collective: ``DIR/sent.{I}.jsonl``); the fault-injection hook for
+  tests."""
   kill = os.environ.get("ELASTIC_EXAMPLE_KILL", "")
   hang = os.environ.get("ELASTIC_EXAMPLE_HANG", "")
   victim = int(
@@ -512,6 +540,16 @@ def _events(say, args, me):
   def on_event(name: str, info: dict) -> None:
     if name == "round_committed":
       rounds["next"] = info["number"] + 1
+    if name == "round_started" and info["sent"]["counted"]:
+      row = {
+        **info["sent"],
+        "round": rounds["next"],
+        "incarnation": os.getpid(),
+        **since,
+        "time": time.time(),
+      }
+      with open(os.path.join(args.out, f"sent.{me}.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
     if name == "round_failed":
       say(f"round failed after {info['seconds']:.2f}s: {info['why']}")
     if hang and me == victim and name == "round_started":

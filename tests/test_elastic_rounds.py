@@ -33,7 +33,7 @@ N = 4  # islands
 H = 3  # local steps per sync
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
-HEADER_BYTES = 36  # 9 int32 fields, documented in rows.HEADER_FIELDS
+HEADER_BYTES = 40  # 10 int32 fields, documented in rows.HEADER_FIELDS
 
 
 def _diloco(inner, axis_name, **kwargs):

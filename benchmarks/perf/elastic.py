@@ -12,9 +12,12 @@ wall time each: rounds on the clock (a round every 4 s, each island weighted
 by its steps) against rounds every H = 32 steps (about 4 s of the slowest
 island) and against three equal islands at the fastest speed (H = 32),
 each once as it is and once with the slowest island killed halfway and
-restarted 3 s later. Per run: each island's goodput (its seconds in inner
-steps over its seconds since it joined, from the example's
-``steps.*`` files), the rounds and the center's held-out loss at the end;
+restarted 3 s later. Per run: goodput per island and overall
+(``examples/elastic_chaos.py``'s ``audit``: island-seconds in inner steps
+whose contribution reached a committed center over island-seconds from each
+island's first start to the run's end; process 0, never killed, is the
+reference the others' logs are checked against), the inner-step ratio, the
+contributions lost, the rounds and the center's held-out loss at the end;
 saved to ``benchmarks/results/elastic_unequal.json``.
 
 ``--model-parallel-memory`` alone (no processes, seconds): an MLP of 4
@@ -30,8 +33,9 @@ as a round builds them; saved to
 (:mod:`examples.elastic_chaos`) under a dedicated coordinator, 3 islands x
 4 CPU devices, H=4, 0.05 s per inner step, until N kills (a kill every 3-8
 s, one in ten of every island at once, each island back 1-6 s later); its
-report (kills, rounds committed and lost, rounds with other bits, goodput,
-the stall after a kill) printed and saved to
+report (kills, rounds committed, contributions lost, rounds with other
+bits, goodput in island-seconds and the inner-step ratio, the stall after a
+kill) printed and saved to
 ``benchmarks/results/elastic_chaos.json``.
 
 ``--round-bytes`` alone (no processes, under a minute): compiles one plain
@@ -86,6 +90,11 @@ _spec = importlib.util.spec_from_file_location(
 )
 launch = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(launch)
+_spec = importlib.util.spec_from_file_location(
+  "elastic_chaos", ROOT / "examples" / "elastic_chaos.py"
+)
+chaos_run = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(chaos_run)
 
 N = 3
 H = 4
@@ -263,11 +272,7 @@ def round_bytes(islands=(2, 4, 8), shape=(512, 512)) -> dict:
 def chaos(kills: int, seed: int) -> dict:
   """The chaos run of ``--chaos``: the report of
   ``examples/elastic_chaos.py``, with its settings."""
-  spec = importlib.util.spec_from_file_location(
-    "elastic_chaos", ROOT / "examples" / "elastic_chaos.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = chaos_run
   settings = {
     "islands": N,
     "devices_per_process": 4,
@@ -394,23 +399,20 @@ def unequal_run(speeds: str, extra: tuple, seconds: float, kill: bool) -> dict:
         time.sleep(seconds)
       (Path(out) / "stop").write_text("now")
       codes = islands.wait(180)
+      end = time.time()
       rows = islands.rows(0)
-      goodput = {}
-      for path in sorted(Path(out).glob("steps.*")):
-        island = int(path.name.split(".")[1])
-        d = json.loads(path.read_text())
-        goodput.setdefault(island, []).append(d)
+      logs = chaos_run.read_logs(out, range(N))
+      # No dedicated coordinator here: process 0 (never killed) is the
+      # reference the others' logs are checked against.
+      ledger = chaos_run.audit(chaos_run.committed(rows), logs, end)
   return {
     "exit_codes": {str(i): c for i, c in sorted(codes.items())},
     "rounds": rows[-1]["round"] if rows else 0,
     "final_loss": rows[-1]["loss"] if rows else None,
-    "goodput": {
-      str(i): sum(d["inner_seconds"] for d in ds)
-      / max(sum(d["seconds"] for d in ds), 1e-9)
-      for i, ds in sorted(goodput.items())
-    },
-    "inner_steps": {
-      str(i): sum(d["steps"] for d in ds) for i, ds in sorted(goodput.items())
+    **ledger,
+    "inner_steps_by_island": {
+      str(i): sum(r["steps"] for r in log["incarnations"])
+      for i, log in sorted(logs.items())
     },
   }
 
@@ -428,7 +430,7 @@ def unequal(seconds: float) -> dict:
       label = name + (", slowest killed and back" if kill else "")
       result = unequal_run(speeds, extra, seconds, kill)
       out["runs"][label] = result
-      gp = ", ".join(f"{v:.0%}" for v in result["goodput"].values())
+      gp = ", ".join(f"{v:.0%}" for v in result["goodput_by_island"].values())
       print(
         f"| {label} | {gp} | {result['rounds']} |"
         f" {result['final_loss']:.5f} | {result['exit_codes']} |",

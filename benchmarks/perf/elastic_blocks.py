@@ -124,8 +124,11 @@ def render_elastic_unequal(data: Sequence[dict]) -> str:
   rows = [
     [
       label,
-      ", ".join(f"{v:.0%}" for v in r["goodput"].values()),
-      ", ".join(f"{v:,}" for v in r["inner_steps"].values()),
+      ", ".join(f"{v:.0%}" for v in r["goodput_by_island"].values()),
+      f"{r['goodput']:.0%}",
+      f"{r['inner_step_ratio']:.0%}",
+      len(r["contributions_lost"]),
+      ", ".join(f"{v:,}" for v in r["inner_steps_by_island"].values()),
       r["rounds"],
       f"{r['final_loss']:.5f}",
       ", ".join(sorted({str(c) for c in r["exit_codes"].values()})),
@@ -144,13 +147,16 @@ def render_elastic_unequal(data: Sequence[dict]) -> str:
       [
         "run",
         "goodput per island",
+        "goodput",
+        "inner-step ratio",
+        "contributions lost",
         "inner steps per island",
         "rounds",
         "center's held-out loss at the end",
         "exit codes",
       ],
       rows,
-      "lllrrl",
+      "lrrrrlrrl",
     )
   )
 
@@ -216,11 +222,28 @@ def render_elastic_chaos(data: Sequence[dict]) -> str:
       "rounds committed",
       f"{d['rounds_committed']} ({d['failed_attempts']} failed attempts)",
     ],
-    ["rounds lost", f"{len(d['rounds_lost'])}"],
+    [
+      "contributions lost (the islands' logs against the coordinator's)",
+      f"{len(d['contributions_lost'])} (of"
+      f" {d['contributions_combined']:,} combined)",
+    ],
     ["rounds whose bits differ", f"{len(d['rounds_with_other_bits'])}"],
     [
-      "goodput (inner steps that reached a committed center)",
-      f"{d['goodput']:.1%} ({d['inner_steps_in_committed_rounds']:,} of {d['inner_steps']:,})",
+      "goodput (island-seconds in inner steps that reached a committed"
+      " center / island-seconds since each island's first start)",
+      f"{d['goodput']:.1%} ({d['useful_island_seconds']:,.1f} of"
+      f" {d['island_seconds']:,.0f} s); per island "
+      + ", ".join(f"{v:.1%}" for v in d["goodput_by_island"].values()),
+    ],
+    [
+      "island-seconds in any inner step",
+      f"{d['inner_seconds'] / d['island_seconds']:.1%}",
+    ],
+    [
+      "inner-step ratio (inner steps that reached a committed center /"
+      " inner steps taken)",
+      f"{d['inner_step_ratio']:.1%} ({d['useful_inner_steps']:,} of"
+      f" {d['inner_steps']:,})",
     ],
     [
       "stall from a kill to the next committed round",

@@ -75,6 +75,9 @@ class Round(NamedTuple):
     weights: ``((process, weight), ...)`` of the contributing processes:
       1 each, or on rounds on the clock the work each did since its last
       committed round (its inner steps times ``work_per_step``).
+    digests: ``((process, digest), ...)`` of the contributing processes:
+      each one's ``rows.digest`` of its contribution, as its row's
+      header carried it (a log matches it against what the island sent).
   """
 
   number: int
@@ -86,6 +89,7 @@ class Round(NamedTuple):
   seconds: float
   failures: tuple
   weights: tuple = ()
+  digests: tuple = ()
 
 
 # The exit code of a process whose round watchdog fired (``round_timeout_s``).
@@ -189,6 +193,10 @@ class Island:
       round's ``live_devices`` block, before its collective),
       ``"round_gathered"`` (after it), ``"round_failed"`` and
       ``"round_committed"``; for logs and fault injection.
+      ``"round_started"``'s ``info["sent"]`` is what this process's row
+      carries: ``{"digest": int, "weight": float, "counted": bool}``
+      (``rows.digest`` of its contribution; ``counted``: up to date
+      and finite, so that a committed round would combine it).
 
   Raises:
     TypeError: ``dedicated_coordinator`` is not True/False, or ``on_event``
@@ -672,12 +680,14 @@ class Island:
       members, self._attempts[members], live, self._me
     )
     info = {"live": _processes(members), "healing": healing}
-    self._on_event("round_started", info)
     if healing:
       row, dropped = self._healing_row(sync, params, state)
-      exchanged = self._gather(order, row)
     else:
       row, dropped = self._plain_rows(order, sync, params, state)
+    self._on_event("round_started", {**info, "sent": _sent(row)})
+    if healing:
+      exchanged = self._gather(order, row)
+    else:
       exchanged = self._exchange(order, row, sync, params)
     exchanged = jax.block_until_ready(exchanged)
     self._on_event("round_gathered", info)
@@ -693,7 +703,6 @@ class Island:
     )
     order = [row[0] for row in matrix]  # one device per island
     info = {"live": _processes(members), "healing": healing}
-    self._on_event("round_started", info)
     mine = self._mine(matrix)
     local_p = shards.local_trees(params, mine, "a params")
     local_s = shards.local_trees(state, mine, "a state")
@@ -707,6 +716,9 @@ class Island:
     }
     row = {d: m[0] for d, m in made.items()}
     dropped = {d: m[1] for d, m in made.items()}
+    # Each device's row carries the digest of its own shards; the round's
+    # log reads the headers gathered on the first of them (_commit).
+    self._on_event("round_started", {**info, "sent": _sent(row[mine[0]])})
     if healing:
       key, body = ("gather",), self._gather_body()
     else:
@@ -983,12 +995,36 @@ class Island:
           strict=True,
         )
       ),
+      digests=tuple(
+        (int(p), int(d))
+        for p, d in zip(
+          head["process"][contributing],
+          head["digest"][contributing],
+          strict=True,
+        )
+      ),
       joined=tuple(int(i) for i in head["process"][~up]) if up.any() else (),
       attempts=0,
       seconds=0.0,
       failures=(),
     )
     return params, state, done
+
+
+def _sent(row: jax.Array) -> dict:
+  """What this process's ``row`` (of a round, a healing round's or a plain
+  round's) carries in its header: its contribution's digest and weight, and
+  whether a committed round would count it."""
+  head = np.asarray(row[..., : rows.HEADER_BYTES]).reshape(
+    -1, rows.HEADER_BYTES
+  )
+  head = head[:1].copy().view(np.int32)
+  field = lambda name: int(head[0, rows.FIELD[name]])  # noqa: E731
+  return {
+    "digest": field("digest"),
+    "weight": float(rows.weights(head)[0]),
+    "counted": bool(field("up_to_date") > 0 and field("finite") > 0),
+  }
 
 
 def _processes(members) -> tuple:

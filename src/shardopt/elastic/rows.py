@@ -58,6 +58,8 @@ HEADER_FIELDS = (
   "weight",  # its contribution's weight: 1, or on rounds on the clock the
   # work it did since its last committed round (0: none); a float32's bits,
   # so that no count of steps times tokens per step overflows it
+  "digest",  # a checksum of its contribution's bytes (:func:`digest`), so
+  # that a log can tell which contribution a committed round combined
 )
 FIELD = {name: i for i, name in enumerate(HEADER_FIELDS)}
 HEADER_BYTES = 4 * len(HEADER_FIELDS)
@@ -142,9 +144,11 @@ def header(
   sync: int,
   process: int,
   weight=1,
+  contribution_digest=0,
 ) -> jax.Array:
   """This process's header row (int32 words; the weight a float32's bits,
-  :func:`weights`)."""
+  :func:`weights`; ``contribution_digest``: :func:`digest` of what it
+  contributes)."""
   fields = [
     island,
     up_to_date,
@@ -159,8 +163,25 @@ def header(
     jnp.asarray(weight, jnp.float32).reshape(()), jnp.int32
   )
   return jnp.stack(
-    [jnp.asarray(f, jnp.int32).reshape(()) for f in fields] + [weight_bits]
+    [jnp.asarray(f, jnp.int32).reshape(()) for f in fields]
+    + [weight_bits, jnp.asarray(contribution_digest, jnp.int32).reshape(())]
   )
+
+
+def digest(flats: list) -> jax.Array:
+  """A checksum of a contribution (its pieces, flat float32) as an int32:
+  every word's bits times an odd number that depends on its position, summed
+  modulo 2**32, piece after piece (FNV's prime between them). Cheap (one
+  pass) and deterministic, not cryptographic: a log compares it between the
+  island that sent a contribution and the islands that combined it."""
+  total = jnp.uint32(0)
+  for flat in flats:
+    bits = jax.lax.bitcast_convert_type(
+      jnp.ravel(flat).astype(jnp.float32), jnp.uint32
+    )
+    odd = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2) + 1
+    total = total * jnp.uint32(16777619) + jnp.sum(bits * odd, dtype=jnp.uint32)
+  return jax.lax.bitcast_convert_type(total, jnp.int32)
 
 
 def weights(head) -> Any:
@@ -256,7 +277,9 @@ def plain_rows(
   flats, finite = contribution(engine, sync, state, params, trains, weight)
   wire = engine.wire
   head = to_bytes(
-    header(island, 1, finite, state, sync, process, _weight(weight))
+    header(
+      island, 1, finite, state, sync, process, _weight(weight), digest(flats)
+    )
   )
   if wire.two_phase:
     plan = wire.plan(sizes_of(engine, sync, params), islands)
@@ -386,7 +409,7 @@ def healing_row(
   mine, finite = contribution(
     engine, sync, state, params, up_to_date and trains, weight
   )
-  dropped = []
+  dropped, sent = [], digest(mine)
   if sync and engine.error_feedback:
     mine, dropped = on_the_wire(engine, mine)
     dropped = mean.weigh(dropped, finite)
@@ -401,7 +424,7 @@ def healing_row(
       [m.reshape(np.shape(like)) for m, like in zip(mine, likes, strict=True)],
     )
   head = header(
-    island, up_to_date, finite, state, sync, process, _weight(weight)
+    island, up_to_date, finite, state, sync, process, _weight(weight), sent
   )
   parts = [to_bytes(head)]
   parts += [to_bytes(c) for c in jax.tree.leaves(state.center)]
