@@ -99,6 +99,9 @@ NOT_TRANSFORMS = {
   "fragment_of": "reads streaming DiLoCo's split of the params",
   "elastic": "a module; its Island runs these transforms' update",
   "wire": "a module of wire specs and collectives",
+  "measure": "a module that reads compiled steps",
+  "due": "reads a transform's schedule on the host",
+  "WARM_UP": "a constant, a value of due",
 }
 
 CHECKED = sorted(
