@@ -380,7 +380,7 @@ class Island:
     """Ends this process with ``error``, which every process of the round
     found alike (a raise would end the interpreter, whose exit aborts the
     processes still connected once process 0 has gone): says it on stderr
-    and leaves as :meth:`finish` does, with :data:`PARAMS_EXIT_CODE`."""
+    and leaves as :meth:`finish` does, with ``PARAMS_EXIT_CODE``."""
     print(
       f"shardopt.elastic: process {self._me}: {type(error).__name__}:"
       f" {error} Exiting with code {PARAMS_EXIT_CODE}.",
@@ -529,10 +529,10 @@ class Island:
       ``(params, state, round)``; ``round`` is a :class:`Round`.
 
     In a healing round (the job's start included) the islands' params are
-    compared first (:mod:`.handshake`): if their tree structure, a shape or
+    compared first (``shardopt.elastic.handshake``): if their tree structure, a shape or
     a dtype differs, or a leaf is not floating point, every process of the
     round says so on stderr, naming the island and the leaf, and exits with
-    :data:`PARAMS_EXIT_CODE` (process 0 last, as :meth:`finish`).
+    ``PARAMS_EXIT_CODE`` (77) (process 0 last, as :meth:`finish`).
     """
     if not self.trains:
       raise ValueError(
@@ -565,7 +565,7 @@ class Island:
 
   def _publish(self, params) -> None:
     """This process's params' signature, for the others' check
-    (:mod:`.handshake`); written again only when it changed."""
+    (``shardopt.elastic.handshake``); written again only when it changed."""
     text = handshake.signature(params)
     if text != self._published:
       handshake.publish(self._store, self._me, text)
