@@ -165,17 +165,6 @@ def cond_on_slice(
   not own (XLA copies such pass-through outputs of a multi-branch
   conditional), and the other branch returns its operands unchanged.
   """
-  return on_slice(
-    lambda part: cond(pred, sync, lambda c: c, part), carry, leaves, fragment
-  )
-
-
-def on_slice(
-  sync, carry: Carry, leaves: Sequence[int], fragment: int | None
-) -> Carry:
-  """``sync`` on ``leaves`` of the carry (and global state ``fragment``):
-  it sees only what it may change (see :func:`cond_on_slice`); the rest of
-  the carry passes by it."""
   part = carry._replace(
     **{
       field: [getattr(carry, field)[i] for i in leaves]
@@ -187,7 +176,7 @@ def on_slice(
     if fragment is None
     else carry.global_state[fragment],
   )
-  part = sync(part)
+  part = cond(pred, sync, lambda c: c, part)
 
   def scatter(full: list, new: list) -> list:
     if not full:  # a field this engine does not carry (no accumulator)

@@ -118,8 +118,8 @@ class _Engine:
     """The program of update ``t`` (1, 2, ...), chosen on the host."""
     if t <= self.warmup_steps:
       return WARM_UP
-    sync = schedules.firing_at(t, self.syncs, self.warmup_steps)
-    merge = schedules.firing_at(t, self.merges, self.warmup_steps)
+    sync = schedules.firing(t, self.syncs, self.warmup_steps)
+    merge = schedules.firing(t, self.merges, self.warmup_steps)
     return sync + (len(self.syncs) + 1) * merge
 
   def expected(self, count: jax.Array) -> jax.Array:
@@ -188,9 +188,10 @@ class _Step(NamedTuple):
     )
 
 
-def _trace(engine: _Engine, grads, state, params, extra_args) -> _Step:
-  """Checks what ``update`` is given and reads its static parts."""
-  size, groups = checks.check_update_args(
+def _check(engine: _Engine, grads, state, params) -> tuple:
+  """:func:`.checks.check_update_args` for this engine: the axis size and
+  each sync's replica groups."""
+  return checks.check_update_args(
     engine.name,
     grads,
     state,
@@ -199,6 +200,11 @@ def _trace(engine: _Engine, grads, state, params, extra_args) -> _Step:
     engine.syncs,
     engine.axis_index_groups,
   )
+
+
+def _trace(engine: _Engine, grads, state, params, extra_args) -> _Step:
+  """Checks what ``update`` is given and reads its static parts."""
+  size, groups = _check(engine, grads, state, params)
   fragments = _fragments.split(
     params, engine.num_fragments, engine.layer_axes, engine.name
   )
@@ -542,15 +548,7 @@ def _host_local(engine: _Engine, grads, state, params, extra_args):
   conditional, no collective, no read of the center. Where the counter
   asks for another program, the counter is marked and the updates are
   NaN (:func:`.._host_schedule.mark`)."""
-  checks.check_update_args(
-    engine.name,
-    grads,
-    state,
-    params,
-    engine.axis_name,
-    engine.syncs,
-    engine.axis_index_groups,
-  )
+  _check(engine, grads, state, params)
   ok = _host_check(engine, 0, state, communicates=False)
   updates, new_state = local_only(engine, grads, state, params, extra_args)
   return _host_schedule.poison(ok, updates), new_state._replace(

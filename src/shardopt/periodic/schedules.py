@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from shardopt import _args
 from shardopt import _axes
 from shardopt.periodic.fragments import layer_mask
 
@@ -114,32 +115,28 @@ def counts_whole_axis(syncs: Sequence[Sync]) -> bool:
 # At trace time of a step.
 
 
-def firing(
-  step: jax.Array, syncs: Sequence[Sync], warmup_steps: int = 0
-) -> jax.Array:
+def firing(step, syncs: Sequence[Sync], warmup_steps: int = 0):
   """Which sync runs in the update of ``step`` (0: none; later syncs win):
   the one of step ``step - lag``, counted from the end of the warm-up (step
-  ``warmup_steps`` is step 0 of the schedule)."""
-  index = jnp.zeros([], jnp.int32)
+  ``warmup_steps`` is step 0 of the schedule).
+
+  ``step`` is the replicated counter inside a step (an int32 scalar array:
+  an int32 array comes back), or a Python int on the host, where the
+  schedule is chosen before tracing (``shardopt.due``,
+  ``shardopt.elastic``): a Python int comes back, from the same rule.
+  """
+  on_host = _args.is_integer(step)
+  index = 0 if on_host else jnp.zeros([], jnp.int32)
   for k, sync in enumerate(syncs):
     shift = sync.lag + warmup_steps
     t = step - shift if shift else step
     fires = t % sync.period == sync.phase
     if shift:
       fires = fires & (t >= 1)
-    index = jnp.where(fires, k + 1, index)
-  return index
-
-
-def firing_at(step: int, syncs: Sequence[Sync], warmup_steps: int = 0) -> int:
-  """:func:`firing` on the host: the same rule on a Python int, for a
-  schedule chosen on the host (``shardopt.due``, ``shardopt.elastic``)."""
-  index = 0
-  for k, sync in enumerate(syncs):
-    shift = sync.lag + warmup_steps
-    t = step - shift
-    if t % sync.period == sync.phase and (not shift or t >= 1):
-      index = k + 1
+    if on_host:
+      index = k + 1 if fires else index
+    else:
+      index = jnp.where(fires, k + 1, index)
   return index
 
 
