@@ -81,20 +81,30 @@ def on_mesh(tree: Any, mesh) -> Any:
   )
 
 
-def concat_shard_map_step(tx, mesh, specs, *, donate: bool = False):
-  """A training step on ``jax.jit`` + ``shard_map(check_vma=False)`` over
-  :func:`on_mesh`'s layout: every replica its own gradient of
-  :func:`mlp_loss`, then ``tx``. ``specs``: the state's
-  (:func:`concat_specs`); ``donate`` donates params and state."""
+def train_step(tx, sync: int | None = None):
+  """``step(params, opt_state, x, y)``: this replica's gradient of
+  :func:`mlp_loss`, then ``tx`` (with ``sync=`` if given, the program
+  ``shardopt.due`` picks), then the params after the updates."""
+  kw = {} if sync is None else {"sync": sync}
 
   def step(params, opt_state, x, y):
     grads = jax.grad(mlp_loss)(params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params, **kw)
     return optax.apply_updates(params, updates), opt_state
 
+  return step
+
+
+def concat_shard_map_step(
+  tx, mesh, specs, *, donate: bool = False, sync: int | None = None
+):
+  """A training step on ``jax.jit`` + ``shard_map(check_vma=False)`` over
+  :func:`on_mesh`'s layout: :func:`train_step` on every replica.
+  ``specs``: the state's (:func:`concat_specs`); ``donate`` donates params
+  and state; ``sync``: see :func:`train_step`."""
   return jax.jit(
     jax.shard_map(
-      step,
+      train_step(tx, sync),
       mesh=mesh,
       in_specs=(P(AXIS), specs, P(AXIS), P(AXIS)),
       out_specs=(P(AXIS), specs),

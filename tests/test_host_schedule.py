@@ -154,24 +154,11 @@ def run_shard_map(tx, host: bool):
   state = _mlp.on_mesh(jax.pmap(tx.init, axis_name=AXIS)(stacked), mesh)
   specs = _mlp.concat_specs(state)
 
-  @functools.cache
-  def step_for(sync):
-    def step(params, opt_state, x, y):
-      grads = jax.grad(_mlp.mlp_loss)(params, x, y)
-      kw = {} if sync is None else {"sync": sync}
-      updates, opt_state = tx.update(grads, opt_state, params, **kw)
-      return optax.apply_updates(params, updates), opt_state
-
-    return jax.jit(
-      jax.shard_map(
-        step,
-        mesh=mesh,
-        in_specs=(_mlp.P(AXIS), specs, _mlp.P(AXIS), _mlp.P(AXIS)),
-        out_specs=(_mlp.P(AXIS), specs),
-        check_vma=False,
-      ),
-      donate_argnums=(0, 1),
+  step_for = functools.cache(
+    lambda sync: _mlp.concat_shard_map_step(
+      tx, mesh, specs, donate=True, sync=sync
     )
+  )
 
   def on_mesh_step(sync):
     f = step_for(sync)
@@ -185,15 +172,9 @@ def run_pmap(tx, host: bool):
   stacked = _stacked_params()
   state = jax.pmap(tx.init, axis_name=AXIS)(stacked)
 
-  @functools.cache
-  def step_for(sync):
-    def step(params, opt_state, x, y):
-      grads = jax.grad(_mlp.mlp_loss)(params, x, y)
-      kw = {} if sync is None else {"sync": sync}
-      updates, opt_state = tx.update(grads, opt_state, params, **kw)
-      return optax.apply_updates(params, updates), opt_state
-
-    return jax.pmap(step, axis_name=AXIS)
+  step_for = functools.cache(
+    lambda sync: jax.pmap(_mlp.train_step(tx, sync), axis_name=AXIS)
+  )
 
   return jax.tree.map(np.asarray, _loop(tx, step_for, state, stacked, host))
 
@@ -208,15 +189,9 @@ def run_vmap(tx, host: bool):
 
   @functools.cache
   def step_for(sync):
-    def step(params, opt_state, x, y):
-      grads = jax.grad(_mlp.mlp_loss)(params, x, y)
-      kw = {} if sync is None else {"sync": sync}
-      updates, opt_state = tx.update(grads, opt_state, params, **kw)
-      return optax.apply_updates(params, updates), opt_state
-
     return jax.jit(
       jax.vmap(
-        step,
+        _mlp.train_step(tx, sync),
         in_axes=(0, axes, 0, 0),
         out_axes=(0, axes),
         axis_name=AXIS,
@@ -268,22 +243,7 @@ def _plain_step_on_mesh(tx, params, state, t):
   """One step of the plain ``tx`` from ``(params, state)`` (numpy, the
   concatenated layout) on step ``t``'s data."""
   mesh = jax.make_mesh((R,), (AXIS,))
-  specs = _mlp.concat_specs(state)
-
-  def step(params, opt_state, x, y):
-    grads = jax.grad(_mlp.mlp_loss)(params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  f = jax.jit(
-    jax.shard_map(
-      step,
-      mesh=mesh,
-      in_specs=(_mlp.P(AXIS), specs, _mlp.P(AXIS), _mlp.P(AXIS)),
-      out_specs=(_mlp.P(AXIS), specs),
-      check_vma=False,
-    )
-  )
+  f = _mlp.concat_shard_map_step(tx, mesh, _mlp.concat_specs(state))
   put = lambda tree: jax.tree.map(
     lambda a, spec: jax.device_put(a, _mlp.NamedSharding(mesh, spec)),
     tree,
@@ -492,23 +452,8 @@ def compiled_step(tx, sync=None):
   mesh = jax.make_mesh((R,), (AXIS,))
   stacked = _mlp.replicate(_mlp.mlp_init(jax.random.key(0), PROGRAM_SIZES), R)
   state = _mlp.on_mesh(jax.pmap(tx.init, axis_name=AXIS)(stacked), mesh)
-  specs = _mlp.concat_specs(state)
-
-  def step(params, opt_state, x, y):
-    grads = jax.grad(_mlp.mlp_loss)(params, x, y)
-    kw = {} if sync is None else {"sync": sync}
-    updates, opt_state = tx.update(grads, opt_state, params, **kw)
-    return optax.apply_updates(params, updates), opt_state
-
-  f = jax.jit(
-    jax.shard_map(
-      step,
-      mesh=mesh,
-      in_specs=(_mlp.P(AXIS), specs, _mlp.P(AXIS), _mlp.P(AXIS)),
-      out_specs=(_mlp.P(AXIS), specs),
-      check_vma=False,
-    ),
-    donate_argnums=(0, 1),
+  f = _mlp.concat_shard_map_step(
+    tx, mesh, _mlp.concat_specs(state), donate=True, sync=sync
   )
   batch = _mlp.batch(
     jax.random.key(1), R, 4, PROGRAM_SIZES[0], PROGRAM_SIZES[-1]
