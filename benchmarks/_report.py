@@ -60,30 +60,22 @@ def _cpu_model() -> str:
   return platform.processor() or "unknown"
 
 
+def _git(*args: str) -> str:
+  """``git ARGS``'s output in the checkout, stripped."""
+  return subprocess.run(
+    ["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10
+  ).stdout.strip()
+
+
 def git_commit(*, mark_dirty: bool = False) -> str:
   """The checkout's short commit, or ``"unknown"`` (no git, no checkout):
   recorded with the numbers of every results file. ``mark_dirty`` appends
   ``+dirty`` where tracked files differ from that commit."""
   try:
-    head = (
-      subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=10,
-      ).stdout.strip()
-      or "unknown"
-    )
+    head = _git("rev-parse", "--short", "HEAD") or "unknown"
     if head == "unknown" or not mark_dirty:
       return head
-    dirty = subprocess.run(
-      ["git", "status", "--porcelain", "--untracked-files=no"],
-      cwd=HERE,
-      capture_output=True,
-      text=True,
-      timeout=10,
-    ).stdout.strip()
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
   except (OSError, subprocess.SubprocessError):
     return "unknown"
   return head + ("+dirty" if dirty else "")
