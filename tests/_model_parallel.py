@@ -9,6 +9,7 @@ of a compiled step runs over.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -77,7 +78,9 @@ def stacked_sharding(mesh, manual: tuple, spec: P) -> NamedSharding:
   return NamedSharding(mesh, P(first, *spec[1:]))
 
 
-def train(make_tx, mesh, manual: tuple, *, params_axes=None, explicit=False):
+def train(
+  make_tx, mesh, manual: tuple, *, params_axes=None, explicit=False, host=False
+):
   """STEPS steps of ``make_tx()`` in a shard_map whose manual axes are
   ``manual``: the data as concatenated ``P(manual)`` blocks, the params as
   concatenated ``P(params_axes)`` blocks (default: all of ``manual``; e.g.
@@ -85,7 +88,8 @@ def train(make_tx, mesh, manual: tuple, *, params_axes=None, explicit=False):
   ``shardopt.state_specs`` says, and the model axis (if the mesh has one)
   sharding the params as MODEL_SPECS. Returns (params per step as numpy with
   a leading replica axis, the compiled step's HLO, the state after the last
-  step)."""
+  step). ``host``: each step runs the program ``shardopt.due`` picks
+  (``tx.update(..., sync=...)``), one compiled step per value."""
   tx = make_tx()
   params_axes = tuple(manual if params_axes is None else params_axes)
   replicas = int(np.prod([mesh.shape[a] for a in params_axes]))
@@ -121,20 +125,25 @@ def train(make_tx, mesh, manual: tuple, *, params_axes=None, explicit=False):
       )
     )
 
-    def step(p, s, x, y):
-      g = jax.grad(loss)(p, x, y, explicit)
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
+    @functools.cache
+    def step_for(sync):
+      kw = {} if sync is None else {"sync": sync}
 
-    step = jax.jit(
-      jax.shard_map(
-        step,
-        mesh=mesh,
-        in_specs=(stack, specs, data, data),
-        out_specs=(stack, specs),
-        axis_names=set(manual),
+      def step(p, s, x, y):
+        g = jax.grad(loss)(p, x, y, explicit)
+        u, s = tx.update(g, s, p, **kw)
+        return optax.apply_updates(p, u), s
+
+      return jax.jit(
+        jax.shard_map(
+          step,
+          mesh=mesh,
+          in_specs=(stack, specs, P(manual), P(manual)),
+          out_specs=(stack, specs),
+          axis_names=set(manual),
+        )
       )
-    )
+
     state = init(
       {
         k: jax.device_put(
@@ -149,6 +158,7 @@ def train(make_tx, mesh, manual: tuple, *, params_axes=None, explicit=False):
     hlo = None
     for t in range(STEPS):
       x, y = jax.device_put(xs[t], data), jax.device_put(ys[t], data)
+      step = step_for(shardopt.due(tx, t + 1) if host else None)
       if hlo is None:
         hlo = step.lower(params, state, x, y).compile().as_text()
       params, state = step(params, state, x, y)

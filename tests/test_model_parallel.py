@@ -160,6 +160,36 @@ def test_model_sharded_run_matches_data_only_run(name, axis_type):
   )
 
 
+HOST_SCHEDULED = (
+  "accumulate",
+  "local_sgd",
+  "agn",
+  "diloco",
+  "diloco(num_fragments=2)",
+  "hierarchical_local_sgd",
+)
+
+
+@pytest.mark.parametrize(
+  "axis_type", [AxisType.Auto, AxisType.Explicit], ids=["Auto", "Explicit"]
+)
+@pytest.mark.parametrize("name", HOST_SCHEDULED)
+def test_host_scheduled_steps_inside_model_parallel_replicas(name, axis_type):
+  """``sync=shardopt.due(tx, t)`` in the partial-manual shard_map: the
+  data-only in-graph run's numbers, the replicas agreeing after each sync."""
+  make_tx, synced = TRANSFORMS[name]
+  history, _, _ = train(
+    make_tx,
+    make_mesh({"data": 4, "model": 2}, axis_type),
+    ("data",),
+    explicit=axis_type == AxisType.Explicit,
+    host=True,
+  )
+  _check_against_reference(
+    history, _reference(name), synced, exact=synced == ALL
+  )
+
+
 ISLANDS = {
   "diloco(cross_shard) over islands": (
     lambda: shardopt.diloco(

@@ -192,9 +192,10 @@ def _host_update(host, sync, state, emit, acc_grads, emit_branch, mini_branch):
     gradient_step = optax.safe_increment(state.gradient_step)
   else:
     updates, inner_state = mini_branch()
-    updates = _host_schedule.poison(ok, updates)
     mini_step = state.mini_step + 1
     gradient_step = state.gradient_step
+  if not emits or not _host_schedule.can_raise():
+    updates = _host_schedule.poison(ok, updates)
   return updates, AccumulateState(
     mini_step=mini_step.astype(jnp.int32),
     gradient_step=_host_schedule.mark(ok, gradient_step.astype(jnp.int32)),

@@ -669,7 +669,7 @@ def periodic(
       if code == 0:
         return _host_local(engine, grads, state, params, extra_args)
       only, _ = engine.decode(code)
-      _host_check(engine, code, state, communicates=True)
+      ok = _host_check(engine, code, state, communicates=True)
     step = _trace(engine, grads, state, params, extra_args)
     count = _count(step)
     step, center, sync_count = _warm_up(step, count)
@@ -681,6 +681,14 @@ def periodic(
     updates, local_state = _local_step_after(step, before, carry)
     updates = _updates(step, scalar_count, index, carry, updates)
     new_state = _new_state(step, count, carry, local_state)
+    if code is not None and not _host_schedule.can_raise():
+      # Marked where the host disagreed, as _host_local does (a poison
+      # only where no callback raised: its select would round the caller's
+      # add apart from the in-graph schedule's).
+      updates = _host_schedule.poison(ok, updates)
+      new_state = new_state._replace(
+        count=_host_schedule.mark(ok, new_state.count)
+      )
     return step.treedef.unflatten(updates), new_state
 
   # What the transform was built with, for shardopt.due and
