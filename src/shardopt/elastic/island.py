@@ -529,7 +529,7 @@ class Island:
       ``(params, state, round)``; ``round`` is a :class:`Round`.
 
     In a healing round (the job's start included) the islands' params are
-    compared first (``shardopt.elastic.handshake``): if their tree structure, a shape or
+    compared first (``elastic/handshake.py``): if their tree structure, a shape or
     a dtype differs, or a leaf is not floating point, every process of the
     round says so on stderr, naming the island and the leaf, and exits with
     ``PARAMS_EXIT_CODE`` (77) (process 0 last, as :meth:`finish`).
@@ -565,7 +565,7 @@ class Island:
 
   def _publish(self, params) -> None:
     """This process's params' signature, for the others' check
-    (``shardopt.elastic.handshake``); written again only when it changed."""
+    (``elastic/handshake.py``); written again only when it changed."""
     text = handshake.signature(params)
     if text != self._published:
       handshake.publish(self._store, self._me, text)
