@@ -672,13 +672,36 @@ def _warm_up(task: workload.Workload, tx, compiled) -> float:
   return time.perf_counter() - start
 
 
-def frontier(tiny: bool, clock: Clock) -> dict:
+def frontier_methods(labels=None) -> list:
+  """:func:`benchmarks.methods.frontier`'s methods, or those of them whose
+  labels ``labels`` names (``--method``), in the listed order; an unknown
+  label is refused with the labels there are."""
+  listed = methods.frontier()
+  if not labels:
+    return listed
+  known = [m.label for m in listed]
+  unknown = [label for label in labels if label not in known]
+  if unknown:
+    raise SystemExit(
+      f"benchmarks.accelerator --method: no frontier method {unknown};"
+      f" the frontier's methods are {known}"
+    )
+  return [m for m in listed if m.label in labels]
+
+
+def frontier(
+  tiny: bool, clock: Clock, labels=None, steps: int | None = None
+) -> dict:
   config = _frontier_config(tiny)
   task = workload.Workload(config, "vmap", R)
   params = workload.init_params(config, 0)
-  listed = methods.frontier()
+  listed = frontier_methods(labels)
   out: dict = {"replicas": R, "params": workload.count_params(params)}
-  if not tiny:  # as many steps as fit, in chunks of eval_every
+  if steps is not None:  # --steps: that many, whatever the clock says
+    steps -= steps % config.eval_every
+    config = dataclasses.replace(config, steps=max(config.eval_every, steps))
+    task.config = config
+  elif not tiny:  # as many steps as fit, in chunks of eval_every
     cal = _calibrate(task, config)
     out["calibration"] = cal
     per_method = clock.left() / len(listed)
@@ -924,7 +947,26 @@ def main(argv=None) -> int:
     default=1.0,
     help="multiply every section's time budget by this",
   )
+  parser.add_argument(
+    "--method",
+    action="append",
+    default=None,
+    metavar="LABEL",
+    help="the frontier trains only these of benchmarks.methods.frontier()"
+    " (repeatable): one 10-minute call fits about 6 methods at 2,048 steps"
+    " of the 19M-param LM on an H100, so the frontier is split across calls"
+    " (benchmarks/README.md, 'The accelerator command')",
+  )
+  parser.add_argument(
+    "--steps",
+    type=int,
+    default=None,
+    help="the frontier's steps per method, rounded down to a multiple of"
+    " its eval_every (64; --tiny: 32), instead of what fits its budget",
+  )
   args = parser.parse_args(argv)
+  if args.method:
+    frontier_methods(args.method)  # an unknown label fails before any run
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "accelerator.json")
   start = time.perf_counter()
@@ -938,7 +980,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     clock = Clock(BUDGETS[args.tiny][name] * args.scale)
     try:
-      section = RUNNERS[name](args.tiny, clock)
+      extra = (
+        {"labels": args.method, "steps": args.steps}
+        if name == "frontier"
+        else {}
+      )
+      section = RUNNERS[name](args.tiny, clock, **extra)
     except Exception as exc:  # noqa: BLE001 (recorded; the next one runs)
       section = {"error": _error(exc), "traceback": traceback.format_exc()}
     section["seconds"] = time.perf_counter() - t0

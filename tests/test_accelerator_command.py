@@ -113,3 +113,41 @@ def test_tiny_run_writes_every_section(tmp_path):
     < sync / 3
   )
   assert all(not s.get("skipped") for s in sections.values()), sections
+
+
+@pytest.mark.slow
+def test_the_frontier_runs_the_named_methods_for_the_steps_asked(tmp_path):
+  """``--only frontier --method LABEL --steps N`` (issue 51: the frontier
+  at 2,000 steps is split across lent sessions) trains that method alone,
+  for N steps whatever the budget says, and refuses an unknown label
+  before anything runs."""
+  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+  env.pop("XLA_FLAGS", None)
+  command = [sys.executable, "-m", "benchmarks.accelerator", "--tiny"]
+  command += ["--only", "frontier", "--out", str(tmp_path)]
+  label = "local_sgd(adamw, H=16)"
+  done = subprocess.run(
+    [*command, "--method", label, "--steps", "130", "--scale", "20"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  with open(tmp_path / "accelerator.json") as f:
+    section = json.load(f)["sections"]["frontier"]
+  assert list(section["rows"]) == [label]
+  assert section["config"]["steps"] == 128  # a multiple of eval_every
+  assert math.isfinite(section["rows"][label]["val_bits_per_byte"])
+  refused = subprocess.run(
+    [*command, "--method", "no such method"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert refused.returncode != 0
+  assert "no frontier method ['no such method']" in refused.stderr
+  assert label in refused.stderr
