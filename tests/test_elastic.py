@@ -317,7 +317,8 @@ def test_island_killed_during_a_sync_round(tmp_path, point):
   with Scenario(tmp_path, steps=28, env=env) as run:
     run.finish(survivors=[0, 1])
     assert "SIGKILL in round 3" in run.islands.log(2), run.report
-    assert "round failed" in run.islands.log(0), run.report
+    # The survivors retried round 3 (a failed attempt, counted in its row).
+    assert run.islands.rows(0)[2]["attempts"] >= 1, run.report
 
     def expect(schedule):
       assert _lives(schedule) == [[0, 1, 2]] * 2 + [[0, 1]] * 5, schedule
