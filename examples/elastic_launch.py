@@ -414,9 +414,13 @@ def _chaos(args, extra) -> None:
       timeout_s=args.timeout,
       max_kills=args.kills,
     )
+    unexpected = islands.unexpected()
   result.update(seed=args.chaos, duration_s=args.duration)
   (out / "chaos.json").write_text(json.dumps(result, indent=1))
   print(elastic_chaos.show(result))
+  for i, n, c in unexpected:
+    print(f"process {i} (start {n + 1}) exited {c}: see {out}/out{i}.{n}.log")
+  raise SystemExit(1 if unexpected else 0)
 
 
 if __name__ == "__main__":
