@@ -5,7 +5,9 @@ heartbeat 5 s) run ``examples/elastic_diloco.py`` (DiLoCo over islands of 2
 CPU devices each) through ``examples/elastic_launch.py``. Each test kills
 (and restarts) islands on a schedule; in each:
 
-- the survivors exit 0 and log every round number 1, 2, ... exactly once;
+- the survivors exit 0 and log every round number 1, 2, ... exactly once
+  (an island that resumes from a dedicated coordinator first logs that
+  round again, marked "resumed": its own test says so);
 - the live sets are the expected ones;
 - every round's params are bit-identical on every island that logged it
   (the same sha256), restarted islands included from their healing round;

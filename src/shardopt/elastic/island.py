@@ -327,9 +327,11 @@ class Island:
     Process 0 hosts the coordination service; a process still connected
     when it leaves is aborted (SIGABRT) by its client. So every other
     process says in the key-value store that it is done and exits at once;
-    process 0 waits for the others that took part in the last committed
-    round (up to ``timeout_s``: a dead one never says so), then for a
-    moment, and exits last. Each process exits with ``exit_code`` through
+    process 0 first marks the job as ended (a process restarted too late
+    then says so and exits with ``ENDED_EXIT_CODE``, 74, rather than being
+    aborted: ``shardopt/elastic/ended.py``), waits for the others that took
+    part in the last committed round (up to ``timeout_s``: a dead one never
+    says so), then 1 s more, and exits last. Each process exits with ``exit_code`` through
     ``os._exit``: a normal interpreter exit would run
     ``jax.distributed.shutdown``'s barrier, which waits for every process of
     the job, dead ones included.
