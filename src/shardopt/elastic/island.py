@@ -365,17 +365,20 @@ class Island:
         f"shardopt.elastic.Island.finish: exit_code={exit_code!r} must be an"
         " integer from 0 to 255 (a process's exit status)."
       )
-    self._leave(_processes(self._last), timeout_s, exit_code)
+    self._leave(_processes(self._last), timeout_s, exit_code, mark=True)
 
-  def _leave(self, processes, timeout_s: float, exit_code: int):
+  def _leave(self, processes, timeout_s: float, exit_code: int, mark=False):
     """:meth:`finish`'s protocol: process 0 leaves last, after the others
-    of ``processes`` said they are done (up to ``timeout_s``)."""
+    of ``processes`` said they are done (up to ``timeout_s``); ``mark``:
+    process 0 first marks the job's end (.ended; not when the job ends on
+    an error every member found alike, which each reports itself)."""
     store = self._store
     self._end.disarm()  # this process leaves with its own exit code
     if self._me != 0:
       store.set(f"{_FINISHED}{self._me}", "1", overwrite=True)
     else:
-      _ended.mark(store)  # a process that arrives now leaves at once
+      if mark:  # a process that arrives now leaves at once
+        _ended.mark(store)
       others = set(processes) - {0}
       deadline = time.monotonic() + timeout_s
       while others and time.monotonic() < deadline:
