@@ -1,7 +1,7 @@
 """Runs examples/elastic_diloco.py as N islands on this machine, killing and
 restarting islands on a schedule; prints one line per committed round.
 
-    python examples/elastic_launch.py --num-processes 3 --steps 48 \
+    python examples/elastic_launch.py --num-processes 3 --steps 60 \
         --sync-period 4 --step-seconds 0.2 --kill 2@r4 --restart 2@r8 --out /tmp/elastic
 
 ``--kill I@rR`` SIGKILLs process I once round R has committed (any island
