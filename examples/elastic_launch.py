@@ -305,8 +305,8 @@ def run(islands: Islands, plan: list, timeout_s: float, poll_s=0.1) -> int:
           say(round_text(row))
 
   while time.time() < deadline:
-    show_rounds()
     committed = islands.committed()
+    show_rounds()  # after: every round an event below waits for is shown
     for event in list(plan):
       i, what, seconds, number = event
       if number is not None:

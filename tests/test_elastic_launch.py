@@ -86,7 +86,7 @@ args, _ = ap.parse_known_args()
 print("[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of"
       " connected peer ranks is : 1", file=sys.stderr, flush=True)
 for r in range(1, args.steps // args.sync_period + 1):
-  time.sleep(float(os.environ.get("FAKE_ROUND_S", "0.3")))
+  time.sleep(float(os.environ.get("FAKE_ROUND_S", "0.5")))
   row = {"round": r, "step": r * args.sync_period, "live": [0, 1],
          "joined": [], "params_sha256": "ab" * 32, "loss": 1.0 / r,
          "attempts": 0, "failures": []}
@@ -146,8 +146,7 @@ def test_a_kill_by_round_lands_after_that_round_and_is_expected(
   assert first < kill, out
   assert [r[0] for r in _rounds(out)] == [1, 2, 3], out
   assert code == 0, out
-  assert "p1: killed" in out, out
-  assert len(list((fake / "p1.jsonl").read_text().splitlines())) < 3, out
+  assert "p0: 0, p1: killed" in out, out
 
 
 def test_an_unexpected_non_zero_exit_makes_the_launcher_exit_1(
