@@ -42,6 +42,7 @@ coordinator's ``coordinator.jsonl`` logs the contributions it combined.
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import time
@@ -81,6 +82,7 @@ def run(
   with every island in them (the recovery; the report's
   ``rounds_after_recovery``), within ``timeout_s``."""
   rng = random.Random(seed)
+  load = {"start": list(os.getloadavg())}  # the machine's, for the record
   everyone = list(range(1, islands.n))
   alive = set(everyone)
   restarts: list[tuple[float, int]] = []  # (when, island)
@@ -122,6 +124,8 @@ def run(
   result["rounds_after_recovery"] = len(
     _full_rounds(islands, everyone, recovered)
   )
+  load["end"] = list(os.getloadavg())
+  result["load_average"] = load  # 1, 5 and 15 minutes, at start and end
   return result
 
 
@@ -383,4 +387,10 @@ def show(result: dict) -> str:
     else "stall after a kill         -",
     f"exit codes                 {result['exit_codes']}",
   ]
+  if "load_average" in result:
+    load = result["load_average"]
+    lines.append(
+      f"load average (1 min)       {load['start'][0]:.1f} at the start,"
+      f" {load['end'][0]:.1f} at the end"
+    )
   return "\n".join(lines)

@@ -16,9 +16,11 @@ in the round it joins.
 
 Each committed round appends one JSON line to ``DIR/p{I}.jsonl``::
 
-  {"round": r, "step": t, "live": [process ids], "params_sha256": hex,
+  {"round": r, "step": t, "live": [process ids], "joined": [the processes
+   that healed in it], "params_sha256": hex,
    "loss": held-out MSE of the center, "contributions": {process: [digest,
-   weight]} (what the round combined), "incarnation": pid}
+   weight]} (what the round combined), "incarnation": pid, "attempts": the
+   failed attempts it retried, "failures": why each failed}
 
 (and ``"time"``, the Unix time of the log; with ``"resumed": true`` on the
 row of an island that returned after every island died and took the
@@ -38,7 +40,10 @@ since its last committed round (examples/elastic_chaos.py's ``audit``
 reads them: goodput, lost contributions).
 
 (rounds 1, 2, ... at steps H, 2H, ..., S; the start-up handshake is not
-logged), and the process exits 0 after S steps, leaving its final params
+logged). It prints one line per committed round (``round 5 step 20 live
+[0, 1, 2] healed [2] retried 1x (ProcessFailureError) (0.31s) loss
+0.00812``; ``--verbose`` also prints each failed attempt as it fails), and
+the process exits 0 after S steps, leaving its final params
 in ``DIR/p{I}.npz``. ``--step-seconds X`` sleeps
 X seconds per inner step, standing in for compute.
 
@@ -48,6 +53,14 @@ schedule), ``--comm-dtype int8`` (any dtype name, or ``topk:K``: the top
 K of every 4096-element chunk) and ``--error-feedback`` (the outer
 gradient's wire), ``--processes-per-island K`` and
 ``--round-timeout-seconds`` (``shardopt.elastic.Island``'s watchdog).
+
+A process other than 0 that finds nothing listening at ``--coordinator``
+for ``--connect-timeout-seconds`` (default 60) prints why and exits with
+code 1: it was started after the job ended, or its coordinator is gone.
+gloo prints a ``[Gloo] Rank ... connected`` line to stderr (from C++, with
+no switch in jaxlib 0.10.2) whenever a process opens a communicator;
+``examples/elastic_launch.py`` keeps them in the logs, out of what it
+prints.
 
 For tests: ``ELASTIC_EXAMPLE_KILL=R:started`` (or ``R:gathered``) makes the
 process ``ELASTIC_EXAMPLE_KILL_PROCESS`` (default: the last) SIGKILL itself
@@ -200,6 +213,21 @@ def parse(argv=None):
   )
   ap.add_argument("--heartbeat-seconds", type=int, default=5)
   ap.add_argument(
+    "--connect-timeout-seconds",
+    type=float,
+    default=60.0,
+    help=(
+      "a process other than 0 that finds no coordinator at --coordinator"
+      " for this long exits with code 1 and says so (started after the job"
+      " ended, or its coordinator is gone)"
+    ),
+  )
+  ap.add_argument(
+    "--verbose",
+    action="store_true",
+    help="also print each failed attempt of a round (retried) as it fails",
+  )
+  ap.add_argument(
     "--num-fragments", type=int, default=1, help="Streaming DiLoCo"
   )
   ap.add_argument(
@@ -298,14 +326,19 @@ def main(argv=None) -> None:
     print(f"[p{me} {time.time():.3f}] {message}", flush=True)
 
   k = args.processes_per_island
-  shardopt.elastic.initialize(
-    args.coordinator,
-    num_processes=args.num_processes,
-    process_id=me,
-    heartbeat_timeout_seconds=args.heartbeat_seconds,
-    processes_per_island=k,
-    dedicated_coordinator=args.dedicated_coordinator,
-  )
+  try:
+    shardopt.elastic.initialize(
+      args.coordinator,
+      num_processes=args.num_processes,
+      process_id=me,
+      heartbeat_timeout_seconds=args.heartbeat_seconds,
+      processes_per_island=k,
+      dedicated_coordinator=args.dedicated_coordinator,
+      connect_timeout_seconds=args.connect_timeout_seconds,
+    )
+  except ConnectionError as e:  # a late or lost process: say so, exit 1
+    print(f"[p{me} {time.time():.3f}] {e}", file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
 
   tx = shardopt.diloco(
     optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
@@ -431,6 +464,7 @@ def main(argv=None) -> None:
       "round": done.number,
       "step": done.step,
       "live": list(done.live),
+      "joined": list(done.joined),
       "params_sha256": params_sha256(host(params)),
       "loss": eval_loss(center),
       "contributions": _contributions(done),
@@ -438,6 +472,9 @@ def main(argv=None) -> None:
     }
     if resumed:  # took the last committed round's center, committed none
       row["resumed"] = True
+    else:  # the failed attempts before it committed (retried), and why
+      row["attempts"] = done.attempts
+      row["failures"] = list(done.failures)
     if args.round_seconds is not None:  # the inner steps each contributed
       row["steps_by_process"] = {str(p): w for p, w in done.weights}
     if m > 1:
@@ -448,11 +485,7 @@ def main(argv=None) -> None:
     row["time"] = time.time()
     with open(os.path.join(args.out, f"p{me}.jsonl"), "a") as f:
       f.write(json.dumps(row) + "\n")
-    say(
-      f"round {done.number} step {done.step} live {list(done.live)}"
-      f" joined {list(done.joined)} attempts {done.attempts}"
-      f" ({done.seconds:.2f}s) loss {row['loss']:.5f}"
-    )
+    say(round_line(row, done, resumed))
 
   # Join: the handshake at the job's start, or the healing round of a
   # restarted island (weight 0; it takes the center and the counters).
@@ -519,6 +552,23 @@ def main(argv=None) -> None:
   island.finish()  # process 0 hosts the coordination service: it leaves last
 
 
+def round_line(row: dict, done, resumed: bool = False) -> str:
+  """A committed round in one line: who took part, who healed in it, how
+  many failed attempts it retried (and why), the center's loss."""
+  if resumed:
+    return (
+      f"resumed at round {done.number} step {done.step} from the"
+      f" coordinator's center, loss {row['loss']:.5f}"
+    )
+  line = f"round {done.number} step {done.step} live {list(done.live)}"
+  if done.joined:
+    line += f" healed {list(done.joined)}"
+  if done.attempts:
+    kinds = sorted({why.split(":", 1)[0] for why in done.failures})
+    line += f" retried {done.attempts}x ({', '.join(kinds)})"
+  return line + f" ({done.seconds:.2f}s) loss {row['loss']:.5f}"
+
+
 def _contributions(done) -> dict:
   """``{process: [digest, weight]}`` of a committed round's contributors."""
   weights = dict(done.weights)
@@ -550,7 +600,7 @@ def _events(say, args, me, since):
       }
       with open(os.path.join(args.out, f"sent.{me}.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
-    if name == "round_failed":
+    if name == "round_failed" and args.verbose:  # else: the round's line
       say(f"round failed after {info['seconds']:.2f}s: {info['why']}")
     if hang and me == victim and name == "round_started":
       if rounds["next"] == int(hang):

@@ -5,7 +5,9 @@ heartbeat 5 s) run ``examples/elastic_diloco.py`` (DiLoCo over islands of 2
 CPU devices each) through ``examples/elastic_launch.py``. Each test kills
 (and restarts) islands on a schedule; in each:
 
-- the survivors exit 0 and log every round number 1, 2, ... exactly once;
+- the survivors exit 0 and log every round number 1, 2, ... exactly once
+  (an island that resumes from a dedicated coordinator first logs that
+  round again, marked "resumed": its own test says so);
 - the live sets are the expected ones;
 - every round's params are bit-identical on every island that logged it
   (the same sha256), restarted islands included from their healing round;
@@ -317,7 +319,8 @@ def test_island_killed_during_a_sync_round(tmp_path, point):
   with Scenario(tmp_path, steps=28, env=env) as run:
     run.finish(survivors=[0, 1])
     assert "SIGKILL in round 3" in run.islands.log(2), run.report
-    assert "round failed" in run.islands.log(0), run.report
+    # The survivors retried round 3 (a failed attempt, counted in its row).
+    assert run.islands.rows(0)[2]["attempts"] >= 1, run.report
 
     def expect(schedule):
       assert _lives(schedule) == [[0, 1, 2]] * 2 + [[0, 1]] * 5, schedule

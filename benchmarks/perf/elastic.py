@@ -168,7 +168,13 @@ def detection(where: str) -> dict:
       "ELASTIC_EXAMPLE_KILL_PROCESS": "2",
     }
   with launch.Islands(
-    out, num_processes=N, steps=32, sync_period=H, step_seconds=STEP_S, env=env
+    out,
+    num_processes=N,
+    steps=32,
+    sync_period=H,
+    step_seconds=STEP_S,
+    env=env,
+    extra=("--verbose",),  # each failed attempt's line: when it failed
   ) as islands:
     islands.start_all()
     if where == "between":

@@ -50,9 +50,14 @@ of them at once too. ``docs/elastic.md`` has the details and the timings;
 
 from __future__ import annotations
 
+import socket
+import time
+
 import jax
 
 from shardopt import _jax
+from shardopt.elastic import ended as _ended
+from shardopt.elastic import island as _island
 from shardopt.elastic import rows
 from shardopt.elastic.island import Island
 from shardopt.elastic.island import IslandBrokenError
@@ -78,6 +83,7 @@ def initialize(
   initialization_timeout: int = 300,
   processes_per_island: int = 1,
   dedicated_coordinator: bool = False,
+  connect_timeout_seconds: float = 60.0,
 ) -> None:
   """``jax.distributed.initialize`` for elastic islands.
 
@@ -107,7 +113,23 @@ def initialize(
       call: each one's first ``Island.sync`` waits for the others.)
     dedicated_coordinator: as :class:`Island`'s (process 0 trains nothing;
       the islands are processes 1..N-1).
+    connect_timeout_seconds: how long a process other than 0 waits for
+      process 0's coordination service to accept a connection at
+      ``coordinator_address`` before it gives up (a process started after
+      the job ended, or whose coordinator is gone: nothing listens there).
+
+  Raises:
+    ConnectionError: nothing accepted a connection at
+      ``coordinator_address`` within ``connect_timeout_seconds`` (without
+      this check, JAX's client would wait ``initialization_timeout`` and
+      then abort the process from C++).
   """
+  connect_timeout_seconds = _island._seconds(
+    connect_timeout_seconds,
+    "connect_timeout_seconds",
+    "e.g. 60",
+    "shardopt.elastic.initialize",
+  )
   if _jax.backends_initialized():
     raise RuntimeError(
       "shardopt.elastic.initialize: JAX's backends are already running, so"
@@ -119,6 +141,10 @@ def initialize(
   )
   _jax.enable_recoverability()
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if process_id != 0:
+    _wait_for_coordinator(
+      coordinator_address, connect_timeout_seconds, process_id
+    )
   jax.distributed.initialize(
     coordinator_address,
     num_processes=num_processes,
@@ -132,8 +158,44 @@ def initialize(
       rows.island_of(process, processes_per_island, dedicated_coordinator)
     )
 
+  store = _jax.KeyValueStore()
+  if process_id != 0 and _ended.has(store):  # connected after the end
+    _ended.leave(process_id)
+  _ended.watch(store, process_id).arm()  # and if it ends before a round
   island = island_of(process_id)
   _jax.forget_cliques_within(
-    _jax.KeyValueStore(),
+    store,
     [d.id for d in jax.devices() if island_of(d.process_index) == island],
   )
+
+
+def _wait_for_coordinator(address: str, timeout_s: float, process_id: int):
+  """Returns once something accepts a TCP connection at ``address``
+  (``host:port``), trying every 0.2 s; raises ``ConnectionError`` after
+  ``timeout_s`` seconds of refusals, saying why that usually happens.
+
+  ``tests/test_elastic_launch.py`` checks the bound and the message with a
+  process started where no coordinator runs.
+  """
+  host, _, port = address.rpartition(":")
+  host = host.strip("[]")  # an IPv6 literal
+  start = time.monotonic()
+  while True:
+    try:
+      with socket.create_connection((host, int(port)), timeout=1.0):
+        return
+    except OSError as e:
+      why = e
+    waited = time.monotonic() - start
+    if waited >= timeout_s:
+      raise ConnectionError(
+        f"shardopt.elastic.initialize: process {process_id} found no"
+        f" coordinator at {address}: nothing accepted a connection there"
+        f" within connect_timeout_seconds={timeout_s:g} s ({why}). The job"
+        " has ended (process 0, which hosts the coordination service, has"
+        " exited), or its coordinator is gone or not started yet. Start"
+        " this process while the job runs, or raise"
+        " connect_timeout_seconds if process 0 starts later than the"
+        " others."
+      ) from why
+    time.sleep(min(0.2, max(timeout_s - waited, 0.0)))

@@ -52,6 +52,7 @@ from shardopt import _args
 from shardopt import _jax
 from shardopt.elastic import cliques as _cliques
 from shardopt.elastic import coordinator as _coordinator
+from shardopt.elastic import ended as _ended
 from shardopt.elastic import handshake
 from shardopt.elastic import rows
 from shardopt.elastic import shards
@@ -102,7 +103,9 @@ _COORDINATOR_GRACE_S = 5.0
 # Island.finish: the key-value directory of the processes that are done, and
 # how long process 0 waits after the last of them said so.
 _FINISHED = "shardopt/finished/"
-_LEAVE_LAST_S = 0.5
+_LEAVE_LAST_S = 1.0  # above ended.POLL_S: a late process leaves first
+# The exit code of a process that found the job ended (.ended).
+ENDED_EXIT_CODE = _ended.EXIT_CODE
 
 
 class RoundFailedError(RuntimeError):
@@ -271,6 +274,11 @@ class Island:
     self._heartbeat = None
     if self._dedicated and self.trains:
       self._heartbeat = _coordinator.Heartbeat(self._store, self._me)
+    # Until its first round's block succeeds, and inside every round's
+    # blocks: leave once process 0 marked the job as ended (.ended).
+    self._end = _ended.watch(self._store, self._me)
+    if self._fresh:
+      self._end.arm()
 
   def _island_of(self, process: int) -> int:
     return int(rows.island_of(process, self._k, self._dedicated))
@@ -319,9 +327,11 @@ class Island:
     Process 0 hosts the coordination service; a process still connected
     when it leaves is aborted (SIGABRT) by its client. So every other
     process says in the key-value store that it is done and exits at once;
-    process 0 waits for the others that took part in the last committed
-    round (up to ``timeout_s``: a dead one never says so), then for a
-    moment, and exits last. Each process exits with ``exit_code`` through
+    process 0 first marks the job as ended (a process restarted too late
+    then says so and exits with ``ENDED_EXIT_CODE``, 74, rather than being
+    aborted: ``shardopt/elastic/ended.py``), waits for the others that took
+    part in the last committed round (up to ``timeout_s``: a dead one never
+    says so), then 1 s more, and exits last. Each process exits with ``exit_code`` through
     ``os._exit``: a normal interpreter exit would run
     ``jax.distributed.shutdown``'s barrier, which waits for every process of
     the job, dead ones included.
@@ -355,15 +365,20 @@ class Island:
         f"shardopt.elastic.Island.finish: exit_code={exit_code!r} must be an"
         " integer from 0 to 255 (a process's exit status)."
       )
-    self._leave(_processes(self._last), timeout_s, exit_code)
+    self._leave(_processes(self._last), timeout_s, exit_code, mark=True)
 
-  def _leave(self, processes, timeout_s: float, exit_code: int):
+  def _leave(self, processes, timeout_s: float, exit_code: int, mark=False):
     """:meth:`finish`'s protocol: process 0 leaves last, after the others
-    of ``processes`` said they are done (up to ``timeout_s``)."""
+    of ``processes`` said they are done (up to ``timeout_s``); ``mark``:
+    process 0 first marks the job's end (.ended; not when the job ends on
+    an error every member found alike, which each reports itself)."""
     store = self._store
+    self._end.disarm()  # this process leaves with its own exit code
     if self._me != 0:
       store.set(f"{_FINISHED}{self._me}", "1", overwrite=True)
     else:
+      if mark:  # a process that arrives now leaves at once
+        _ended.mark(store)
       others = set(processes) - {0}
       deadline = time.monotonic() + timeout_s
       while others and time.monotonic() < deadline:
@@ -548,9 +563,11 @@ class Island:
       else:
         self._heartbeat.want(_host_int(state.sync_count) + 1)
     watchdog = self._watchdog(_host_int(state.sync_count) + 1)
+    self._end.arm()
     try:
       return self._rounds(sync, params, state)
     finally:
+      self._end.disarm()
       if watchdog is not None:
         watchdog.cancel()
 
@@ -644,6 +661,9 @@ class Island:
             f" processes did not come up within {self._timeout_s} s."
           )
         continue
+      # The block succeeded on every member: this process commits the
+      # round, even if process 0 marks the job's end meanwhile (.ended).
+      self._end.disarm()
       params, state, done = self._commit(
         healing, sync_now, exchanged, params, state_now, dropped
       )
