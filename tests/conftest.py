@@ -156,6 +156,11 @@ SLOW_TESTS = {
       "orbax checkpoint round trip"
     ),
   },
+  "test_migration_doc.py": {
+    "test_agn_example_syncs_once_onto_a_shared_center": (
+      "runs the guide's code; the fast tier keeps its other two examples"
+    ),
+  },
   "test_model_parallel.py": {
     "test_model_sharded_run_matches_data_only_run": _CASES,
     "test_islands_with_a_model_axis_match_the_run_without": _VARIANT,
