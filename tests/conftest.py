@@ -100,6 +100,7 @@ SLOW_TESTS = {
   },
   "test_decoupled.py": {
     "test_updates_and_momentum_match_the_papers_steps_in_numpy": _CASES,
+    "test_a_bfloat16_wire_keeps_its_rounding_in_the_momentum": _VARIANT,
   },
   "test_demo.py": {
     "test_demo_*": "trains the demo's four methods",
@@ -291,6 +292,11 @@ SLOW_TESTS = {
   "test_study_replicas.py": {
     "test_digits_under_vmap_matches_pmap": (
       "trains the study's model two ways per method; the fast tier keeps sync"
+    ),
+  },
+  "test_traffic.py": {
+    "test_docs_bytes_page_prints_what_it_shows_and_the_readme_numbers": (
+      "runs the guide's code; test_bytes_page keeps the page's facts"
     ),
   },
   "test_tower.py": {
