@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-fast fuzz bench install clean notebooks docs lint wheel
+.PHONY: demo test test-fast test-fast-timing fuzz bench install clean notebooks docs lint wheel
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,13 +32,23 @@ demo: $(VENV)/.demo-installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 tests
 
-# Every transform against its numpy/optax/TensorFlow reference and the
-# argument checks, in under 3 minutes: the suite less what is marked slow
-# (tests/conftest.py: SLOW_FILES, SLOW_TESTS; @pytest.mark.slow): subprocesses
-# (multi-process, elastic, restarts, process faults), notebooks, benchmark
-# runs, docs and packaging builds, and the longer variants of what it keeps.
+# Every transform against its numpy/optax/TensorFlow reference, in one mapping
+# or case each, and the argument checks, in under 3 minutes on the 2-core
+# development machine when it is otherwise quiet: the suite less what is
+# marked slow (tests/conftest.py: SLOW_FILES, SLOW_TESTS, KEEP;
+# @pytest.mark.slow): subprocesses (multi-process, elastic, restarts, process
+# faults), notebooks, benchmark runs, docs and packaging builds, and the
+# longer variants and further cases of what it keeps. `make test-fast-timing`
+# (python tests/fast_tier.py) runs this recipe and records its count and
+# seconds in tests/fast_tier.json and README.md; tests/test_fast_tier.py fails
+# when the tier has changed size since, or took over 3 minutes.
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 -m "not slow" tests
+
+# Times `make test-fast` (its recipe above) and writes tests/fast_tier.json
+# and README.md's fast-tier block: run it on a quiet machine.
+test-fast-timing: $(VENV)/.installed
+	$(PY) tests/fast_tier.py
 
 # Write each notebooks/NN_*.ipynb from its jupytext source and execute it.
 notebooks: $(VENV)/.installed

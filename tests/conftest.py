@@ -1,6 +1,7 @@
 """Test setup: 8 forced CPU devices, set before jax is imported anywhere."""
 
 import os
+import pathlib
 import re
 
 # The collective timeouts are raised from XLA CPU's defaults: on a loaded 2-core
@@ -97,6 +98,10 @@ SLOW_TESTS = {
       _VARIANT
     ),
   },
+  "test_decoupled.py": {
+    "test_updates_and_momentum_match_the_papers_steps_in_numpy": _CASES,
+    "test_a_bfloat16_wire_keeps_its_rounding_in_the_momentum": _VARIANT,
+  },
   "test_demo.py": {
     "test_demo_*": "trains the demo's four methods",
     "test_command_line_forces_cpu_devices_in_a_fresh_process": "subprocess",
@@ -138,12 +143,23 @@ SLOW_TESTS = {
     ),
     "test_diloco_streaming_sections": "runs the guide's code",
   },
+  "test_host_schedule.py": {
+    "test_the_sync_0_program_is_the_plain_local_step[agn, float32]": _CASES,
+    "test_host_schedule_matches_in_graph_under_pmap_and_vmap": (
+      "a variant; the fast tier keeps the shard_map test of the same numbers"
+    ),
+  },
   "test_integration_flax.py": {
     "test_agn_checkpoint_mid_period_restores_and_continues_bit_identically": (
       "orbax checkpoint round trip"
     ),
     "test_tower_sharded_state_checkpoint_restores_and_continues_bit_identically": (
       "orbax checkpoint round trip"
+    ),
+  },
+  "test_migration_doc.py": {
+    "test_agn_example_syncs_once_onto_a_shared_center": (
+      "runs the guide's code; the fast tier keeps its other two examples"
     ),
   },
   "test_model_parallel.py": {
@@ -157,6 +173,7 @@ SLOW_TESTS = {
     "test_quantized_wire_inside_model_parallel_replicas_matches_data_only": (
       _VARIANT
     ),
+    "test_host_scheduled_steps_inside_model_parallel_replicas": _CASES,
   },
   "test_outer_optimizer.py": {
     "test_the_default_spelled_as_an_optax_sgd_is_bit_identical": _VARIANT,
@@ -218,6 +235,11 @@ SLOW_TESTS = {
       "random inputs; test_schedules keeps the numbers"
     ),
   },
+  "test_quality_per_byte.py": {
+    "test_the_muon_factory_orthogonalizes_only_the_kernels": (
+      "two steps of the study's Muon, op by op, not compiled"
+    ),
+  },
   "test_quantize.py": {
     # One compiled program per (mapping, groups) serves these three.
     "test_two_phase_reduction_matches_the_numpy_reference_bit_for_bit": _CASES,
@@ -267,6 +289,16 @@ SLOW_TESTS = {
     "test_outer_gradient_error_feedback_keeps_the_center_on_course": _LONG,
     "test_quantized_streaming_with_overlap_and_layers_under_shard_map": _VARIANT,
   },
+  "test_study_replicas.py": {
+    "test_digits_under_vmap_matches_pmap": (
+      "trains the study's model two ways per method; the fast tier keeps sync"
+    ),
+  },
+  "test_traffic.py": {
+    "test_docs_bytes_page_prints_what_it_shows_and_the_readme_numbers": (
+      "runs the guide's code; test_bytes_page keeps the page's facts"
+    ),
+  },
   "test_tower.py": {
     "test_tower_equals_cross_shard_under_pmap": _CASES,
     "test_tower_equals_cross_shard_under_shard_map": _CASES,
@@ -289,13 +321,16 @@ KEEP = {
     "test_reduce_of_invariant_gradient_divides_instead_of_all_reducing[mean-no_comm_dtype]",
     "test_group_members_bit_identical_after_grouped_reduce[shard_map_check_vma-pairs]",
   ],
+  "test_decoupled.py": [
+    "test_updates_and_momentum_match_the_papers_steps_in_numpy[shard_map]",
+  ],
   "test_elastic_rounds.py": [
     "test_plain_round_matches_diloco_under_shard_map[diloco]",
     "test_plain_rounds_on_every_wire_match_the_transforms_own_sync[int8_ef]",
-    "test_plain_rounds_on_every_wire_match_the_transforms_own_sync[topk_ef]",
   ],
   "test_model_parallel.py": [
     "test_model_sharded_run_matches_data_only_run[chain(cross_shard_sum)-Explicit]",
+    "test_host_scheduled_steps_inside_model_parallel_replicas[diloco-Explicit]",
   ],
   "test_periodic.py": [
     "test_eight_replicas_match_numpy_reference_under_pmap[3-mean-groups]",
@@ -320,6 +355,9 @@ KEEP = {
     "test_overlap_matches_numpy_reference[2-1-0.5]",
     "test_overlap_matches_numpy_reference[4-3-0.0]",
     "test_layer_fragments_match_numpy_reference[2-tau2]",
+  ],
+  "test_study_replicas.py": [
+    "test_digits_under_vmap_matches_pmap[sync]",
   ],
   "test_tower.py": [
     "test_tower_equals_cross_shard_under_pmap[adam]",
@@ -347,6 +385,12 @@ def _stale(path, patterns):
   return stale
 
 
+# The fast tier's size (the tests not marked slow), stashed on the config when
+# a run collected every tests/test_*.py: tests/test_fast_tier.py compares it
+# with the count tests/fast_tier.json recorded, without collecting again.
+FAST_TIER_COUNT = pytest.StashKey[int]()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
   """Marks SLOW_FILES and SLOW_TESTS (less KEEP) slow, before ``-m`` selects;
@@ -370,4 +414,9 @@ def pytest_collection_modifyitems(config, items):
     raise pytest.UsageError(
       f"tests/conftest.py (SLOW_TESTS, KEEP) names tests their files do not"
       f" define: {stale}; rename or remove those entries"
+    )
+  here = pathlib.Path(__file__).resolve().parent
+  if {p.resolve() for p in files.values()} == set(here.glob("test_*.py")):
+    config.stash[FAST_TIER_COUNT] = sum(
+      1 for item in items if item.get_closest_marker("slow") is None
     )
