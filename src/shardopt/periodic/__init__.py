@@ -51,6 +51,8 @@ The examples assume 8 devices (for instance a CPU with
 imported).
 """
 
+from shardopt.periodic.desloc import desloc
+from shardopt.periodic.pier import pier_momentum
 from shardopt.periodic.state import AGNState
 from shardopt.periodic.state import PeriodicState
 from shardopt.periodic.transforms import agn
@@ -62,7 +64,9 @@ __all__ = [
   "AGNState",
   "PeriodicState",
   "agn",
+  "desloc",
   "diloco",
   "hierarchical_local_sgd",
   "local_sgd",
+  "pier_momentum",
 ]
