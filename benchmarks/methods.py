@@ -371,7 +371,9 @@ def desloc(period: int = 16, mu: int | None = None, nu: int | None = None):
   cycle = math.lcm(*periods.values())
   rounds = (
     sum(
-      1 for t in range(1, cycle + 1) if any(t % k == 0 for k in periods.values())
+      1
+      for t in range(1, cycle + 1)
+      if any(t % k == 0 for k in periods.values())
     )
     / cycle
   )

@@ -12,6 +12,8 @@ and ``jax.pmap``, to float32 rounding: ``rtol=2e-5, atol=1e-6``.
 from __future__ import annotations
 
 import math
+import pathlib
+import re
 
 import _compiled
 import chex
@@ -187,7 +189,9 @@ def test_due_numbers_each_set_of_parts_that_fire_together():
   period divides t (written out here), 0 when none does."""
   tx = _tx()
   syncs = engine_module.engine_of(tx).syncs
-  assert len(syncs) == 5  # {x}, {u}, {x,u}, {x,v}, {x,u,v}; {v}, {u,v} never alone
+  assert (
+    len(syncs) == 5
+  )  # {x}, {u}, {x,u}, {x,v}, {x,u,v}; {v}, {u,v} never alone
   for t in range(1, 3 * math.lcm(KX, KU, KV) + 1):
     fire = {name for name, k in PERIODS.items() if t % k == 0}
     k = shardopt.due(tx, t)
@@ -290,3 +294,35 @@ def test_a_quantized_wire_carries_the_moments_too():
   got = _pmap_run(tx, w0, _targets(), STEPS)[-1][0]
   want = _reference(w0, _targets(), STEPS)[-1][0]
   np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
+
+
+def _page_blocks(page: str) -> list:
+  text = (
+    pathlib.Path(__file__).resolve().parents[1] / "docs" / page
+  ).read_text()
+  return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_the_docs_page_runs_and_prints_what_it_says(capsys):
+  """docs/desloc.md's python blocks, run in order in one namespace (as
+  tests/test_guides.py runs the guides), print what the page says."""
+  namespace = {}
+  for index, block in enumerate(_page_blocks("desloc.md")):
+    exec(
+      compile(block, f"docs/desloc.md[python block {index}]", "exec"), namespace
+    )
+  printed = capsys.readouterr().out
+  text = (
+    pathlib.Path(__file__).resolve().parents[1] / "docs" / "desloc.md"
+  ).read_text()
+  assert namespace["programs"] == [0, 1, 2, 1, 0, 3]
+  assert namespace["together"] == [
+    [],
+    ["params"],
+    ["mu"],
+    ["params"],
+    [],
+    ["params", "mu", "nu"],
+  ]
+  for line in printed.strip().splitlines():
+    assert f"`{line}`" in text, line

@@ -10,6 +10,9 @@ atol=1e-6``).
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,7 +60,9 @@ def test_the_schedule_is_the_formula(total, peak, warm, decay, final):
     final=final,
   )
   got = np.asarray([float(schedule(k)) for k in range(total + 3)])
-  want = [_formula(k, total, peak, warm, decay, final) for k in range(total + 3)]
+  want = [
+    _formula(k, total, peak, warm, decay, final) for k in range(total + 3)
+  ]
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   # Traced (the outer optimizer's counter is an int32 array).
   traced = jax.jit(jax.vmap(schedule))(jnp.arange(total + 3, dtype=jnp.int32))
@@ -137,7 +142,9 @@ def test_diloco_with_pier_momentum_matches_numpy_over_8_syncs():
   got = [centers[period * (k + 1) - 1] for k in range(syncs)]
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   # The schedule read at the inner step count instead gives other numbers.
-  inner = [_formula(period * k, total, 0.9, 0.25, 0.25, 0.0) for k in range(syncs)]
+  inner = [
+    _formula(period * k, total, 0.9, 0.25, 0.25, 0.0) for k in range(syncs)
+  ]
   wrong = _reference(w0, grads, period, syncs, 0.7, inner, 0.1)
   assert not np.allclose(got, wrong, rtol=1e-3)
   # The outer optimizer counted its own steps: one per sync.
@@ -189,3 +196,32 @@ def test_refusals_name_the_argument_and_the_fix():
       outer_momentum=shardopt.pier_momentum(10),
       outer_optimizer=optax.sgd(0.7),
     )
+
+
+def _page_blocks(page: str) -> list:
+  text = (
+    pathlib.Path(__file__).resolve().parents[1] / "docs" / page
+  ).read_text()
+  return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_the_docs_page_runs_and_prints_what_it_says(capsys):
+  """docs/pier.md's python blocks, run in order in one namespace (as
+  tests/test_guides.py runs the guides), print what the page says."""
+  namespace = {}
+  for index, block in enumerate(_page_blocks("pier.md")):
+    exec(
+      compile(block, f"docs/pier.md[python block {index}]", "exec"), namespace
+    )
+  printed = capsys.readouterr().out
+  text = (
+    pathlib.Path(__file__).resolve().parents[1] / "docs" / "pier.md"
+  ).read_text()
+  lines = printed.strip().splitlines()
+  count, mu = lines[1].split()
+  assert int(count) == 24 and abs(float(mu) - 0.15) < 1e-6
+  assert "24 outer steps" in text and "momentum 0.15" in text
+  schedule = [float(x) for x in lines[0].strip("[]").split(", ")]
+  want = [_formula(k, 24, 0.9, 0.25, 0.25, 0.0) for k in range(24)]
+  np.testing.assert_allclose(schedule, want, atol=1e-3)
+  assert schedule[:7] == [0.0, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9]

@@ -70,7 +70,7 @@ def desloc(
 
   Whatever fires after a step averages in one collective round, inside one
   ``lax.cond``: the schedule has one sync per set of parts that fire
-  together (:func:`shardopt.periodic.schedules.desloc`), numbered as
+  together (``desloc`` in ``src/shardopt/periodic/schedules.py``), numbered as
   ``shardopt.due(tx, t)`` returns them, so ``tx.update(..., sync=due(tx,
   t))`` works as for :func:`local_sgd`. A step with a moment sync and no
   params sync all-reduces that moment alone and leaves the params and

@@ -85,7 +85,9 @@ def pier_momentum(
       raise ValueError(
         f"{_NAME}: {arg}={value!r} must be a momentum in [0, 1); e.g. 0.9."
       )
-  warm = round(_fraction(warmup_fraction, "warmup_fraction") * total_outer_steps)
+  warm = round(
+    _fraction(warmup_fraction, "warmup_fraction") * total_outer_steps
+  )
   decay = round(_fraction(decay_fraction, "decay_fraction") * total_outer_steps)
   if warm + decay > total_outer_steps:
     raise ValueError(
