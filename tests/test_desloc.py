@@ -278,6 +278,14 @@ def test_refusals_name_the_argument_and_the_fix():
     shardopt.desloc(optax.adam(0.1), AXIS, state_sync_periods=[3])
 
 
+def test_elastic_islands_refuse_it_by_name():
+  """The elastic split runs the params' syncs only: refused, not ignored."""
+  from shardopt.periodic import split  # noqa: PLC0415
+
+  with pytest.raises(ValueError, match=r"shardopt.desloc.*state_sync_periods"):
+    split.engine_of(_tx(), "shardopt.elastic.Island")
+
+
 def test_a_quantized_wire_carries_the_moments_too():
   """comm_dtype=int8: every sync (the moment's own included) sends int8
   payloads, and training still tracks the float32 run within int8's
