@@ -43,7 +43,9 @@ layers of stacked leaves), ``contributions`` (gradient sums,
 pseudo-gradients, params), ``combine`` (the collective round), ``outer``
 (the outer steps: optimizer, mean, replace; the overlap's merge), ``engine`` (``update`` as its
 numbered steps), ``checks`` (argument checks) and ``_xla`` (the XLA cost
-tricks). A new schedule touches ``schedules``; a new outer step ``outer``
+tricks); ``desloc`` (DES-LOC: the local optimizer's moments averaged on
+periods of their own, found by ``moments``) and ``pier`` (Pier's
+outer-momentum schedule for ``diloco``). A new schedule touches ``schedules``; a new outer step ``outer``
 (and the transform that uses it).
 
 The examples assume 8 devices (for instance a CPU with

@@ -34,6 +34,10 @@ shared center). ``update`` runs these steps, one call each:
       averaging the combined params are the new center);
    d. :func:`.outer.pull` (only where this step's updates go through the
       conds): updates that move the synced leaves onto the center.
+   e. DES-LOC (``Sync.states``): the local state's fields the sync names
+      (:mod:`.moments`, after this step's local step, which then runs
+      before the conds) ride in the same round as its contribution and are
+      replaced by their mean; a sync with ``params=False`` moves them alone.
 
 6. :func:`_local_step_after`: where it runs after the syncs, the local step
    (ordered after them by :func:`._xla.after`).
