@@ -45,8 +45,8 @@ pseudo-gradients, params), ``combine`` (the collective round), ``outer``
 numbered steps), ``checks`` (argument checks) and ``_xla`` (the XLA cost
 tricks); ``desloc`` (DES-LOC: the local optimizer's moments averaged on
 periods of their own, found by ``moments``) and ``pier`` (Pier's
-outer-momentum schedule for ``diloco``). A new schedule touches ``schedules``; a new outer step ``outer``
-(and the transform that uses it).
+outer-momentum schedule for ``diloco``). A new schedule touches
+``schedules``; a new outer step ``outer`` (and the transform that uses it).
 
 The examples assume 8 devices (for instance a CPU with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before jax is
