@@ -45,6 +45,7 @@ def pier_momentum(
           = peak                                   for W <= k < K - D
           = peak + (final - peak) * (k - K + D) / D  for K - D <= k < K
           = final                                  for k >= K
+
   (with ``D = 0`` the momentum stays at ``peak`` from ``W`` on).
 
   The paper names its two techniques (momentum warm-up and momentum
