@@ -334,3 +334,38 @@ def test_the_docs_page_runs_and_prints_what_it_says(capsys):
   ]
   for line in printed.strip().splitlines():
     assert f"`{line}`" in text, line
+
+
+def test_groups_average_within_themselves():
+  """axis_index_groups of 4: after the first moment's own sync (step 3) mu
+  agrees within each group, to the bit, and differs between the groups (to
+  the numpy mean of each group's rows, float32 rounding)."""
+  groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+  tx = _tx(axis_index_groups=groups)
+  w0 = np.linspace(-1.0, 1.0, N).astype(np.float32)
+  w, state = _pmap_run(tx, w0, _targets(), 3)[-1]
+  mu = state.local_state[0].mu
+  for g in groups:
+    chex.assert_trees_all_equal(*[mu[i] for i in g])
+  assert not np.all(mu[0] == mu[4])
+  # The same run with mu never averaged: each group's mean of its rows.
+  unsynced = (
+    _pmap_run(
+      shardopt.desloc(
+        optax.adam(LR, b1=B1, b2=B2, eps=EPS),
+        AXIS,
+        sync_period=KX,
+        state_sync_periods={"mu": 100, "nu": 100},
+        axis_index_groups=groups,
+      ),
+      w0,
+      _targets(),
+      3,
+    )[-1][1]
+    .local_state[0]
+    .mu
+  )
+  for g in groups:
+    np.testing.assert_allclose(
+      mu[g[0]], unsynced[g].mean(0), rtol=1e-5, atol=1e-7
+    )
