@@ -360,11 +360,76 @@ def demo(
   )
 
 
+def desloc(period: int = 16, mu: int | None = None, nu: int | None = None):
+  """DES-LOC (issue 51, arXiv 2505.22549): ``desloc(adamw, sync_period=
+  period)`` with the moments on their own periods (default the paper's
+  rule, ``mu`` every ``3 * period``, ``nu`` every ``6 * period``;
+  ``mu = nu = period`` is Local Adam)."""
+  mu = 3 * period if mu is None else mu
+  nu = 6 * period if nu is None else nu
+  periods = {"params": period, "mu": mu, "nu": nu}
+  cycle = math.lcm(*periods.values())
+  rounds = (
+    sum(
+      1
+      for t in range(1, cycle + 1)
+      if any(t % k == 0 for k in periods.values())
+    )
+    / cycle
+  )
+  return Method(
+    f"desloc(adamw, Kx={period}, Ku={mu}, Kv={nu})",
+    ("desloc",),
+    lambda opt: shardopt.desloc(
+      opt(), AXIS, sync_period=period, state_sync_periods={"mu": mu, "nu": nu}
+    ),
+    hlo.Schedule(schedules.desloc(periods)),
+    rounds,
+    family="desloc",
+  )
+
+
+def pier(
+  period: int = 16,
+  steps: int = workload.FULL.steps,
+  warmup_fraction: float = 0.1,
+  decay_fraction: float = 0.1,
+  peak: float = 0.9,
+  outer_learning_rate: float = 0.7,
+) -> Method:
+  """Pier (issue 51, arXiv 2511.17849): ``diloco(adamw, H=period)`` whose
+  Nesterov outer momentum warms up from 0 to ``peak`` over the first
+  ``warmup_fraction`` of the run's ``steps // period`` outer steps and
+  decays to 0 over the last ``decay_fraction`` (shardopt.pier_momentum),
+  DiLoCo's outer learning rate 0.7."""
+  outer_steps = max(1, steps // period)
+  return Method(
+    f"diloco(adamw, H={period}, Pier {outer_learning_rate:g}/{peak:g},"
+    f" warm-up {warmup_fraction:g}, decay {decay_fraction:g})",
+    ("diloco", "pier_momentum"),
+    lambda opt: shardopt.diloco(
+      opt(),
+      AXIS,
+      sync_period=period,
+      outer_learning_rate=outer_learning_rate,
+      outer_momentum=shardopt.pier_momentum(
+        outer_steps,
+        peak=peak,
+        warmup_fraction=warmup_fraction,
+        decay_fraction=decay_fraction,
+      ),
+    ),
+    hlo.Schedule(schedules.every(period)),
+    1.0 / period,
+    family="pier",
+  )
+
+
 def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
   """Issue 24's frontier (section 8) with issue 33's rows, for a run of
   ``steps`` steps.
 
-  Full (37 methods, about 95 min for 2 seeds on the shared 2-core
+  Full (41 methods, about 105 min for 2 seeds on the shared 2-core
   machine): sync and ``cross_shard_mean`` on an int8 wire with error
   feedback and on a top-k wire (32 of every 4096 entries, 2-bit values,
   error feedback without decay: DeMo's density on per-step gradients);
@@ -382,7 +447,9 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
   ``diloco`` H = 64, F = 4 with overlap (1 step, alpha 0.5);
   ``hierarchical_local_sgd`` pairs every 16 steps, all 8 every 64; DeMo
   (:func:`demo`, issue 43) at the paper's defaults, its sign step at 3, 1,
-  0.3 and 0.1 times the study's learning rate.
+  0.3 and 0.1 times the study's learning rate; issue 51's DES-LOC
+  (:func:`desloc`: K_x = 16 at the paper's rule, and as Local Adam) and
+  Pier (:func:`pier`: H = 16 at its defaults, and a 30% warm-up).
   ``quick`` (the CI smoke run): four methods that cover the code paths (a
   quantized wire with error feedback and a warm-up in one DiLoCo), with
   periods that fit a short run (H = 16).
@@ -430,6 +497,12 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
     streaming_diloco(64, 4, overlap_steps=1, overlap_alpha=0.5),
     hierarchical({16: 2, 64: 8}),
     *(demo(scale) for scale in (3.0, 1.0, 0.3, 0.1)),
+    # Issue 51: DES-LOC at the paper's rule and as Local Adam (every state
+    # with the params); Pier at its defaults and a longer warm-up.
+    desloc(16),
+    desloc(16, mu=16, nu=16),
+    pier(16, steps),
+    pier(16, steps, warmup_fraction=0.3),
   ]
 
 
@@ -438,7 +511,8 @@ def frontier() -> list[Method]:
   ``python -m benchmarks.accelerator`` train: sync, ``cross_shard_mean`` on
   int8 with error feedback, ``local_sgd`` H = 16, ``diloco`` H = 16 (AdamW
   and Muon inside), SparseLoCo H = 4 (``diloco`` on ``topk(64)`` with error
-  feedback, outer ``sgd(1)``) and DeMo at the paper's defaults."""
+  feedback, outer ``sgd(1)``), DeMo, DES-LOC (K_x = 16) and Pier (H = 16)
+  at the papers' defaults."""
   return [
     sync(),
     cross_shard_mean(jnp.int8, error_feedback=True),
@@ -447,4 +521,6 @@ def frontier() -> list[Method]:
     diloco(16, name="muon"),
     diloco(4, comm_dtype=shardopt.topk(64), error_feedback=True, outer="sgd"),
     demo(),
+    desloc(16),
+    pier(16),
   ]

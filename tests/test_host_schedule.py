@@ -86,11 +86,15 @@ def _transforms():
     "accumulate_diloco": lambda: shardopt.accumulate(
       shardopt.diloco(adam, AXIS, sync_period=2), 2
     ),
+    # DES-LOC: params every 2, mu every 3 (alone at 3, 9), nu every 4.
+    "desloc": lambda: shardopt.desloc(
+      adam, AXIS, sync_period=2, state_sync_periods={"mu": 3, "nu": 4}
+    ),
   }
 
 
 TRANSFORMS = _transforms()
-FAST = ("diloco_overlap", "accumulate_diloco")
+FAST = ("diloco_overlap", "accumulate_diloco", "desloc")
 
 # Where the in-graph schedule's local step is not the plain optimizer's to
 # the bit: after a warm-up it reads the gradient out of the warm-up's cond,
@@ -104,7 +108,10 @@ FAST = ("diloco_overlap", "accumulate_diloco")
 # overlap's merge, a clip before the schedule) into the caller's add in more
 # places than under jit + shard_map: the same rounding difference, which
 # these mappings are held to.
-ROUNDING_ONLY = {"diloco_fragments_warmup", "finite_local_sgd"}
+# DES-LOC's in-graph steps hand the local step's updates through the conds
+# (a moment sync reads the state after the local step), so the caller's add
+# is not fused with the local step there: the same last-bit difference.
+ROUNDING_ONLY = {"diloco_fragments_warmup", "finite_local_sgd", "desloc"}
 
 
 def assert_same_numbers(name, host, in_graph, mapping="shard_map"):

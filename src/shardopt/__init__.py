@@ -30,9 +30,11 @@ from shardopt.finite import apply_if_finite
 from shardopt.periodic import AGNState
 from shardopt.periodic import PeriodicState
 from shardopt.periodic import agn
+from shardopt.periodic import desloc
 from shardopt.periodic import diloco
 from shardopt.periodic import hierarchical_local_sgd
 from shardopt.periodic import local_sgd
+from shardopt.periodic import pier_momentum
 from shardopt.periodic.describe import describe_fragments
 from shardopt.periodic.fragments import fragment_of
 from shardopt.powersgd import PowerSGDState
@@ -61,11 +63,13 @@ __all__ = [
   "AGNState",
   "PeriodicState",
   "agn",
+  "desloc",
   "diloco",
   "describe_fragments",
   "fragment_of",
   "hierarchical_local_sgd",
   "local_sgd",
+  "pier_momentum",
   "PowerSGDState",
   "powersgd",
   "DecoupledMomentumState",

@@ -669,6 +669,12 @@ class Schedule(NamedTuple):
     )
     if not self.syncs:
       return "every step"
+    if any(s.states or not s.params for s in self.syncs):  # DES-LOC
+      parts = {}
+      for s in self.syncs:
+        for part in ("params",) * s.params + tuple(s.states):
+          parts[part] = min(parts.get(part, s.period), s.period)
+      return warm + ", ".join(f"{p} every {k}" for p, k in parts.items())
     if any(s.group_size is not None for s in self.syncs):
       return "levels " + ", ".join(
         f"every {s.period}: groups of {s.group_size}" for s in self.syncs

@@ -43,14 +43,18 @@ layers of stacked leaves), ``contributions`` (gradient sums,
 pseudo-gradients, params), ``combine`` (the collective round), ``outer``
 (the outer steps: optimizer, mean, replace; the overlap's merge), ``engine`` (``update`` as its
 numbered steps), ``checks`` (argument checks) and ``_xla`` (the XLA cost
-tricks). A new schedule touches ``schedules``; a new outer step ``outer``
-(and the transform that uses it).
+tricks); ``desloc`` (DES-LOC: the local optimizer's moments averaged on
+periods of their own, found by ``moments``) and ``pier`` (Pier's
+outer-momentum schedule for ``diloco``). A new schedule touches
+``schedules``; a new outer step ``outer`` (and the transform that uses it).
 
 The examples assume 8 devices (for instance a CPU with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before jax is
 imported).
 """
 
+from shardopt.periodic.desloc import desloc
+from shardopt.periodic.pier import pier_momentum
 from shardopt.periodic.state import AGNState
 from shardopt.periodic.state import PeriodicState
 from shardopt.periodic.transforms import agn
@@ -62,7 +66,9 @@ __all__ = [
   "AGNState",
   "PeriodicState",
   "agn",
+  "desloc",
   "diloco",
   "hierarchical_local_sgd",
   "local_sgd",
+  "pier_momentum",
 ]

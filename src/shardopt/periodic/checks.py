@@ -95,14 +95,15 @@ def check_outer_args(
       f"{transform}: outer_learning_rate={outer_learning_rate!r} must be a"
       " positive number (or an optax schedule); DiLoCo uses 0.7."
     )
-  if (
+  if not callable(outer_momentum) and (
     isinstance(outer_momentum, (bool, np.bool_))
     or not isinstance(outer_momentum, (int, float, np.number))
     or not 0 <= outer_momentum < 1
   ):
     raise ValueError(
       f"{transform}: outer_momentum={outer_momentum!r} must be a number in"
-      " [0, 1); DiLoCo uses 0.9 (0 turns momentum off)."
+      " [0, 1) (or an optax schedule of the outer step, e.g."
+      " shardopt.pier_momentum(...)); DiLoCo uses 0.9 (0 turns momentum off)."
     )
   _args.flag(nesterov, "nesterov", transform, "DiLoCo uses True")
 

@@ -34,6 +34,10 @@ shared center). ``update`` runs these steps, one call each:
       averaging the combined params are the new center);
    d. :func:`.outer.pull` (only where this step's updates go through the
       conds): updates that move the synced leaves onto the center.
+   e. DES-LOC (``Sync.states``): the local state's fields the sync names
+      (:mod:`.moments`, after this step's local step, which then runs
+      before the conds) ride in the same round as its contribution and are
+      replaced by their mean; a sync with ``params=False`` moves them alone.
 
 6. :func:`_local_step_after`: where it runs after the syncs, the local step
    (ordered after them by :func:`._xla.after`).
@@ -75,6 +79,7 @@ from shardopt.periodic import checks
 from shardopt.periodic import combine
 from shardopt.periodic import contributions
 from shardopt.periodic import fragments as _fragments
+from shardopt.periodic import moments as _moments
 from shardopt.periodic import outer
 from shardopt.periodic import schedules
 from shardopt.periodic.state import Carry
@@ -176,6 +181,9 @@ class _Step(NamedTuple):
   treedef: Any
   view: Any  # what the outer optimizer sees of a list of leaves
   placement: _xla.Placement
+  # DES-LOC: per state field a sync may average, the indices of its leaves
+  # in jax.tree.leaves(local_state) ({} without state syncs).
+  moments: dict
 
   def local_step(self, grads: Any):
     return _local_step(
@@ -222,6 +230,7 @@ def _trace(engine: _Engine, grads, state, params, extra_args) -> _Step:
     treedef=treedef,
     view=outer.fragment_view(treedef, engine.num_fragments),
     placement=None,
+    moments=_state_syncs(engine, state.local_state),
   )
   # A sync run a step late (overlap) reads the params it is given, not
   # this step's updates. A warm-up's cond reads them (it recomputes them,
@@ -230,6 +239,10 @@ def _trace(engine: _Engine, grads, state, params, extra_args) -> _Step:
   reads_updates = engine.warmup_steps > 0 or (
     engine.contribution.reads_updates and any(s.lag == 0 for s in engine.syncs)
   )
+  if step.moments:
+    # A sync that averages moments reads the local state after this step's
+    # local step: it runs first, its updates and state through the conds.
+    return step._replace(placement=_xla.Placement(True, True))
   return step._replace(
     placement=_xla.placement(
       reads_updates,
@@ -237,6 +250,16 @@ def _trace(engine: _Engine, grads, state, params, extra_args) -> _Step:
       grads,
     )
   )
+
+
+def _state_syncs(engine: _Engine, local_state) -> dict:
+  """DES-LOC: the local state's leaves each state field of the schedule
+  names (:mod:`.moments`), checked; {} without state syncs."""
+  names = list(dict.fromkeys(n for s in engine.syncs for n in s.states))
+  if not names:
+    return {}
+  _moments.check(local_state, names, engine.name)
+  return _moments.indices(local_state, names)
 
 
 # --------------------------------------------------------------------------
@@ -344,6 +367,7 @@ def _start(step: _Step, before, count, center: list, sync_count) -> Carry:
   if step.engine.warmup_steps:
     warm = jnp.reshape(count, ()) <= step.engine.warmup_steps
     grads = jax.tree.map(lambda g: jnp.where(warm, jnp.zeros_like(g), g), grads)
+  local_leaves = jax.tree.leaves(before[1]) if step.moments else []
   return Carry(
     updates=before[0] if step.placement.through_conds else [],
     accumulator=step.engine.contribution.accumulate(state.accumulator, grads),
@@ -353,6 +377,10 @@ def _start(step: _Step, before, count, center: list, sync_count) -> Carry:
     sync_count=sync_count,
     skipped=state.skipped,
     left_out=jnp.zeros([], bool),
+    moments={
+      name: [local_leaves[i] for i in found]
+      for name, found in step.moments.items()
+    },
   )
 
 
@@ -367,7 +395,7 @@ def _syncs(step: _Step, index: jax.Array, carry: Carry, only=None) -> Carry:
       index == k + 1,
       functools.partial(_sync, step, k),
       carry,
-      _fragments.leaves_of(step.fragments[s.fragment]),
+      _fragments.leaves_of(step.fragments[s.fragment]) if s.params else [],
       s.fragment if engine.num_fragments > 1 else None,
     )
   return carry
@@ -377,7 +405,7 @@ def _sync(step: _Step, k: int, part: Carry) -> Carry:
   """Steps 5a-5d: sync ``k`` on its fragment's slice of the carry."""
   engine = step.engine
   sync = engine.syncs[k]
-  pieces = step.fragments[sync.fragment]
+  pieces = step.fragments[sync.fragment] if sync.params else ()
   take, put = _piecewise(pieces)
   params = [_fragments.take(step.leaves[p.leaf], p) for p in pieces]
   center = take(part.center)
@@ -385,8 +413,10 @@ def _sync(step: _Step, k: int, part: Carry) -> Carry:
   mine = engine.contribution.of(
     accumulator, center, params, _sync_updates(step, sync, part, pieces)
   )
+  # DES-LOC: the state fields this sync averages ride in the same round.
+  moments = [x for name in sync.states for x in part.moments[name]]
   combined, finite, in_group, in_axis, error = combine.combine(
-    mine,
+    mine + moments,
     engine.axis_name,
     step.groups[k],
     reduction=engine.reduction,
@@ -395,9 +425,12 @@ def _sync(step: _Step, k: int, part: Carry) -> Carry:
     transform=engine.name,
     error=take(part.error) if part.error else None,
   )
-  center, global_state = engine.outer_step.step(
-    combined, mine, center, part.global_state, in_group > 0, step.view
-  )
+  combined, averaged = combined[: len(mine)], combined[len(mine) :]
+  global_state = part.global_state
+  if sync.params:
+    center, global_state = engine.outer_step.step(
+      combined, mine, center, part.global_state, in_group > 0, step.view
+    )
   updates = part.updates
   if updates and engine.merge is None:
     updates = put(updates, outer.pull(center, params))
@@ -412,7 +445,23 @@ def _sync(step: _Step, k: int, part: Carry) -> Carry:
     sync_count=part.sync_count + 1,
     skipped=_skipped(step, k, part.skipped, in_axis),
     left_out=jnp.logical_not(finite),
+    moments=_averaged(sync, part.moments, averaged, in_group),
   )
+
+
+def _averaged(sync, moments: dict, averaged: list, in_group) -> dict:
+  """The state fields after sync ``sync``: its own replaced by their
+  average (kept as they are if no replica of the group was finite)."""
+  out, at = dict(moments), 0
+  for name in sync.states:
+    mine = moments[name]
+    new = averaged[at : at + len(mine)]
+    at += len(mine)
+    out[name] = [
+      jnp.where(in_group > 0, a, m).astype(m.dtype)
+      for a, m in zip(new, mine, strict=True)
+    ]
+  return out
 
 
 def _piecewise(pieces: Sequence[_fragments.Piece]):
@@ -442,6 +491,8 @@ def _sync_updates(step: _Step, sync, part: Carry, pieces) -> list | None:
   which reads the params as given."""
   if sync.lag:
     return None
+  if not pieces:  # a sync of state fields alone (DES-LOC)
+    return []
   if part.updates:
     return _piecewise(pieces)[0](part.updates)
   if not step.engine.contribution.reads_updates:
@@ -465,6 +516,12 @@ def _local_step_after(step: _Step, before, carry: Carry):
   overwrites it in place, reads grads that depend on the syncs, so XLA runs
   it after them (else it copies the state).
   """
+  if step.moments:
+    leaves, treedef = jax.tree.flatten(before[1])
+    for name, found in step.moments.items():
+      for i, x in zip(found, carry.moments[name], strict=True):
+        leaves[i] = x
+    return before[0], treedef.unflatten(leaves)
   if step.placement.before_syncs:
     return before
   return step.local_step(_xla.after(step.grads, carry.sync_count))
@@ -569,6 +626,8 @@ def _init(params, *, engine: _Engine) -> PeriodicState:
   leaves, treedef = jax.tree.flatten(params)
   view = outer.fragment_view(treedef, engine.num_fragments)
   global_state = engine.outer_step.init(params, fragments, view)
+  local_state = engine.optimizer.init(params)
+  _state_syncs(engine, local_state)  # DES-LOC's fields exist
   skipped, restart = initial_flags(
     leaves, engine.axis_name, engine.whole_axis_count
   )
@@ -577,7 +636,7 @@ def _init(params, *, engine: _Engine) -> PeriodicState:
     sync_count=jnp.zeros([], jnp.int32),
     accumulator=engine.contribution.init(params),
     center=jax.tree.map(jnp.asarray, params),
-    local_state=engine.optimizer.init(params),
+    local_state=local_state,
     global_state=global_state,
     skipped=skipped,
     restart=restart,

@@ -11,6 +11,8 @@ one, a field on :class:`Sync`).
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -38,6 +40,11 @@ class Sync(NamedTuple):
       (overlap: with ``lag=1`` its all-reduce reads the params the update
       is given, not that step's gradient). For a merge
       (:func:`merges`), the steps from the sync to the merge.
+    states: names of fields of the local optimizer's state (``"mu"``,
+      ``"nu"``: :mod:`.moments`) whose leaves this sync also averages, in
+      the same collective round (DES-LOC, :func:`desloc`); () for none.
+    params: whether the sync moves the params' fragment (False: a sync of
+      ``states`` alone).
   """
 
   period: int
@@ -45,6 +52,8 @@ class Sync(NamedTuple):
   fragment: int = 0
   group_size: int | None = None
   lag: int = 0
+  states: tuple = ()
+  params: bool = True
 
 
 def every(period: int) -> tuple[Sync, ...]:
@@ -65,6 +74,42 @@ def streaming(
   return tuple(
     Sync(period, ((f * period) // num_fragments + offset) % period, f, lag=lag)
     for f in range(num_fragments)
+  )
+
+
+def desloc(periods: dict) -> tuple[Sync, ...]:
+  """DES-LOC's schedule: ``periods`` maps ``"params"`` and state field names
+  to their own period; after step ``t`` every part whose period divides
+  ``t`` is averaged, in one sync.
+
+  One :class:`Sync` per set of parts that can fire together, the set's
+  period the lcm of its parts' periods, ordered by the set's size so that
+  the largest set that fires wins (:func:`firing`); a set that only ever
+  fires with a larger one (``{"mu"}`` when the params' period divides the
+  moment's) is left out, so that :func:`firing` numbers the syncs that do
+  run (``shardopt.due``)::
+
+    >>> [(s.period, s.params, s.states)
+    ...  for s in desloc({"params": 16, "mu": 48, "nu": 96})]
+    [(16, True, ()), (48, True, ('mu',)), (96, True, ('mu', 'nu'))]
+  """
+  names = list(periods)
+  sets = [
+    frozenset(c)
+    for r in range(1, len(names) + 1)
+    for c in itertools.combinations(names, r)
+  ]
+  period = {s: math.lcm(*(periods[n] for n in s)) for s in sets}
+  live = [
+    s for s in sets if not any(s < o and period[o] == period[s] for o in sets)
+  ]
+  return tuple(
+    Sync(
+      period[s],
+      params="params" in s,
+      states=tuple(n for n in names if n in s and n != "params"),
+    )
+    for s in live
   )
 
 

@@ -59,6 +59,9 @@ def engine_of(tx: Any, where: str) -> Engine:
     "warmup_steps > 0 (a warm-up all-reduces every step)": engine.warmup_steps
     > 0,
     "axis_index_groups": engine.axis_index_groups is not None,
+    "state_sync_periods (desloc: a sync of the optimizer's moments)": any(
+      s.states or not s.params for s in engine.syncs
+    ),
   }
   for what, present in refusals.items():
     if present:

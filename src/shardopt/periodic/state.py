@@ -90,6 +90,9 @@ class Carry(NamedTuple):
   sync_count: jax.Array
   skipped: jax.Array
   left_out: jax.Array  # bool: this replica's contribution was left out
+  # DES-LOC: per local-state field a sync may average, its leaves after this
+  # step's local step ({} without state syncs); handed whole to every cond.
+  moments: dict = {}
 
   PER_LEAF = ("updates", "accumulator", "center", "error")
 

@@ -493,7 +493,12 @@ def diloco(
       (rate 1.4) won on the MLP and lost 0.5-2.6% on the LM. If ``diloco``
       trails ``local_sgd``, lower the rate to 1 or below (see
       ``docs/diloco.md``).
-    outer_momentum: the outer momentum in ``[0, 1)``; 0.2 by default.
+    outer_momentum: the outer momentum in ``[0, 1)``; 0.2 by default. Or a
+      schedule of the outer step count (``k = 0`` for the first sync;
+      ``shardopt.pier_momentum`` is Pier's warm-up and decay): the outer
+      step is then ``optax.inject_hyperparams(optax.sgd)`` with it, the
+      schedule read from the outer optimizer's own counter (one per sync,
+      per fragment), never from the inner step count.
     nesterov: whether the outer momentum is Nesterov's; True by default.
     outer_optimizer: any optax transform for the outer step instead (its
       gradient is the outer gradient, its params the center; its state is
@@ -595,7 +600,17 @@ def diloco(
   outer_momentum = checks.outer_arg(outer_momentum)
   nesterov = checks.outer_arg(nesterov)
   checks.check_outer_args(name, outer_learning_rate, outer_momentum, nesterov)
-  if outer_optimizer is None:
+  if outer_optimizer is None and callable(outer_momentum):
+    # Pier: a momentum schedule of the outer step count (inject_hyperparams
+    # counts the outer optimizer's own updates, one per sync).
+    outer_optimizer = optax.inject_hyperparams(
+      optax.sgd, static_args=("nesterov",)
+    )(
+      learning_rate=outer_learning_rate,
+      momentum=outer_momentum,
+      nesterov=bool(nesterov),
+    )
+  elif outer_optimizer is None:
     outer_optimizer = optax.sgd(
       outer_learning_rate,
       momentum=outer_momentum or None,
