@@ -11,6 +11,9 @@ replicas on the 8 CPU devices under ``jax.pmap`` and a checking
 ``atol=1e-6`` (the params stay O(1) over 9 steps).
 """
 
+import pathlib
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -335,3 +338,26 @@ def test_a_bad_weight_decay_and_flag_are_refused():
     shardopt.mt_dao(0.1, weight_decay=-0.1)
   with pytest.raises(TypeError, match=r"bias_correction=1 must be True"):
     shardopt.scale_by_mt_dao(bias_correction=1)
+
+
+# --------------------------------------------------------------------------
+# The docs page.
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+
+
+def test_the_docs_page_runs_and_shows_what_it_says(capsys):
+  """docs/mt_dao.md's python blocks run in order in one namespace: the
+  params are one copy after a sync, the slow momenta are not; the page is
+  in the Guides toctree."""
+  text = (DOCS / "mt_dao.md").read_text()
+  namespace = {}
+  for index, block in enumerate(re.findall(r"```python\n(.*?)```", text, re.S)):
+    exec(
+      compile(block, f"docs/mt_dao.md[python block {index}]", "exec"), namespace
+    )
+  assert namespace["same_params"] is True
+  assert namespace["spread"] > 0.05
+  assert capsys.readouterr().out.startswith("True ")
+  index = (DOCS / "index.md").read_text()
+  assert "MT-DAO <mt_dao>" in index
