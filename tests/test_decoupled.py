@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 import shardopt
 from shardopt.decoupled import DecoupledMomentumState
 from shardopt.decoupled import decoupled_momentum
+from shardopt.measure import hlo
 
 N = 8
 AXIS = "batch"
@@ -484,6 +485,12 @@ def test_the_senders_mean_adds_no_collective_and_no_byte(mapping):
   assert read["senders"].collectives == read["replicas"].collectives
   assert read["senders"].per_step == read["replicas"].per_step > 0
   assert len(read["senders"].collectives) == 1
+  step, args = _step_and_arguments(
+    decoupled_momentum(AXIS, mean="senders"), shapes, mapping
+  )
+  text = step.lower(*args).compile().as_text()
+  ops = hlo.compiled_collectives(text, num_devices=N)
+  assert [(op.kind, op.context) for op in ops] == [("all-gather", "top")]
 
 
 # --------------------------------------------------------------------------
