@@ -335,20 +335,28 @@ def demo(
   chunk_size: int = 64,
   decay: float = 0.999,
   quick: bool = False,
+  mean: str = "replicas",
 ) -> Method:
   """DeMo: ``chain(decoupled_momentum(k, chunk_size, decay), sign step)``
   with the paper's defaults (32 DCT coefficients of every 64 x 64 tile,
   float32 values, decay 0.999) and the sign step at ``lr_scale`` times the
   study's schedule (``workload.OPTIMIZERS["sign"]``: the paper's DeMo runs
-  took AdamW's learning rate and schedule, without weight decay)."""
+  took AdamW's learning rate and schedule, without weight decay);
+  ``mean="senders"`` (issue 51): each coefficient averaged over the
+  replicas that sent it, as the authors' code does."""
   scale = f", lr x{lr_scale:g}" if lr_scale != 1 else ""
+  senders = ", mean over senders" if mean == "senders" else ""
   return Method(
     f"chain(decoupled_momentum(k={k}, chunk={chunk_size},"
-    f" decay={decay:g}), sign step{scale})",
+    f" decay={decay:g}{senders}), sign step{scale})",
     ("decoupled_momentum",),
     lambda opt: optax.chain(
       shardopt.decoupled_momentum(
-        AXIS, k=k, chunk_size=chunk_size, decay=decay
+        AXIS,
+        k=k,
+        chunk_size=chunk_size,
+        decay=decay,
+        **({"mean": mean} if mean != "replicas" else {}),
       ),
       opt(),
       *([optax.scale(lr_scale)] if lr_scale != 1 else []),
@@ -425,6 +433,36 @@ def pier(
   )
 
 
+def mt_dao(
+  period: int = 16,
+  beta: float = 0.995,
+  omega: float = 0.7,
+  quick: bool = False,
+) -> Method:
+  """MT-DAO (issue 51, arXiv 2510.05361): ``local_sgd`` every ``period``
+  steps around ``shardopt.mt_dao``'s step (one slow momentum of decay
+  ``beta`` weighted ``omega``, the gradient ``1 - omega``, Adam's
+  denominator) with AdamW's weight decay and the study's schedule
+  (``workload.OPTIMIZERS["decayed step"]``): AdamW with its
+  ``scale_by_adam`` replaced by ``scale_by_mt_dao``. The paper's sync also
+  averages the optimizer's states; the periodic engine averages the params
+  only (docs/mt_dao.md)."""
+  return Method(
+    f"local_sgd(mt_dao(beta={beta:g}, omega={omega:g}), H={period})",
+    ("local_sgd", "scale_by_mt_dao"),
+    lambda opt: shardopt.local_sgd(
+      optax.chain(shardopt.scale_by_mt_dao((beta,), (omega,)), opt()),
+      AXIS,
+      sync_period=period,
+    ),
+    hlo.Schedule(schedules.every(period)),
+    1.0 / period,
+    quick,
+    family="mt_dao",
+    optimizer="decayed step",
+  )
+
+
 def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
   """Issue 24's frontier (section 8) with issue 33's rows, for a run of
   ``steps`` steps.
@@ -449,7 +487,10 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
   (:func:`demo`, issue 43) at the paper's defaults, its sign step at 3, 1,
   0.3 and 0.1 times the study's learning rate; issue 51's DES-LOC
   (:func:`desloc`: K_x = 16 at the paper's rule, and as Local Adam) and
-  Pier (:func:`pier`: H = 16 at its defaults, and a 30% warm-up).
+  Pier (:func:`pier`: H = 16 at its defaults, and a 30% warm-up); DeMo with
+  the authors' mean over senders (1x), and MT-DAO (:func:`mt_dao`,
+  ``local_sgd`` H = 16) with its slow momentum's decay 0.99, 0.995 (the
+  default) and 0.999.
   ``quick`` (the CI smoke run): four methods that cover the code paths (a
   quantized wire with error feedback and a warm-up in one DiLoCo), with
   periods that fit a short run (H = 16).
@@ -503,6 +544,8 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
     desloc(16, mu=16, nu=16),
     pier(16, steps),
     pier(16, steps, warmup_fraction=0.3),
+    demo(mean="senders"),
+    *(mt_dao(16, beta) for beta in (0.99, 0.995, 0.999)),
   ]
 
 
@@ -511,8 +554,10 @@ def frontier() -> list[Method]:
   ``python -m benchmarks.accelerator`` train: sync, ``cross_shard_mean`` on
   int8 with error feedback, ``local_sgd`` H = 16, ``diloco`` H = 16 (AdamW
   and Muon inside), SparseLoCo H = 4 (``diloco`` on ``topk(64)`` with error
-  feedback, outer ``sgd(1)``), DeMo, DES-LOC (K_x = 16) and Pier (H = 16)
-  at the papers' defaults."""
+  feedback, outer ``sgd(1)``), DeMo at the paper's defaults with each of its
+  two means (issue 51), and issue 51's DES-LOC (K_x = 16), Pier (H = 16)
+  and MT-DAO (``local_sgd`` H = 16 around ``mt_dao``) at the papers'
+  defaults."""
   return [
     sync(),
     cross_shard_mean(jnp.int8, error_feedback=True),
@@ -523,4 +568,6 @@ def frontier() -> list[Method]:
     demo(),
     desloc(16),
     pier(16),
+    demo(mean="senders"),
+    mt_dao(16),
   ]

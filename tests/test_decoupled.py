@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 import shardopt
 from shardopt.decoupled import DecoupledMomentumState
 from shardopt.decoupled import decoupled_momentum
+from shardopt.measure import hlo
 
 N = 8
 AXIS = "batch"
@@ -86,9 +87,13 @@ def np_from_tiles(t, shape, chunk=CHUNK):
   return t.transpose(0, 2, 1, 3).reshape(shape)
 
 
-def np_demo(grads, k, chunk, decay, groups=None):
+def np_demo(grads, k, chunk, decay, groups=None, mean="replicas"):
   """Per step the update ``Q`` (before the sign) of every replica, and the
-  final momentum of every replica in parameter space."""
+  final momentum of every replica in parameter space. ``mean="senders"``:
+  the DeMo authors' rule (their ``decompress``: ``scatter_reduce(...,
+  reduce="mean", include_self=False)`` over the gathered coefficients):
+  each DCT coefficient is the mean over the replicas that sent it, 0 where
+  none did."""
   groups = groups or [list(range(N))]
   steps = next(iter(grads.values())).shape[0]
   momentum = {n: np.zeros(g.shape[1:]) for n, g in grads.items()}
@@ -100,6 +105,7 @@ def np_demo(grads, k, chunk, decay, groups=None):
   for t in range(steps):
     for name, g in grads.items():
       sent = np.zeros_like(momentum[name])
+      coefficients_sent, senders = [], []
       for r in range(N):
         m = decay * momentum[name][r] + g[t, r].astype(np.float64)
         c = np_tiles_dct(m, chunk)
@@ -115,10 +121,22 @@ def np_demo(grads, k, chunk, decay, groups=None):
             margin = min(margin, gap)
         sent[r] = np_from_tiles(selected, m.shape, chunk)
         momentum[name][r] = m - sent[r]
+        coefficients_sent.append(selected)
+        went = np.zeros(c.shape, bool)
+        for row, coefficients in enumerate(c):
+          order = np.argsort(-np.abs(coefficients), kind="stable")
+          went[row, order[:keep]] = True
+        senders.append(went)
       for group in groups:
-        mean = sent[group].mean(0)
+        if mean == "senders":
+          total = sum(coefficients_sent[r] for r in group)
+          count = sum(senders[r].astype(np.float64) for r in group)
+          averaged = np.where(count > 0, total / np.maximum(count, 1), 0.0)
+          update = np_from_tiles(averaged, sent.shape[1:], chunk)
+        else:
+          update = sent[group].mean(0)
         for r in group:
-          out[name][r, t] = mean
+          out[name][r, t] = update
   assert margin > 1e-4, f"a near-tie at a k-th coefficient ({margin})"
   return out, momentum
 
@@ -242,6 +260,89 @@ def test_groups_exchange_on_their_own():
   assert not np.array_equal(q["kernel"][0], q["kernel"][1])
 
 
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map", "vmap"])
+def test_the_senders_mean_matches_the_authors_rule_in_numpy(mapping):
+  """mean="senders" against np_demo(..., mean="senders") (float64), to
+  float32 rounding (atol 1e-6 of the largest |Q|), over 4 steps and every
+  leaf; the momentum is the default's (what each replica sent does not
+  depend on how the others' are averaged); the signs differ from the
+  default rule's where replicas chose different coefficients."""
+  grads = _gradients(seed=1)
+  want_q, want_m = np_demo(grads, K, CHUNK, DECAY, mean="senders")
+  tx = decoupled_momentum(
+    AXIS, k=K, chunk_size=CHUNK, decay=DECAY, sign=False, mean="senders"
+  )
+  q, state = _run(tx, grads, mapping)
+  for name in SHAPES:
+    scale = np.abs(want_q[name]).max()
+    np.testing.assert_allclose(
+      q[name], want_q[name], rtol=0, atol=1e-6 * scale, err_msg=name
+    )
+    momentum = np.stack([np_tiles_dct(want_m[name][r]) for r in range(N)])
+    np.testing.assert_allclose(
+      state.momentum[name],
+      momentum,
+      rtol=0,
+      atol=1e-6 * max(np.abs(momentum).max(), 1.0),
+      err_msg=name,
+    )
+    for r in range(1, N):
+      chex.assert_trees_all_equal(q[name][0], q[name][r])
+  signs, _ = _run(
+    decoupled_momentum(
+      AXIS, k=K, chunk_size=CHUNK, decay=DECAY, mean="senders"
+    ),
+    grads,
+    mapping,
+  )
+  for name in SHAPES:
+    np.testing.assert_array_equal(signs[name], np.sign(want_q[name]), name)
+  # The two rules' sign steps differ (kernel: 3 of 64 per tile, 8 replicas).
+  default_q, _ = np_demo(grads, K, CHUNK, DECAY)
+  differ = np.mean(np.sign(default_q["kernel"]) != np.sign(want_q["kernel"]))
+  assert 0.01 < differ < 0.5, differ
+
+
+def test_the_senders_mean_in_groups_and_with_one_choice_is_the_default():
+  """Groups average over their own senders; when every replica sends the
+  same coefficients (the same gradient), each was sent by all, and the
+  two rules give the same update."""
+  groups = [[0, 2, 4, 6], [1, 3, 5, 7]]
+  grads = _gradients(seed=2)
+  want_q, _ = np_demo(grads, K, CHUNK, DECAY, groups, mean="senders")
+  tx = decoupled_momentum(
+    AXIS,
+    k=K,
+    chunk_size=CHUNK,
+    decay=DECAY,
+    sign=False,
+    axis_index_groups=groups,
+    mean="senders",
+  )
+  q, _ = _run(tx, grads, "pmap")
+  for name in SHAPES:
+    scale = np.abs(want_q[name]).max()
+    np.testing.assert_allclose(q[name], want_q[name], atol=1e-6 * scale)
+  same = jax.tree.map(lambda g: np.repeat(g[:, :1], N, axis=1), grads)
+  by_rule = {
+    mean: _run(
+      decoupled_momentum(
+        AXIS, k=K, chunk_size=CHUNK, decay=DECAY, sign=False, mean=mean
+      ),
+      same,
+      "pmap",
+    )[0]
+    for mean in ("replicas", "senders")
+  }
+  for name in SHAPES:
+    np.testing.assert_allclose(
+      by_rule["senders"][name],
+      by_rule["replicas"][name],
+      rtol=0,
+      atol=1e-6 * np.abs(by_rule["replicas"][name]).max(),
+    )
+
+
 def test_a_bfloat16_wire_keeps_its_rounding_in_the_momentum():
   """value_bits=16: what was sent is the bfloat16 of the coefficient; the
   momentum keeps the rest, so sent + kept = the momentum's coefficients."""
@@ -314,44 +415,51 @@ def _payload_bytes(shape, k, chunk, value_bits):
   return tiles * (per_tile + (0 if value_bits >= 16 else 4))
 
 
+def _step_and_arguments(tx, shapes, mapping):
+  """A compiled-ready step of ``tx`` over zero gradients of ``shapes`` and
+  its arguments (pmap, or a checking shard_map with the state's specs)."""
+  grads = {n: jnp.zeros((N,) + s, jnp.float32) for n, s in shapes.items()}
+  if mapping == "pmap":
+    state = jax.pmap(tx.init)(grads)
+    return jax.pmap(tx.update, axis_name=AXIS), (grads, state)
+  specs = shardopt.state_specs(
+    tx,
+    {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes.items()},
+    AXIS,
+    mesh=_mesh(),
+  )
+  assert specs == DecoupledMomentumState({n: P(AXIS) for n in shapes})
+  step = jax.jit(
+    jax.shard_map(
+      lambda g, s: tx.update(jax.tree.map(lambda x: x[0], g), s),
+      mesh=_mesh(),
+      in_specs=(P(AXIS), specs),
+      out_specs=(P(), specs),
+    )
+  )
+  state = jax.eval_shape(jax.pmap(tx.init), grads)
+  state = jax.tree.map(
+    lambda s: jnp.zeros((N * s.shape[1],) + s.shape[2:], s.dtype), state
+  )
+  return step, jax.device_put((grads, state), NamedSharding(_mesh(), P(AXIS)))
+
+
+@pytest.mark.parametrize("mean", ["replicas", "senders"])
 @pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
-def test_the_compiled_step_gathers_the_payload_once(mapping):
+def test_the_compiled_step_gathers_the_payload_once(mapping, mean):
   """At the paper's defaults (64 x 64 tiles, k = 32, float32): a 128 x 192
   kernel is 6 tiles of 48 + 128 bytes, a 192 bias 3 runs of 64, each of 24
-  + 128 bytes: 1,512 bytes per replica, one all-gather."""
+  + 128 bytes: 1,512 bytes per replica, one all-gather; the same with
+  mean="senders" (its counts come from the gathered indices)."""
   shapes = {"kernel": (128, 192), "bias": (192,)}
   assert [_payload_bytes(s, 32, 64, 32) for s in shapes.values()] == [
     6 * (48 + 128),
     3 * (24 + 128),
   ]
   payload = 6 * 176 + 3 * 152
-  tx = decoupled_momentum(AXIS)
-  grads = {n: jnp.zeros((N,) + s, jnp.float32) for n, s in shapes.items()}
-  if mapping == "pmap":
-    state = jax.pmap(tx.init)(grads)
-    step = jax.pmap(tx.update, axis_name=AXIS)
-    args = (grads, state)
-  else:
-    specs = shardopt.state_specs(
-      tx,
-      {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes.items()},
-      AXIS,
-      mesh=_mesh(),
-    )
-    assert specs == DecoupledMomentumState({n: P(AXIS) for n in shapes})
-    step = jax.jit(
-      jax.shard_map(
-        lambda g, s: tx.update(jax.tree.map(lambda x: x[0], g), s),
-        mesh=_mesh(),
-        in_specs=(P(AXIS), specs),
-        out_specs=(P(), specs),
-      )
-    )
-    state = jax.eval_shape(jax.pmap(tx.init), grads)
-    state = jax.tree.map(
-      lambda s: jnp.zeros((N * s.shape[1],) + s.shape[2:], s.dtype), state
-    )
-    args = jax.device_put((grads, state), NamedSharding(_mesh(), P(AXIS)))
+  step, args = _step_and_arguments(
+    decoupled_momentum(AXIS, mean=mean), shapes, mapping
+  )
   traffic = shardopt.measure.traffic(step, *args)
   assert [(c.kind, c.dtypes) for c in traffic.collectives] == [
     ("all-gather", ("uint8",))
@@ -360,6 +468,29 @@ def test_the_compiled_step_gathers_the_payload_once(mapping):
   assert traffic.per_step == (N - 1) * payload
   dense = sum(int(np.prod(s)) for s in shapes.values()) * 4
   assert 2 * (N - 1) / N * dense > 15 * traffic.per_step  # 16.4x
+
+
+@pytest.mark.parametrize("mapping", ["pmap", "shard_map"])
+def test_the_senders_mean_adds_no_collective_and_no_byte(mapping):
+  """mean="senders" against the default in the compiled HLO: the same
+  collectives (kind, replica groups, dtypes, bytes), collective for
+  collective, and no conditional."""
+  shapes = {"kernel": (128, 192), "bias": (192,), "odd": (5, 7)}
+  read = {}
+  for mean in ("replicas", "senders"):
+    step, args = _step_and_arguments(
+      decoupled_momentum(AXIS, mean=mean), shapes, mapping
+    )
+    read[mean] = shardopt.measure.traffic(step, *args)
+  assert read["senders"].collectives == read["replicas"].collectives
+  assert read["senders"].per_step == read["replicas"].per_step > 0
+  assert len(read["senders"].collectives) == 1
+  step, args = _step_and_arguments(
+    decoupled_momentum(AXIS, mean="senders"), shapes, mapping
+  )
+  text = step.lower(*args).compile().as_text()
+  ops = hlo.compiled_collectives(text, num_devices=N)
+  assert [(op.kind, op.context) for op in ops] == [("all-gather", "top")]
 
 
 # --------------------------------------------------------------------------
@@ -381,6 +512,11 @@ def test_the_compiled_step_gathers_the_payload_once(mapping):
     ({"decay": float("nan")}, r"decay=nan"),
     ({"decay": True}, r"decay=True"),
     ({"value_bits": 3}, r"value_bits=3 .*is not supported.*16, 32"),
+    (
+      {"mean": "sum"},
+      r"mean='sum' \(axis 'batch'\) is not supported.*'senders'",
+    ),
+    ({"mean": None}, r"mean=None .*mean='replicas'"),
   ],
 )
 def test_bad_arguments_name_the_argument_and_the_fix(kwargs, match):

@@ -585,7 +585,22 @@ def sign_step(config: Config, updates: int | None = None):
   return lambda: optax.scale_by_learning_rate(learning_rate(config, updates))
 
 
-OPTIMIZERS = {"adamw": adamw, "muon": muon, "sign": sign_step}
+def decayed_step(config: Config, updates: int | None = None):
+  """AdamW without its ``scale_by_adam``: the weight decay, then the
+  learning rate on :func:`learning_rate`'s schedule, for a method that
+  brings its own direction (``scale_by_mt_dao`` in the MT-DAO rows)."""
+  return lambda: optax.chain(
+    optax.add_decayed_weights(config.weight_decay),
+    optax.scale_by_learning_rate(learning_rate(config, updates)),
+  )
+
+
+OPTIMIZERS = {
+  "adamw": adamw,
+  "muon": muon,
+  "sign": sign_step,
+  "decayed step": decayed_step,
+}
 
 
 # ----------------------------------------------------------------- training

@@ -27,6 +27,9 @@ from shardopt.decoupled import DecoupledMomentumState
 from shardopt.decoupled import decoupled_momentum
 from shardopt.finite import all_finite
 from shardopt.finite import apply_if_finite
+from shardopt.mt_dao import MTDAOState
+from shardopt.mt_dao import mt_dao
+from shardopt.mt_dao import scale_by_mt_dao
 from shardopt.periodic import AGNState
 from shardopt.periodic import PeriodicState
 from shardopt.periodic import agn
@@ -74,6 +77,9 @@ __all__ = [
   "powersgd",
   "DecoupledMomentumState",
   "decoupled_momentum",
+  "MTDAOState",
+  "mt_dao",
+  "scale_by_mt_dao",
   "quantized",
   "topk",
   "clip_by_global_norm",

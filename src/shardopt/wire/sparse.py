@@ -560,18 +560,22 @@ def _decode_member(payload, layouts, starts, widths, spec: TopKSpec, keep):
   return positions, jnp.concatenate(values)
 
 
-def _sum_payloads(gathered: jax.Array, layouts: list, spec: TopKSpec, keep):
+def _sum_payloads(
+  gathered: jax.Array, layouts: list, spec: TopKSpec, keep, count=False
+):
   """Every member's payload (``(members, bytes)``) decoded and added into
   one float32 buffer holding every leaf at its start (padded), member by
   member in order, rows where ``keep`` is False left out; and the starts.
   Each member's bytes are decoded on their own (a scatter reads only its
-  member's decoded entries)."""
+  member's decoded entries). With ``count``, also how many members sent
+  each entry (float32, from the decoded indices alone), as a third value."""
   padded = [lay.chunks * lay.chunk for lay in layouts]
   starts = np.cumsum([0] + padded[:-1]).tolist()
   widths = np.cumsum(
     [0] + [lay.chunks * lay.bytes_per_chunk(spec) for lay in layouts]
   )
   total = jnp.zeros(sum(padded), jnp.float32)
+  senders = jnp.zeros(sum(padded), jnp.float32) if count else None
   for j in range(gathered.shape[0]):  # member order, the same on every member
     positions, values = _decode_member(
       gathered[j],
@@ -582,7 +586,9 @@ def _sum_payloads(gathered: jax.Array, layouts: list, spec: TopKSpec, keep):
       None if keep is None else jnp.reshape(keep, (-1,))[j],
     )
     total = total.at[positions].add(values, mode="drop", unique_indices=True)
-  return total, starts
+    if count:
+      senders = senders.at[positions].add(1.0, mode="drop", unique_indices=True)
+  return (total, starts, senders) if count else (total, starts)
 
 
 def _dropped(x_size: int, rows: jax.Array, index, quantizer, spec):
@@ -613,6 +619,7 @@ def all_reduce(
   invariant_result: bool,
   residuals: bool = False,
   chunks: tuple | None = None,
+  mean_over_senders: bool = False,
 ):
   """Top-k all-reduce of ``leaves`` (all varying over ``axis``): the contract
   of :func:`shardopt.wire.blocks.all_reduce`.
@@ -620,6 +627,11 @@ def all_reduce(
   ``chunks`` (``shardopt.decoupled_momentum``'s tiles): per leaf, the length
   of its chunks instead of ``spec.chunk_size``, each leaf a whole number of
   them, each keeping ``min(k, chunk)`` entries; still one ``all_gather``.
+
+  ``mean_over_senders`` (``decoupled_momentum(..., mean="senders")``, the
+  DeMo authors' rule): each entry's sum is divided by the number of members
+  that sent it (0 where none did) instead of by ``divisor``; the count comes
+  from the gathered indices, so the same bytes cross the wire.
 
   Returns the reduced leaves (``sum / divisor``, in each leaf's dtype) and,
   with ``residuals``, each replica's float32 residual in the leaf's shape:
@@ -640,9 +652,15 @@ def all_reduce(
       blocks.FLOAT_FIX,
       groups=groups,
     )
-  total, starts = _sum_payloads(gathered, layouts, spec, None)
-  if divisor != 1:  # times the float32 reciprocal, as the blocks wire does
-    total = total * jnp.float32(1.0 / divisor)
+  if mean_over_senders:  # a float32 division by each entry's senders
+    total, starts, senders = _sum_payloads(
+      gathered, layouts, spec, None, count=True
+    )
+    total = jnp.where(senders > 0, total / jnp.maximum(senders, 1.0), 0.0)
+  else:
+    total, starts = _sum_payloads(gathered, layouts, spec, None)
+  if divisor != 1 and not mean_over_senders:  # times the float32 reciprocal,
+    total = total * jnp.float32(1.0 / divisor)  # as the blocks wire does
   out, res = [], []
   for x, lay, start, r, (_, index, quantizer) in zip(
     leaves, layouts, starts, rows, encoded, strict=True
