@@ -270,3 +270,35 @@ def test_add_rows_joins_the_saved_report_and_refuses_another_config(tmp_path):
   other["data"]["config"] = dict(other["data"]["config"], steps=7)
   with pytest.raises(SystemExit, match="config"):
     qpb.add_rows(other, str(path), [])
+
+
+def test_merge_adds_a_saved_sections_new_rows_and_keeps_the_reports_own(
+  tmp_path,
+):
+  """``--merge SECTION --add-to REPORT`` (issue 51's rows, run apart): the
+  saved section's rows the report lacks join it, a row it has (the
+  section's own sync) stays as the report has it, and the note names the
+  file it came from."""
+  import copy
+  import json
+  import shutil
+
+  from benchmarks import RESULTS
+
+  path = tmp_path / "latest.json"
+  shutil.copy(os.path.join(RESULTS, "latest.json"), path)
+  saved = json.loads(path.read_text())["sections"][qpb.NAME]
+  sync = saved["data"]["methods"][qpb.SYNC]
+  their_sync = copy.deepcopy(sync)
+  their_sync["final_mean"] += 1.0  # must not replace the report's
+  part = {"data": copy.deepcopy(saved["data"])}
+  part["data"]["methods"] = {qpb.SYNC: their_sync, "a new row": sync}
+  part_path = tmp_path / "part.json"
+  part_path.write_text(json.dumps(part))
+  qpb.main(["--merge", str(part_path), "--add-to", str(path)])
+  after = json.loads(path.read_text())["sections"][qpb.NAME]["data"]
+  assert set(after["methods"]) == set(saved["data"]["methods"]) | {"a new row"}
+  assert after["methods"][qpb.SYNC]["final_mean"] == sync["final_mean"]
+  assert str(part_path) in after["added"][-1]
+  with pytest.raises(SystemExit, match="does not have already"):
+    qpb.main(["--merge", str(part_path), "--add-to", str(path)])

@@ -919,6 +919,16 @@ def main(argv=None) -> int:
     " latest.md, benchmarks/README.md's results block, the plot",
   )
   parser.add_argument(
+    "--merge",
+    action="append",
+    default=None,
+    metavar="SECTION_JSON",
+    help="with --add-to: add the rows of a section saved by --out (its"
+    " quality_per_byte.json; repeatable) to that report without training;"
+    " rows the report has already (the section's own sync) are left as the"
+    " report has them",
+  )
+  parser.add_argument(
     "--seed", type=int, default=0, help="--calibrate's seed (default 0)"
   )
   parser.add_argument(
@@ -947,7 +957,11 @@ def main(argv=None) -> int:
     return 0
   seeds = None if args.seeds is None else range(args.seeds)
   start = time.perf_counter()
-  if args.report:
+  if args.merge:
+    if not args.add_to:
+      parser.error("--merge adds saved rows to a report: name it with --add-to")
+    section = merge_rows(args.merge, args.add_to, argv)
+  elif args.report:
     with open(args.report) as f:
       saved = json.load(f)
     saved = saved.get("sections", {}).get(NAME, saved)
@@ -990,7 +1004,57 @@ def main(argv=None) -> int:
   return 0
 
 
-def add_rows(new: dict, path: str, argv, seconds: float = 0.0) -> dict:
+def _committed(path: str) -> str:
+  """The commit (short hash) and date that last changed ``path`` in git,
+  else that it is not committed."""
+  import subprocess  # noqa: PLC0415
+
+  done = subprocess.run(
+    ["git", "log", "-1", "--format=%h %cI", "--", path],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  return done.stdout.strip() or "not committed"
+
+
+def merge_rows(sections: Sequence[str], path: str, argv) -> dict:
+  """The rows of sections saved by ``--out`` (each a ``quality_per_byte.json``)
+  added to the report in ``path`` as :func:`add_rows` adds a fresh run's,
+  without training: rows the report has already are kept as it has them.
+  The provenance note names each file and the commit that added it."""
+  with open(path) as f:
+    have = set(json.load(f)["sections"][NAME]["data"]["methods"])
+  merged = None
+  origins = []
+  for saved_path in sections:
+    with open(saved_path) as f:
+      saved = json.load(f)
+    saved = saved.get("sections", {}).get(NAME, saved)
+    data = dict(saved["data"])
+    data["methods"] = {
+      k: v for k, v in data["methods"].items() if k not in have
+    }
+    if merged is None:
+      merged = data
+    else:
+      for key in ("config", "seeds", "replicas"):
+        if merged.get(key) != data.get(key):
+          raise SystemExit(
+            f"--merge {saved_path}: its {key} differs from"
+            f" {sections[0]}'s; rows of other runs would not compare."
+          )
+      merged["methods"] = {**merged["methods"], **data["methods"]}
+    origins.append(f"{saved_path} (committed {_committed(saved_path)})")
+  if not merged or not merged["methods"]:
+    raise SystemExit(f"--merge: no rows that {path} does not have already")
+  note = "from " + "; ".join(origins)
+  return add_rows({"data": merged}, path, argv, 0.0, origin=note)
+
+
+def add_rows(
+  new: dict, path: str, argv, seconds: float = 0.0, origin: str = ""
+) -> dict:
   """``new``'s methods added to the section saved in ``path`` (a report's
   JSON, e.g. ``benchmarks/results/latest.json``), which is rebuilt and
   written back with its ``latest.md``, ``benchmarks/README.md``'s results
@@ -1014,8 +1078,8 @@ def add_rows(new: dict, path: str, argv, seconds: float = 0.0) -> dict:
   machine = _report.machine()
   data["added"] = list(old["data"].get("added", [])) + [
     f"Rows added {machine['date_utc']} at commit {machine['git_commit']} by"
-    f" `python -m benchmarks.studies.quality_per_byte {' '.join(argv or [])}`:"
-    f" {added}."
+    f" `python -m benchmarks.studies.quality_per_byte {' '.join(argv or [])}`"
+    f"{' ' + origin if origin else ''}: {added}."
   ]
   section = report(data, seconds)
   section["ran_on"] = old.get("ran_on", {})
