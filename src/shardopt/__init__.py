@@ -33,6 +33,7 @@ from shardopt.periodic import agn
 from shardopt.periodic import diloco
 from shardopt.periodic import hierarchical_local_sgd
 from shardopt.periodic import local_sgd
+from shardopt.periodic import noloco
 from shardopt.periodic.describe import describe_fragments
 from shardopt.periodic.fragments import fragment_of
 from shardopt.powersgd import PowerSGDState
@@ -66,6 +67,7 @@ __all__ = [
   "fragment_of",
   "hierarchical_local_sgd",
   "local_sgd",
+  "noloco",
   "PowerSGDState",
   "powersgd",
   "DecoupledMomentumState",

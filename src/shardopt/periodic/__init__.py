@@ -57,6 +57,7 @@ from shardopt.periodic.transforms import agn
 from shardopt.periodic.transforms import diloco
 from shardopt.periodic.transforms import hierarchical_local_sgd
 from shardopt.periodic.transforms import local_sgd
+from shardopt.periodic.noloco import noloco
 
 __all__ = [
   "AGNState",
@@ -65,4 +66,5 @@ __all__ = [
   "diloco",
   "hierarchical_local_sgd",
   "local_sgd",
+  "noloco",
 ]

@@ -109,6 +109,9 @@ class _Engine:
   # Skips counted over the whole axis keep `skipped` replicated; a schedule
   # of contiguous groups (hierarchical) counts within them (per replica).
   whole_axis_count: bool
+  # In place of combine.combine: a round that is not an all-reduce
+  # (NoLoCo's gossip with one peer, .gossip.Exchange); None: combine.
+  exchange: Any = None
 
   # The host schedule (shardopt.due, shardopt._host_schedule.Scheduled): a
   # step's program is a sync k (0: none) and a merge m (0: none), as one int
@@ -385,16 +388,21 @@ def _sync(step: _Step, k: int, part: Carry) -> Carry:
   mine = engine.contribution.of(
     accumulator, center, params, _sync_updates(step, sync, part, pieces)
   )
-  combined, finite, in_group, in_axis, error = combine.combine(
-    mine,
-    engine.axis_name,
-    step.groups[k],
-    reduction=engine.reduction,
-    wire=engine.wire,
-    whole_axis_count=engine.whole_axis_count,
-    transform=engine.name,
-    error=take(part.error) if part.error else None,
-  )
+  if engine.exchange is not None:
+    combined, finite, in_group, in_axis, error = engine.exchange(
+      mine, part.sync_count, step.size
+    )
+  else:
+    combined, finite, in_group, in_axis, error = combine.combine(
+      mine,
+      engine.axis_name,
+      step.groups[k],
+      reduction=engine.reduction,
+      wire=engine.wire,
+      whole_axis_count=engine.whole_axis_count,
+      transform=engine.name,
+      error=take(part.error) if part.error else None,
+    )
   center, global_state = engine.outer_step.step(
     combined, mine, center, part.global_state, in_group > 0, step.view
   )
@@ -604,6 +612,7 @@ def periodic(
   merge: outer.Merge | None = None,
   error_feedback: bool = False,
   warmup_steps: int = 0,
+  exchange: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """The engine: ``optimizer`` every step, the ``syncs`` on their schedule.
 
@@ -634,6 +643,10 @@ def periodic(
     warmup_steps: steps of synchronous training (the mean gradient, the
       center following the params) before the schedule starts; validated
       by the caller.
+    exchange: a round in place of :func:`.combine.combine` (called as
+      ``exchange(mine, sync_count, axis_size)``, returning what ``combine``
+      returns), e.g. NoLoCo's gossip (:class:`.gossip.Exchange`); skips are
+      then counted per replica. None: the all-reduce of ``combine``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`PeriodicState`.
@@ -659,7 +672,8 @@ def periodic(
     merges=tuple(merges),
     merge=merge,
     warmup_steps=warmup_steps,
-    whole_axis_count=schedules.counts_whole_axis(syncs),
+    whole_axis_count=schedules.counts_whole_axis(syncs) and exchange is None,
+    exchange=exchange,
   )
 
   def update_fn(grads, state, params=None, **extra_args):

@@ -59,6 +59,7 @@ def engine_of(tx: Any, where: str) -> Engine:
     "warmup_steps > 0 (a warm-up all-reduces every step)": engine.warmup_steps
     > 0,
     "axis_index_groups": engine.axis_index_groups is not None,
+    "a gossip exchange (noloco)": engine.exchange is not None,
   }
   for what, present in refusals.items():
     if present:
