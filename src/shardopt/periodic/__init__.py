@@ -51,13 +51,13 @@ The examples assume 8 devices (for instance a CPU with
 imported).
 """
 
+from shardopt.periodic.noloco import noloco
 from shardopt.periodic.state import AGNState
 from shardopt.periodic.state import PeriodicState
 from shardopt.periodic.transforms import agn
 from shardopt.periodic.transforms import diloco
 from shardopt.periodic.transforms import hierarchical_local_sgd
 from shardopt.periodic.transforms import local_sgd
-from shardopt.periodic.noloco import noloco
 
 __all__ = [
   "AGNState",

@@ -159,5 +159,7 @@ class Step:
       )
       new_center.append(jnp.where(any_finite, wide + d_new, wide))
       new_momentum.append(jnp.where(any_finite, d_new, d))
-    new_center = [x.astype(c.dtype) for x, c in zip(new_center, center)]
+    new_center = [
+      x.astype(c.dtype) for x, c in zip(new_center, center, strict=True)
+    ]
     return new_center, treedef.unflatten(new_momentum)
