@@ -86,6 +86,12 @@ def _transforms():
     "accumulate_diloco": lambda: shardopt.accumulate(
       shardopt.diloco(adam, AXIS, sync_period=2), 2
     ),
+    "noloco": lambda: shardopt.noloco(
+      adam, AXIS, sync_period=3, num_matchings=2
+    ),
+    "diloco_eager": lambda: shardopt.diloco(
+      adam, AXIS, sync_period=3, eager=True
+    ),
   }
 
 
