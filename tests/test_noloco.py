@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardopt
 from shardopt.measure import hlo
+from shardopt.periodic import gossip
 
 R = 8
 H = 4
@@ -219,21 +220,21 @@ def test_gossip_sync_is_one_collective_permute_of_the_params_and_no_all_reduce()
   ops = hlo.compiled_collectives(text)
   kinds = {op.kind for op in ops}
   assert kinds == {"collective-permute"}, kinds  # no all-reduce at all
-  assert all("conditional" in op.context for op in ops), ops
-  # The sync's cond holds the switch over the pairings: each branch of the
-  # switch sends the params once (one replica's share to its one peer).
-  switches = [
-    cond for cond in hlo.branch_collectives(text) if len(cond) == num_matchings
-  ]
-  assert len(switches) == 1, switches
-  per_branch = [sum(op.buffer_bytes for op in branch) for branch in switches[0]]
-  assert per_branch == [params_bytes] * num_matchings, per_branch
-  assert all(
-    hlo.sent_bytes(op) == op.buffer_bytes for b in switches[0] for op in b
-  )
-  # The outermost cond: nothing on its untaken branch.
-  outer = hlo.branch_collectives(text, outermost=True)
-  assert len(outer) == 1 and outer[0][0] == [], outer
+  assert all(op.context == "conditional" for op in ops), ops
+  # One cond per matching (the schedule's syncs), each sending the params
+  # once to the one peer; nothing on the untaken branches.
+  conds = hlo.branch_collectives(text, outermost=True)
+  assert len(conds) == num_matchings, conds
+  for untaken, taken in conds:
+    assert untaken == []
+    assert sum(op.buffer_bytes for op in taken) == params_bytes, taken
+    assert all(hlo.sent_bytes(op) == op.buffer_bytes for op in taken)
+  # Per step: the params once per H steps, what one replica sends.
+  schedule = hlo.Schedule(gossip.schedule(4, num_matchings))
+  per_step = hlo.per_step(ops, schedule, measure=hlo.sent_bytes)
+  assert per_step["warning"] == ""
+  assert per_step["peak_bytes"] == params_bytes
+  assert per_step["mean_bytes"] == params_bytes / 4
 
 
 def test_replicas_differ_and_their_spread_stays_bounded():

@@ -390,7 +390,7 @@ def _sync(step: _Step, k: int, part: Carry) -> Carry:
   )
   if engine.exchange is not None:
     combined, finite, in_group, in_axis, error = engine.exchange(
-      mine, part.sync_count, step.size
+      mine, k, step.size
     )
   else:
     combined, finite, in_group, in_axis, error = combine.combine(
@@ -644,7 +644,8 @@ def periodic(
       center following the params) before the schedule starts; validated
       by the caller.
     exchange: a round in place of :func:`.combine.combine` (called as
-      ``exchange(mine, sync_count, axis_size)``, returning what ``combine``
+      ``exchange(mine, k, axis_size)`` for sync ``k`` of ``syncs``, 0-based,
+      returning what ``combine``
       returns), e.g. NoLoCo's gossip (:class:`.gossip.Exchange`); skips are
       then counted per replica. None: the all-reduce of ``combine``.
 

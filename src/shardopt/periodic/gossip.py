@@ -20,15 +20,18 @@ Both pair terms need only one array from the peer,
 so a sync sends one params-sized array per replica over one
 ``collective-permute`` (:func:`exchange`), and runs no all-reduce.
 
-Pairs: sync ``k`` (``k = 0, 1, ...``, the state's ``sync_count``) pairs the
-replicas by matching ``k % num_matchings``; matching ``m`` is the authors'
-draw, ``numpy.random.default_rng(seed + m).permutation(n)``, whose entries
-``perm[q]`` and ``perm[q + n // 2]`` form a pair (their ``batched`` with
-groups of 2). A ``lax.ppermute`` needs its pairs at trace time, so the
-``num_matchings`` matchings are drawn when the step is traced and
-``lax.switch`` on the replicated sync count picks one: every replica agrees
-on its peer without communicating, and one ``collective-permute`` runs per
-sync (the others sit in the switch's untaken branches).
+Pairs: the ``j``-th sync (``j = 1, 2, ...``, after step ``j * H``) pairs
+the replicas by matching ``m = (j - 1) % num_matchings``; matching ``m`` is
+the authors' draw, ``numpy.random.default_rng(seed + m).permutation(n)``,
+whose entries ``perm[q]`` and ``perm[q + n // 2]`` form a pair (their
+``batched`` with groups of 2). A ``lax.ppermute`` needs its pairs at trace
+time, so the schedule (:func:`schedule`) holds one sync per matching, each
+with period ``num_matchings * H`` and its own phase: the engine runs each in
+its own ``lax.cond`` on the replicated counter, with its static pairs. Every
+replica agrees on its peer without communicating, and a sync step runs one
+``collective-permute``. (A ``lax.switch`` over the matchings inside one
+sync would do the same, but would put every matching's permute in the one
+branch that the HLO byte count reads.)
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import numpy as np
 from shardopt import _axes
 from shardopt.finite import all_finite
 from shardopt.periodic import contributions
+from shardopt.periodic import schedules
 
 
 def matching(size: int, seed: int, m: int) -> list[tuple[int, int]]:
@@ -51,6 +55,18 @@ def matching(size: int, seed: int, m: int) -> list[tuple[int, int]]:
   perm = [int(x) for x in np.random.default_rng(seed + m).permutation(size)]
   half = size // 2
   return [(perm[q], perm[q + half]) for q in range(half)]
+
+
+def schedule(period: int, num_matchings: int) -> tuple:
+  """One sync per matching: matching ``m`` after steps ``t`` with ``t %
+  (num_matchings * period) == ((m + 1) * period) % (num_matchings *
+  period)``, so that the ``j``-th sync (after step ``j * period``) is
+  matching ``(j - 1) % num_matchings``."""
+  cycle = num_matchings * period
+  return tuple(
+    schedules.Sync(cycle, ((m + 1) * period) % cycle)
+    for m in range(num_matchings)
+  )
 
 
 def check_size(size: int, transform: str, axis_name: Any) -> None:
@@ -78,25 +94,15 @@ class Exchange:
 
   axis_name: Any
   seed: int
-  num_matchings: int
   transform: str
 
-  def __call__(self, mine: list, sync_count: jax.Array, size: int):
+  def __call__(self, mine: list, k: int, size: int):
+    """The round of sync ``k`` (0-based, static: its matching)."""
     check_size(size, self.transform, self.axis_name)
     finite = all_finite(mine)
-    pairs = [matching(size, self.seed, m) for m in range(self.num_matchings)]
-
-    def permute(perm):
-      both = perm + [(b, a) for a, b in perm]
-      return lambda xs: [
-        jax.lax.ppermute(x, self.axis_name, perm=both) for x in xs
-      ]
-
-    index = jnp.reshape(sync_count, ()) % self.num_matchings
-    if self.num_matchings == 1:
-      peer = permute(pairs[0])(mine)
-    else:
-      peer = jax.lax.switch(index, [permute(p) for p in pairs], mine)
+    pairs = matching(size, self.seed, k)
+    both = pairs + [(b, a) for a, b in pairs]
+    peer = [jax.lax.ppermute(x, self.axis_name, perm=both) for x in mine]
     peer_finite = all_finite(peer)
     both = finite & peer_finite
     peer = [jnp.where(both, p, jnp.zeros_like(p)) for p in peer]

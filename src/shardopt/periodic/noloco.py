@@ -15,7 +15,6 @@ from shardopt import _args
 from shardopt.periodic import checks
 from shardopt.periodic import engine
 from shardopt.periodic import gossip
-from shardopt.periodic import schedules
 
 NAME = "shardopt.noloco"
 
@@ -70,14 +69,15 @@ def noloco(
 
   Communication: one ``lax.ppermute`` per sync, a params-sized float array
   sent and one received by each replica (``c = beta * Delta - gamma *
-  phi``, which carries both pair terms), and no all-reduce. Sync ``k``
-  (``state.sync_count``) uses matching ``k % num_matchings``; matching
-  ``m`` pairs ``perm[q]`` with ``perm[q + n // 2]`` for ``perm =
+  phi``, which carries both pair terms), and no all-reduce. The ``j``-th
+  sync (after step ``j * H``) uses matching ``(j - 1) % num_matchings``;
+  matching ``m`` pairs ``perm[q]`` with ``perm[q + n // 2]`` for ``perm =
   numpy.random.default_rng(seed + m).permutation(n)`` (the authors' draw).
-  A ppermute's pairs are fixed at trace time, so the step holds the
-  ``num_matchings`` pairings in a ``lax.switch`` on the replicated sync
-  count and runs one of them. The schedule is :func:`local_sgd`'s (a sync
-  after steps ``H, 2H, ...``): ``shardopt.due(tx, t)`` and ``sync=`` work.
+  A ppermute's pairs are fixed at trace time, so the schedule holds one
+  sync per matching, each in its own ``lax.cond`` on the replicated
+  counter (period ``num_matchings * H``, phases ``H, 2H, ...``): a sync
+  step runs one ``collective-permute``, and ``shardopt.due(tx, t)`` and
+  ``sync=`` work as for :func:`local_sgd`.
 
   A pair with a non-finite contribution skips its outer step (both stay on
   their slow weights); ``state.skipped`` counts the contributions left
@@ -161,9 +161,9 @@ def noloco(
     NAME,
     inner,
     axis_name,
-    syncs=schedules.every(period),
+    syncs=gossip.schedule(period, int(num_matchings)),
     contribution=gossip.Contribution(beta, gamma),
     outer_step=gossip.Step(alpha, gamma),
     warmup_steps=checks.check_warmup_steps(warmup_steps, NAME),
-    exchange=gossip.Exchange(axis_name, int(seed), int(num_matchings), NAME),
+    exchange=gossip.Exchange(axis_name, int(seed), NAME),
   )
