@@ -228,17 +228,20 @@ def diloco(
   error_feedback: bool = False,
   warmup_steps: int = 0,
   outer: str = "",
+  eager: bool = False,
 ) -> Method:
   """``diloco(optimizer, sync_period=period)`` with the outer step
   :data:`OUTER_STEPS` names (default: shardopt's default, Nesterov SGD lr
   0.8, momentum 0.2), its outer gradient on ``comm_dtype`` (optionally with
-  error feedback), after ``warmup_steps`` synchronous steps."""
+  error feedback), after ``warmup_steps`` synchronous steps; ``eager``:
+  Eager updates (``docs/eager.md``)."""
   wire = wire_name(comm_dtype, error_feedback)
   warm = f"warm-up {warmup_steps}" if warmup_steps else ""
   outer_label, outer_kwargs = OUTER_STEPS[outer]
   topk = isinstance(comm_dtype, TopKSpec)
   return Method(
-    f"diloco({name}, H={period}{_suffix(wire, warm, outer_label)})",
+    f"diloco({name}, H={period}"
+    f"{_suffix(wire, warm, outer_label, 'eager' if eager else '')})",
     ("diloco",),
     lambda opt: shardopt.diloco(
       opt(),
@@ -247,12 +250,38 @@ def diloco(
       comm_dtype=comm_dtype,
       error_feedback=error_feedback,
       **({"warmup_steps": warmup_steps} if warmup_steps else {}),
+      **({"eager": True} if eager else {}),
       **outer_kwargs,
     ),
     hlo.Schedule(schedules.every(period), warmup_steps=warmup_steps),
     1.0 / period,
     quick,
     family="topk" if topk else name if name != "adamw" else "diloco",
+    optimizer=name,
+  )
+
+
+def noloco(
+  period: int = 16, pull: float | None = None, name: str = "adamw"
+) -> Method:
+  """NoLoCo (``docs/noloco.md``) at the paper's outer step (momentum 0.5,
+  learning rate 0.7, pull = learning rate unless ``pull`` says), its
+  gossip with one random peer every ``period`` steps."""
+  from shardopt.periodic import gossip
+
+  knob = f"pull {pull:g}" if pull is not None else ""
+  return Method(
+    f"noloco({name}, H={period}{_suffix(knob)})",
+    ("noloco",),
+    lambda opt: shardopt.noloco(
+      opt(),
+      AXIS,
+      sync_period=period,
+      **({"pull": pull} if pull is not None else {}),
+    ),
+    hlo.Schedule(gossip.schedule(period, 16)),
+    1.0 / period,
+    family="noloco",
     optimizer=name,
   )
 
@@ -364,7 +393,7 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
   """Issue 24's frontier (section 8) with issue 33's rows, for a run of
   ``steps`` steps.
 
-  Full (37 methods, about 95 min for 2 seeds on the shared 2-core
+  Full (42 methods, about 105 min for 2 seeds on the shared 2-core
   machine): sync and ``cross_shard_mean`` on an int8 wire with error
   feedback and on a top-k wire (32 of every 4096 entries, 2-bit values,
   error feedback without decay: DeMo's density on per-step gradients);
@@ -382,7 +411,9 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
   ``diloco`` H = 64, F = 4 with overlap (1 step, alpha 0.5);
   ``hierarchical_local_sgd`` pairs every 16 steps, all 8 every 64; DeMo
   (:func:`demo`, issue 43) at the paper's defaults, its sign step at 3, 1,
-  0.3 and 0.1 times the study's learning rate.
+  0.3 and 0.1 times the study's learning rate; NoLoCo (issue 51) H = 16
+  at the paper's outer step and its pull at 0 and 0.35; Eager updates
+  (``diloco(..., eager=True)``) H = 16 and 64.
   ``quick`` (the CI smoke run): four methods that cover the code paths (a
   quantized wire with error feedback and a warm-up in one DiLoCo), with
   periods that fit a short run (H = 16).
@@ -430,6 +461,8 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
     streaming_diloco(64, 4, overlap_steps=1, overlap_alpha=0.5),
     hierarchical({16: 2, 64: 8}),
     *(demo(scale) for scale in (3.0, 1.0, 0.3, 0.1)),
+    *(noloco(16, pull) for pull in (None, 0.0, 0.35)),
+    *(diloco(h, eager=True) for h in (16, 64)),
   ]
 
 
@@ -438,7 +471,8 @@ def frontier() -> list[Method]:
   ``python -m benchmarks.accelerator`` train: sync, ``cross_shard_mean`` on
   int8 with error feedback, ``local_sgd`` H = 16, ``diloco`` H = 16 (AdamW
   and Muon inside), SparseLoCo H = 4 (``diloco`` on ``topk(64)`` with error
-  feedback, outer ``sgd(1)``) and DeMo at the paper's defaults."""
+  feedback, outer ``sgd(1)``), DeMo at the paper's defaults, NoLoCo H =
+  16 and Eager updates H = 16."""
   return [
     sync(),
     cross_shard_mean(jnp.int8, error_feedback=True),
@@ -447,4 +481,6 @@ def frontier() -> list[Method]:
     diloco(16, name="muon"),
     diloco(4, comm_dtype=shardopt.topk(64), error_feedback=True, outer="sgd"),
     demo(),
+    noloco(16),
+    diloco(16, eager=True),
   ]
