@@ -41,7 +41,9 @@ public functions), ``state`` (``PeriodicState``), ``schedules`` (which
 fragment, which group, which step), ``fragments`` (whole leaves or strided
 layers of stacked leaves), ``contributions`` (gradient sums,
 pseudo-gradients, params), ``combine`` (the collective round), ``outer``
-(the outer steps: optimizer, mean, replace; the overlap's merge), ``engine`` (``update`` as its
+(the outer steps: optimizer, mean, replace; the overlap's merge), ``eager``
+(Eager updates' outer step), ``gossip`` and ``noloco`` (NoLoCo's exchange
+with one peer, its contribution and outer step; the transform), ``engine`` (``update`` as its
 numbered steps), ``checks`` (argument checks) and ``_xla`` (the XLA cost
 tricks). A new schedule touches ``schedules``; a new outer step ``outer``
 (and the transform that uses it).

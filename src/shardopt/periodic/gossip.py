@@ -18,7 +18,7 @@ Both pair terms need only one array from the peer,
   delta_i <- alpha * delta_i - (c_i + c_j) / 2 - gamma * phi_i
 
 so a sync sends one params-sized array per replica over one
-``collective-permute`` (:func:`exchange`), and runs no all-reduce.
+``collective-permute`` (:class:`Exchange`), and runs no all-reduce.
 
 Pairs: the ``j``-th sync (``j = 1, 2, ...``, after step ``j * H``) pairs
 the replicas by matching ``m = (j - 1) % num_matchings``; matching ``m`` is
