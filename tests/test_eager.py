@@ -261,3 +261,11 @@ def test_eager_refuses_streaming_overlap(kwargs, arg):
 def test_eager_must_be_a_bool():
   with pytest.raises(TypeError, match=r"shardopt\.diloco: eager='yes'"):
     shardopt.diloco(optax.sgd(LR), "batch", eager="yes")
+
+
+def test_island_split_refuses_eager():
+  from shardopt.periodic import split
+
+  tx = shardopt.diloco(optax.sgd(LR), "batch", eager=True)
+  with pytest.raises(ValueError, match="eager=True"):
+    split.engine_of(tx, "test")

@@ -66,7 +66,7 @@ class Eager:
     treedef = jax.tree.structure(others)
     others = jax.tree.leaves(others)
     size = _axes.group_size(
-      self.axis_index_groups, _axes.axis_size(self.axis_name, "diloco")
+      self.axis_index_groups, _axes.axis_size(self.axis_name, "shardopt.diloco")
     )
     counts = all_finite(mine)
     own = [
