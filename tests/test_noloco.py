@@ -277,6 +277,10 @@ def test_odd_replica_count_is_refused():
     (dict(pull=-0.1), "pull=-0.1"),
     (dict(num_matchings=0), "num_matchings=0"),
     (dict(seed=1.5), "seed=1.5"),
+    (dict(comm_dtype=jnp.int8), "comm_dtype=.*int8.* is not offered"),
+    (dict(error_feedback=True), "error_feedback=True is not offered"),
+    (dict(num_fragments=2), "num_fragments=2 is not offered"),
+    (dict(axis_index_groups=[[0, 1]]), "axis_index_groups=.* is not offered"),
   ],
 )
 def test_bad_arguments_are_named(kwargs, match):

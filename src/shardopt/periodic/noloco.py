@@ -34,6 +34,40 @@ def _number(value: Any, arg: str, low: float, high: float, hint: str) -> float:
   return float(value)
 
 
+def _refuse(comm_dtype, error_feedback, num_fragments, axis_index_groups):
+  """The ``diloco`` options NoLoCo's algorithm has no place for."""
+  why = {
+    "comm_dtype": (
+      comm_dtype,
+      comm_dtype is not None,
+      "what a replica sends holds its weights themselves (beta * Delta -"
+      " gamma * phi), not a small difference a narrow or quantized wire"
+      " could carry; leave comm_dtype=None (the params' own dtype)",
+    ),
+    "error_feedback": (
+      error_feedback,
+      error_feedback is not False,
+      "there is no quantized wire to feed back; leave error_feedback=False",
+    ),
+    "num_fragments": (
+      num_fragments,
+      num_fragments != 1,
+      "the paper's gossip step moves every leaf at each sync; leave"
+      " num_fragments=1",
+    ),
+    "axis_index_groups": (
+      axis_index_groups,
+      axis_index_groups is not None,
+      "each replica already pairs with one peer of the whole axis; map the"
+      " transform over the replicas that gossip and leave"
+      " axis_index_groups=None",
+    ),
+  }
+  for arg, (value, bad, fix) in why.items():
+    if bad:
+      raise ValueError(f"{NAME}: {arg}={value!r} is not offered: {fix}.")
+
+
 def noloco(
   inner: optax.GradientTransformation,
   axis_name: Any,
@@ -45,6 +79,10 @@ def noloco(
   seed: int = 0,
   num_matchings: int = 16,
   warmup_steps: int = 0,
+  comm_dtype=None,
+  error_feedback: bool = False,
+  num_fragments: int = 1,
+  axis_index_groups=None,
 ) -> optax.GradientTransformationExtraArgs:
   """NoLoCo: local steps, then a gossip outer step with one random peer.
 
@@ -102,6 +140,9 @@ def noloco(
       >= 1.
     warmup_steps: steps of synchronous training first (see
       :func:`agn`).
+    comm_dtype, error_feedback, num_fragments, axis_index_groups: accepted
+      only at their defaults (None, False, 1, None), so that a ``diloco``
+      call moved over is refused with a ``ValueError`` that says why.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -127,6 +168,7 @@ def noloco(
     Method for Large Models <https://arxiv.org/abs/2506.10911>`_, 2025.
   """
   checks.check_axis_name(axis_name, NAME)
+  _refuse(comm_dtype, error_feedback, num_fragments, axis_index_groups)
   period = checks.check_period(sync_period, "sync_period", NAME)
   beta = _number(
     outer_learning_rate,
