@@ -228,17 +228,20 @@ def diloco(
   error_feedback: bool = False,
   warmup_steps: int = 0,
   outer: str = "",
+  eager: bool = False,
 ) -> Method:
   """``diloco(optimizer, sync_period=period)`` with the outer step
   :data:`OUTER_STEPS` names (default: shardopt's default, Nesterov SGD lr
   0.8, momentum 0.2), its outer gradient on ``comm_dtype`` (optionally with
-  error feedback), after ``warmup_steps`` synchronous steps."""
+  error feedback), after ``warmup_steps`` synchronous steps; ``eager``:
+  Eager updates (``docs/eager.md``)."""
   wire = wire_name(comm_dtype, error_feedback)
   warm = f"warm-up {warmup_steps}" if warmup_steps else ""
   outer_label, outer_kwargs = OUTER_STEPS[outer]
   topk = isinstance(comm_dtype, TopKSpec)
   return Method(
-    f"diloco({name}, H={period}{_suffix(wire, warm, outer_label)})",
+    f"diloco({name}, H={period}"
+    f"{_suffix(wire, warm, outer_label, 'eager' if eager else '')})",
     ("diloco",),
     lambda opt: shardopt.diloco(
       opt(),
@@ -247,12 +250,38 @@ def diloco(
       comm_dtype=comm_dtype,
       error_feedback=error_feedback,
       **({"warmup_steps": warmup_steps} if warmup_steps else {}),
+      **({"eager": True} if eager else {}),
       **outer_kwargs,
     ),
     hlo.Schedule(schedules.every(period), warmup_steps=warmup_steps),
     1.0 / period,
     quick,
     family="topk" if topk else name if name != "adamw" else "diloco",
+    optimizer=name,
+  )
+
+
+def noloco(
+  period: int = 16, pull: float | None = None, name: str = "adamw"
+) -> Method:
+  """NoLoCo (``docs/noloco.md``) at the paper's outer step (momentum 0.5,
+  learning rate 0.7, pull = learning rate unless ``pull`` says), its
+  gossip with one random peer every ``period`` steps."""
+  from shardopt.periodic import gossip
+
+  knob = f"pull {pull:g}" if pull is not None else ""
+  return Method(
+    f"noloco({name}, H={period}{_suffix(knob)})",
+    ("noloco",),
+    lambda opt: shardopt.noloco(
+      opt(),
+      AXIS,
+      sync_period=period,
+      **({"pull": pull} if pull is not None else {}),
+    ),
+    hlo.Schedule(gossip.schedule(period, 16)),
+    1.0 / period,
+    family="noloco",
     optimizer=name,
   )
 
@@ -467,7 +496,7 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
   """Issue 24's frontier (section 8) with issue 33's rows, for a run of
   ``steps`` steps.
 
-  Full (41 methods, about 105 min for 2 seeds on the shared 2-core
+  Full (50 methods, about 125 min for 2 seeds on the shared 2-core
   machine): sync and ``cross_shard_mean`` on an int8 wire with error
   feedback and on a top-k wire (32 of every 4096 entries, 2-bit values,
   error feedback without decay: DeMo's density on per-step gradients);
@@ -490,7 +519,8 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
   Pier (:func:`pier`: H = 16 at its defaults, and a 30% warm-up); DeMo with
   the authors' mean over senders (1x), and MT-DAO (:func:`mt_dao`,
   ``local_sgd`` H = 16) with its slow momentum's decay 0.99, 0.995 (the
-  default) and 0.999.
+  default) and 0.999; NoLoCo H = 16 at the paper's outer step and its pull at 0
+  and 0.35; Eager updates (``diloco(..., eager=True)``) H = 16 and 64.
   ``quick`` (the CI smoke run): four methods that cover the code paths (a
   quantized wire with error feedback and a warm-up in one DiLoCo), with
   periods that fit a short run (H = 16).
@@ -546,6 +576,8 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
     pier(16, steps, warmup_fraction=0.3),
     demo(mean="senders"),
     *(mt_dao(16, beta) for beta in (0.99, 0.995, 0.999)),
+    *(noloco(16, pull) for pull in (None, 0.0, 0.35)),
+    *(diloco(h, eager=True) for h in (16, 64)),
   ]
 
 
@@ -555,9 +587,9 @@ def frontier() -> list[Method]:
   int8 with error feedback, ``local_sgd`` H = 16, ``diloco`` H = 16 (AdamW
   and Muon inside), SparseLoCo H = 4 (``diloco`` on ``topk(64)`` with error
   feedback, outer ``sgd(1)``), DeMo at the paper's defaults with each of its
-  two means (issue 51), and issue 51's DES-LOC (K_x = 16), Pier (H = 16)
-  and MT-DAO (``local_sgd`` H = 16 around ``mt_dao``) at the papers'
-  defaults."""
+  two means (issue 51), and issue 51's DES-LOC (K_x = 16), Pier (H = 16),
+  MT-DAO (``local_sgd`` H = 16 around ``mt_dao``), NoLoCo H = 16 and Eager
+  updates H = 16 at the papers' defaults."""
   return [
     sync(),
     cross_shard_mean(jnp.int8, error_feedback=True),
@@ -570,4 +602,6 @@ def frontier() -> list[Method]:
     pier(16),
     demo(mean="senders"),
     mt_dao(16),
+    noloco(16),
+    diloco(16, eager=True),
   ]

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-GUIDES = ("coming_from_ddp", "diloco", "checkpointing")
+GUIDES = ("coming_from_ddp", "diloco", "checkpointing", "noloco", "eager")
 
 
 def blocks(page: str) -> list:
@@ -414,3 +414,30 @@ def test_model_parallel_out_sharding_note_holds():
         assert float(jax.jit(lambda h, w: h @ w)(h, w2)[0, 0]) == 16.0
       out = jax.jit(lambda h, w: jnp.matmul(h, w, out_sharding=P(None, None)))
       assert float(out(h, w2)[0, 0]) == 16.0
+
+
+def test_noloco_page():
+  ns = run_page("noloco")
+  spread = ns["spread"]
+  # never identical, and the spread settles (the last syncs' no wider than
+  # twice the first's largest)
+  assert all(s > 0 for s in spread), spread
+  assert max(spread[-4:]) < 2 * max(spread[:4]), spread
+  # the replicas' average learns the regression (weights of order 1)
+  assert ns["err"] < 0.3, ns["err"]
+  kinds = {op.kind for op in ns["ops"]}
+  assert kinds == {"collective-permute"}, kinds
+  assert len(ns["ops"]) == 16
+  assert {op.buffer_bytes for op in ns["ops"]} == {16 * 4 * 4}
+  assert all(op.context == "conditional" for op in ns["ops"])
+
+
+def test_eager_page():
+  ns = run_page("eager")
+  plain, eager = ns["plain"], ns["eager"]
+  assert plain[1] == eager[1] and any(k == "all-reduce" for k, _ in eager[1])
+  assert plain[2] < 0.05 and eager[2] < 0.3, (plain[2], eager[2])
+  assert ("all-reduce", 16 * 4 * 4 + 4) in eager[1]
+  centers = np.asarray(eager[0].center)
+  assert np.ptp(centers, axis=0).max() > 0  # the own terms: not identical
+  assert np.ptp(np.asarray(plain[0].center), axis=0).max() == 0

@@ -90,6 +90,12 @@ def _transforms():
     "desloc": lambda: shardopt.desloc(
       adam, AXIS, sync_period=2, state_sync_periods={"mu": 3, "nu": 4}
     ),
+    "noloco": lambda: shardopt.noloco(
+      adam, AXIS, sync_period=3, num_matchings=2
+    ),
+    "diloco_eager": lambda: shardopt.diloco(
+      adam, AXIS, sync_period=3, eager=True
+    ),
   }
 
 

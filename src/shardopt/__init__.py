@@ -38,6 +38,7 @@ from shardopt.periodic import diloco
 from shardopt.periodic import hierarchical_local_sgd
 from shardopt.periodic import local_sgd
 from shardopt.periodic import pier_momentum
+from shardopt.periodic import noloco
 from shardopt.periodic.describe import describe_fragments
 from shardopt.periodic.fragments import fragment_of
 from shardopt.powersgd import PowerSGDState
@@ -73,6 +74,7 @@ __all__ = [
   "hierarchical_local_sgd",
   "local_sgd",
   "pier_momentum",
+  "noloco",
   "PowerSGDState",
   "powersgd",
   "DecoupledMomentumState",

@@ -681,6 +681,9 @@ class Schedule(NamedTuple):
       )
     if len(self.syncs) == 1:
       return f"{warm}once per {self.syncs[0].period} steps"
+    if all(s.fragment == 0 for s in self.syncs):  # whole syncs in turn
+      every = self.syncs[0].period // len(self.syncs)
+      return f"{warm}once per {every} steps ({len(self.syncs)} syncs in turn)"
     return (
       f"{warm}{len(self.syncs)} fragments, each once per"
       f" {self.syncs[0].period} steps"

@@ -41,7 +41,9 @@ public functions), ``state`` (``PeriodicState``), ``schedules`` (which
 fragment, which group, which step), ``fragments`` (whole leaves or strided
 layers of stacked leaves), ``contributions`` (gradient sums,
 pseudo-gradients, params), ``combine`` (the collective round), ``outer``
-(the outer steps: optimizer, mean, replace; the overlap's merge), ``engine`` (``update`` as its
+(the outer steps: optimizer, mean, replace; the overlap's merge), ``eager``
+(Eager updates' outer step), ``gossip`` and ``noloco`` (NoLoCo's exchange
+with one peer, its contribution and outer step; the transform), ``engine`` (``update`` as its
 numbered steps), ``checks`` (argument checks) and ``_xla`` (the XLA cost
 tricks); ``desloc`` (DES-LOC: the local optimizer's moments averaged on
 periods of their own, found by ``moments``) and ``pier`` (Pier's
@@ -55,6 +57,7 @@ imported).
 
 from shardopt.periodic.desloc import desloc
 from shardopt.periodic.pier import pier_momentum
+from shardopt.periodic.noloco import noloco
 from shardopt.periodic.state import AGNState
 from shardopt.periodic.state import PeriodicState
 from shardopt.periodic.transforms import agn
@@ -71,4 +74,5 @@ __all__ = [
   "hierarchical_local_sgd",
   "local_sgd",
   "pier_momentum",
+  "noloco",
 ]

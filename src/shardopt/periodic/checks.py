@@ -202,6 +202,28 @@ def check_overlap(
   return int(overlap_steps), float(overlap_alpha)
 
 
+def check_eager(
+  transform: str, num_fragments: int, overlap_steps: int, overlap_alpha: float
+) -> None:
+  """Eager updates overlap the whole outer step (one all-reduce of every
+  leaf per sync, applied a sync later): not with Streaming DiLoCo's
+  fragments or its merge overlap."""
+  given = {
+    "num_fragments": (num_fragments, num_fragments > 1, "1"),
+    "overlap_steps": (overlap_steps, overlap_steps > 0, "0"),
+    "overlap_alpha": (overlap_alpha, overlap_alpha > 0, "0"),
+  }
+  for arg, (value, bad, fix) in given.items():
+    if bad:
+      raise ValueError(
+        f"{transform}: eager=True with {arg}={value!r}: eager updates"
+        " overlap the whole outer step (every leaf's average applied one"
+        " sync later, the replica's own outer gradient standing in), not"
+        f" Streaming DiLoCo's fragments or merge. Pass {arg}={fix} with"
+        " eager=True, or eager=False for Streaming DiLoCo's overlap."
+      )
+
+
 def check_sync_offset(value: Any, sync_period: int, transform: str) -> int:
   """Checks ``diloco``'s ``sync_offset``: an integer in [0, sync_period]
   (``sync_period`` is the same schedule as 0)."""

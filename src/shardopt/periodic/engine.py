@@ -114,6 +114,9 @@ class _Engine:
   # Skips counted over the whole axis keep `skipped` replicated; a schedule
   # of contiguous groups (hierarchical) counts within them (per replica).
   whole_axis_count: bool
+  # In place of combine.combine: a round that is not an all-reduce
+  # (NoLoCo's gossip with one peer, .gossip.Exchange); None: combine.
+  exchange: Any = None
 
   # The host schedule (shardopt.due, shardopt._host_schedule.Scheduled): a
   # step's program is a sync k (0: none) and a merge m (0: none), as one int
@@ -415,16 +418,21 @@ def _sync(step: _Step, k: int, part: Carry) -> Carry:
   )
   # DES-LOC: the state fields this sync averages ride in the same round.
   moments = [x for name in sync.states for x in part.moments[name]]
-  combined, finite, in_group, in_axis, error = combine.combine(
-    mine + moments,
-    engine.axis_name,
-    step.groups[k],
-    reduction=engine.reduction,
-    wire=engine.wire,
-    whole_axis_count=engine.whole_axis_count,
-    transform=engine.name,
-    error=take(part.error) if part.error else None,
-  )
+  if engine.exchange is not None:  # NoLoCo: one peer, no all-reduce
+    combined, finite, in_group, in_axis, error = engine.exchange(
+      mine + moments, k, step.size
+    )
+  else:
+    combined, finite, in_group, in_axis, error = combine.combine(
+      mine + moments,
+      engine.axis_name,
+      step.groups[k],
+      reduction=engine.reduction,
+      wire=engine.wire,
+      whole_axis_count=engine.whole_axis_count,
+      transform=engine.name,
+      error=take(part.error) if part.error else None,
+    )
   combined, averaged = combined[: len(mine)], combined[len(mine) :]
   global_state = part.global_state
   if sync.params:
@@ -663,6 +671,7 @@ def periodic(
   merge: outer.Merge | None = None,
   error_feedback: bool = False,
   warmup_steps: int = 0,
+  exchange: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """The engine: ``optimizer`` every step, the ``syncs`` on their schedule.
 
@@ -693,6 +702,11 @@ def periodic(
     warmup_steps: steps of synchronous training (the mean gradient, the
       center following the params) before the schedule starts; validated
       by the caller.
+    exchange: a round in place of :func:`.combine.combine` (called as
+      ``exchange(mine, k, axis_size)`` for sync ``k`` of ``syncs``, 0-based,
+      returning what ``combine``
+      returns), e.g. NoLoCo's gossip (:class:`.gossip.Exchange`); skips are
+      then counted per replica. None: the all-reduce of ``combine``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state :class:`PeriodicState`.
@@ -718,7 +732,8 @@ def periodic(
     merges=tuple(merges),
     merge=merge,
     warmup_steps=warmup_steps,
-    whole_axis_count=schedules.counts_whole_axis(syncs),
+    whole_axis_count=schedules.counts_whole_axis(syncs) and exchange is None,
+    exchange=exchange,
   )
 
   def update_fn(grads, state, params=None, **extra_args):

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from shardopt.periodic import checks
+from shardopt.periodic import eager as _eager
 from shardopt.periodic import engine as _engine
 from shardopt.periodic import fragments as _fragments
 from shardopt.periodic import outer
@@ -61,6 +62,10 @@ def engine_of(tx: Any, where: str) -> Engine:
     "axis_index_groups": engine.axis_index_groups is not None,
     "state_sync_periods (desloc: a sync of the optimizer's moments)": any(
       s.states or not s.params for s in engine.syncs
+    ),
+    "a gossip exchange (noloco)": engine.exchange is not None,
+    "eager=True (per-replica outer steps)": isinstance(
+      engine.outer_step, _eager.Eager
     ),
   }
   for what, present in refusals.items():

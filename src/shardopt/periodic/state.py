@@ -36,16 +36,22 @@ class PeriodicState(NamedTuple):
       ``axis_index_groups``). For ``hierarchical_local_sgd``, which averages
       the params directly, the last average of this replica's group (the
       initial params before the first sync), bit-identical within the group.
+      Per replica, and different on each, for ``noloco`` (each replica's
+      slow weights) and ``diloco(..., eager=True)`` (each moves by its own
+      outer gradient).
     local_state: this replica's state of the local ``optimizer``.
     global_state: the global optimizer's state (for the center), the same on
       every replica (within a group). With ``num_fragments=F > 1`` a tuple of
       ``F`` states, fragment ``f``'s over the list of its leaves. An empty
-      tuple for ``hierarchical_local_sgd``.
+      tuple for ``hierarchical_local_sgd``. Per replica for ``noloco`` (its
+      outer momentum) and ``diloco(..., eager=True)`` (the outer state and
+      the buffer of the others' delayed outer gradients).
     skipped: int32 scalar, how many replica contributions were left out of a
       combination because they were not finite, summed over all syncs and
       over the whole axis (for ``hierarchical_local_sgd``: over this
       replica's groups, so it can differ between groups; there it has shape
-      (1,), one row per replica like ``restart``).
+      (1,), one row per replica like ``restart``; likewise for ``noloco``,
+      over this replica's pairs).
     restart: bool of shape (1,), this replica's own (one row per replica, like
       the params: ``P(axis)`` in a shard_map's specs): its contribution was
       left out of the last sync (not finite), so its local state, which may

@@ -16,9 +16,11 @@ from typing import Any
 
 import optax
 
+from shardopt import _args
 from shardopt._renamed import renamed_keywords
 from shardopt.periodic import checks
 from shardopt.periodic import contributions
+from shardopt.periodic import eager as eager_updates
 from shardopt.periodic import engine
 from shardopt.periodic import outer
 from shardopt.periodic import schedules
@@ -398,6 +400,7 @@ def diloco(
   overlap_alpha: float = 0.0,
   layer_axes: Any = None,
   sync_offset: int = 0,
+  eager: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """DiLoCo: local inner steps, then an outer Nesterov step on the mean delta.
 
@@ -532,6 +535,15 @@ def diloco(
       (``sync_period`` is the same as 0, the default). torchft's Streaming
       DiLoCo is ``sync_offset = sync_period // F - fragment_sync_delay``
       (see ``docs/diloco.md``, "Coming from torchft").
+    eager: Eager updates (Kale et al. 2025): the outer step overlapped with
+      the whole next inner phase. At sync ``k`` each replica of ``M``
+      applies ``Delta_m(k) / M + (mean(k - 1) - Delta_m(k - 1) / M)``, its
+      own fresh outer gradient standing in for its share of the average
+      that is still in flight, instead of ``mean(k)``; the all-reduce of
+      sync ``k`` (DiLoCo's bytes) feeds only sync ``k + 1``. The centers
+      (and outer states) are then per replica and differ by the replicas'
+      own terms (see ``docs/eager.md``). Not with ``num_fragments > 1``,
+      ``overlap_steps`` or ``overlap_alpha``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -622,6 +634,14 @@ def diloco(
   tau, alpha = checks.check_overlap(overlap_steps, overlap_alpha, period, name)
   offset = checks.check_sync_offset(sync_offset, period, name)
   overlaps = tau > 0 or alpha > 0
+  outer_step = outer.Optimizer(outer_optimizer)
+  if _args.flag(
+    eager, "eager", name, "False (the default) waits for the average"
+  ):
+    checks.check_eager(name, fragments, tau, alpha)
+    outer_step = eager_updates.Eager(
+      outer_optimizer, axis_name, axis_index_groups
+    )
   return engine.periodic(
     name,
     inner,
@@ -631,7 +651,7 @@ def diloco(
     # gradient: it can run alongside the step's forward and backward pass.
     syncs=schedules.streaming(period, fragments, min(tau, 1), offset),
     contribution=contributions.PseudoGradients(),
-    outer_step=outer.Optimizer(outer_optimizer),
+    outer_step=outer_step,
     axis_index_groups=axis_index_groups,
     comm_dtype=comm_dtype,
     error_feedback=error_feedback,
