@@ -37,8 +37,8 @@ from shardopt.periodic import desloc
 from shardopt.periodic import diloco
 from shardopt.periodic import hierarchical_local_sgd
 from shardopt.periodic import local_sgd
-from shardopt.periodic import pier_momentum
 from shardopt.periodic import noloco
+from shardopt.periodic import pier_momentum
 from shardopt.periodic.describe import describe_fragments
 from shardopt.periodic.fragments import fragment_of
 from shardopt.powersgd import PowerSGDState

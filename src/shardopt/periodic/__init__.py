@@ -56,8 +56,8 @@ imported).
 """
 
 from shardopt.periodic.desloc import desloc
-from shardopt.periodic.pier import pier_momentum
 from shardopt.periodic.noloco import noloco
+from shardopt.periodic.pier import pier_momentum
 from shardopt.periodic.state import AGNState
 from shardopt.periodic.state import PeriodicState
 from shardopt.periodic.transforms import agn
