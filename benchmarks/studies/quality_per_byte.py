@@ -1079,7 +1079,8 @@ def add_rows(
   data["added"] = list(old["data"].get("added", [])) + [
     f"Rows added {machine['date_utc']} at commit {machine['git_commit']} by"
     f" `python -m benchmarks.studies.quality_per_byte {' '.join(argv or [])}`"
-    f"{' ' + origin if origin else ''}: {added}."
+    f"{' ' + origin if origin else ''}"
+    f" ({len(new['data']['methods'])} rows): {added}."
   ]
   section = report(data, seconds)
   section["ran_on"] = old.get("ran_on", {})

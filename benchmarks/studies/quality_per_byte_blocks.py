@@ -108,15 +108,18 @@ def _added(notes: Sequence[str]) -> str:
     )
     if found:
       date, time, commit = found.groups()
-      rows = note.count("--only")
+      counted = re.search(r"\((\d+) rows\): ", note)
+      rows = int(counted.group(1)) if counted else note.count("--only")
       plural = "s" if rows != 1 else ""
       parts.append(f"{date} {time} UTC, commit {commit}, {rows} row{plural}")
   if not parts:
     return ""
   return (
     " Rows added later by `python -m benchmarks.studies.quality_per_byte"
-    " --only LABEL --add-to benchmarks/results/latest.json` (the commands in"
-    " section 8's notes): " + "; ".join(parts) + "."
+    " --only LABEL --add-to benchmarks/results/latest.json` (or `--merge"
+    " SECTION_JSON`, rows run apart; the commands in section 8's notes): "
+    + "; ".join(parts)
+    + "."
   )
 
 
