@@ -100,6 +100,11 @@ SLOW_TESTS = {
   },
   "test_decoupled.py": {
     "test_updates_and_momentum_match_the_papers_steps_in_numpy": _CASES,
+    "test_the_senders_mean_matches_the_authors_rule_in_numpy": _CASES,
+    "test_the_senders_mean_adds_no_collective_and_no_byte": _HLO,
+    "test_the_senders_mean_in_groups_and_with_one_choice_is_the_default": (
+      _VARIANT
+    ),
     "test_a_bfloat16_wire_keeps_its_rounding_in_the_momentum": _VARIANT,
   },
   "test_demo.py": {
@@ -142,6 +147,9 @@ SLOW_TESTS = {
       "runs the guide's code"
     ),
     "test_diloco_streaming_sections": "runs the guide's code",
+  },
+  "test_desloc.py": {
+    "test_a_quantized_wire_carries_the_moments_too": _VARIANT,
   },
   "test_host_schedule.py": {
     "test_the_sync_0_program_is_the_plain_local_step[agn, float32]": _CASES,
@@ -323,6 +331,8 @@ KEEP = {
   ],
   "test_decoupled.py": [
     "test_updates_and_momentum_match_the_papers_steps_in_numpy[shard_map]",
+    "test_the_senders_mean_matches_the_authors_rule_in_numpy[shard_map]",
+    "test_the_senders_mean_adds_no_collective_and_no_byte[shard_map]",
   ],
   "test_elastic_rounds.py": [
     "test_plain_round_matches_diloco_under_shard_map[diloco]",

@@ -51,6 +51,10 @@ TRANSFORMS = {
   "hierarchical_local_sgd": lambda: shardopt.hierarchical_local_sgd(
     optax.sgd(0.1), AXIS, period_group_sizes={2: 2, 4: 8}
   ),
+  "desloc": lambda: shardopt.desloc(optax.adam(0.1), AXIS, sync_period=2),
+  "noloco": lambda: shardopt.noloco(
+    optax.sgd(0.1), AXIS, sync_period=2, num_matchings=2
+  ),
   # Keeps optax.MultiSteps' broadcast: test_accumulate_broadcasts_as_...
   "accumulate": lambda: shardopt.accumulate(optax.sgd(1.0), 1),
 }
@@ -102,6 +106,12 @@ NOT_TRANSFORMS = {
   "measure": "a module that reads compiled steps",
   "due": "reads a transform's schedule on the host",
   "WARM_UP": "a constant, a value of due",
+  "MTDAOState": "a state",
+  "pier_momentum": "a schedule of diloco's outer momentum",
+  "mt_dao": "a local optimizer without collectives, like optax.adamw: it"
+  " runs inside local_sgd, diloco or desloc, which check the gradients",
+  "scale_by_mt_dao": "mt_dao's direction, like optax.scale_by_adam: it runs"
+  " inside the transforms, which check the gradients",
 }
 
 CHECKED = sorted(
