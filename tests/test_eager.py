@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from _quadratic_replicas import pmap_history as _pmap_history
+from _quadratic_replicas import shard_map_history as _shard_map_history
 
 import shardopt
 from shardopt.measure import hlo
@@ -52,13 +52,6 @@ def _targets(steps, seed=1):
   }
 
 
-def _loss(params, targets):
-  return sum(
-    0.5 * jnp.sum((p - y) ** 2)
-    for p, y in zip(jax.tree.leaves(params), jax.tree.leaves(targets))
-  )
-
-
 def _eager(**kwargs):
   return shardopt.diloco(
     optax.sgd(LR),
@@ -69,54 +62,6 @@ def _eager(**kwargs):
     nesterov=True,
     **kwargs,
   )
-
-
-def _body(tx):
-  def body(carry, targets):
-    params, state = carry
-    grads = jax.grad(_loss)(params, targets)
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
-    div = shardopt.replica_divergence(params, "batch")
-    return (params, state), (params, state.center, div)
-
-  return body
-
-
-def _stack(params):
-  return jax.tree.map(lambda p: np.broadcast_to(p, (R,) + p.shape), params)
-
-
-def _pmap_history(tx, params0, targets):
-  def run(params, targets):
-    _, history = jax.lax.scan(_body(tx), (params, tx.init(params)), targets)
-    return history
-
-  out = jax.pmap(run, axis_name="batch")(
-    _stack(params0), jax.tree.map(lambda v: v.swapaxes(0, 1), targets)
-  )
-  return jax.tree.map(lambda v: np.swapaxes(np.asarray(v), 0, 1), out)
-
-
-def _shard_map_history(tx, mesh, params0, targets):
-  def run(params, targets):
-    _, (p, c, div) = jax.lax.scan(_body(tx), (params, tx.init(params)), targets)
-    return p, c, div[None]
-
-  per_step = P(None, "batch")
-  run = jax.jit(
-    jax.shard_map(
-      run,
-      mesh=mesh,
-      in_specs=(P("batch"), per_step),
-      out_specs=(per_step, per_step, P("batch")),
-    )
-  )
-  p, c, _ = run(
-    jax.device_put(_stack(params0), NamedSharding(mesh, P("batch"))),
-    jax.device_put(targets, NamedSharding(mesh, per_step)),
-  )
-  return jax.tree.map(np.asarray, (p, c))
 
 
 def _np_eager(params0, targets):
