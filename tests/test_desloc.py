@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import pathlib
-import re
 
 import _compiled
 import chex
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _docs_pages import run_page
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -304,21 +304,10 @@ def test_a_quantized_wire_carries_the_moments_too():
   np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
 
 
-def _page_blocks(page: str) -> list:
-  text = (
-    pathlib.Path(__file__).resolve().parents[1] / "docs" / page
-  ).read_text()
-  return re.findall(r"```python\n(.*?)```", text, flags=re.S)
-
-
 def test_the_docs_page_runs_and_prints_what_it_says(capsys):
   """docs/desloc.md's python blocks, run in order in one namespace (as
   tests/test_guides.py runs the guides), print what the page says."""
-  namespace = {}
-  for index, block in enumerate(_page_blocks("desloc.md")):
-    exec(
-      compile(block, f"docs/desloc.md[python block {index}]", "exec"), namespace
-    )
+  namespace = run_page("desloc")
   printed = capsys.readouterr().out
   text = (
     pathlib.Path(__file__).resolve().parents[1] / "docs" / "desloc.md"

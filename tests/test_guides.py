@@ -8,30 +8,17 @@ transform gives the numbers of its reference. docs/getting_started.md is
 checked in tests/test_docs.py.
 """
 
-import pathlib
 import re
 
 import jax
 import numpy as np
 import pytest
+from _docs_pages import DOCS
+from _docs_pages import blocks
+from _docs_pages import run_page
 from jax.sharding import PartitionSpec as P
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 GUIDES = ("coming_from_ddp", "diloco", "checkpointing", "noloco", "eager")
-
-
-def blocks(page: str) -> list:
-  text = (DOCS / f"{page}.md").read_text()
-  return re.findall(r"```python\n(.*?)```", text, flags=re.S)
-
-
-def run_page(page: str) -> dict:
-  """Runs every python block of docs/<page>.md in one namespace."""
-  namespace = {}
-  for index, block in enumerate(blocks(page)):
-    code = compile(block, f"docs/{page}.md[python block {index}]", "exec")
-    exec(code, namespace)
-  return namespace
 
 
 def _toctree(caption: str) -> list:

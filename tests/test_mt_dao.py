@@ -11,15 +11,14 @@ replicas on the 8 CPU devices under ``jax.pmap`` and a checking
 ``atol=1e-6`` (the params stay O(1) over 9 steps).
 """
 
-import pathlib
-import re
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _docs_pages import DOCS
+from _docs_pages import run_page
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -343,19 +342,12 @@ def test_a_bad_weight_decay_and_flag_are_refused():
 # --------------------------------------------------------------------------
 # The docs page.
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-
 
 def test_the_docs_page_runs_and_shows_what_it_says(capsys):
   """docs/mt_dao.md's python blocks run in order in one namespace: the
   params are one copy after a sync, the slow momenta are not; the page is
   in the Guides toctree."""
-  text = (DOCS / "mt_dao.md").read_text()
-  namespace = {}
-  for index, block in enumerate(re.findall(r"```python\n(.*?)```", text, re.S)):
-    exec(
-      compile(block, f"docs/mt_dao.md[python block {index}]", "exec"), namespace
-    )
+  namespace = run_page("mt_dao")
   assert namespace["same_params"] is True
   assert namespace["spread"] > 0.05
   assert capsys.readouterr().out.startswith("True ")

@@ -11,13 +11,13 @@ atol=1e-6``).
 from __future__ import annotations
 
 import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _docs_pages import run_page
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -198,21 +198,10 @@ def test_refusals_name_the_argument_and_the_fix():
     )
 
 
-def _page_blocks(page: str) -> list:
-  text = (
-    pathlib.Path(__file__).resolve().parents[1] / "docs" / page
-  ).read_text()
-  return re.findall(r"```python\n(.*?)```", text, flags=re.S)
-
-
 def test_the_docs_page_runs_and_prints_what_it_says(capsys):
   """docs/pier.md's python blocks, run in order in one namespace (as
   tests/test_guides.py runs the guides), print what the page says."""
-  namespace = {}
-  for index, block in enumerate(_page_blocks("pier.md")):
-    exec(
-      compile(block, f"docs/pier.md[python block {index}]", "exec"), namespace
-    )
+  run_page("pier")
   printed = capsys.readouterr().out
   text = (
     pathlib.Path(__file__).resolve().parents[1] / "docs" / "pier.md"
