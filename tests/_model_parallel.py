@@ -208,7 +208,8 @@ def _iota(dims_text: str, perm_text: str | None) -> np.ndarray:
 def replica_groups(line: str, num_devices: int) -> list[list[int]]:
   """The replica groups of one compiled-HLO collective, in any of the three
   spellings XLA prints: explicit lists, iota (``[G,S]<=[dims]T(perm)``) and
-  mesh axes (``mesh['axis_0'=a,...] {'axis_k'}``)."""
+  mesh axes (``mesh['axis_0'=a,...] {'axis_k'}``); for a collective-permute,
+  its ``source_target_pairs``, each pair a group."""
   m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
   if m:
     return [
@@ -240,6 +241,11 @@ def replica_groups(line: str, num_devices: int) -> list[list[int]]:
     moved = ids.transpose(keep + over)
     size = int(np.prod([shape[i] for i in over])) if over else 1
     return moved.reshape(-1, size).tolist()
+  m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+  if m:  # a collective-permute: each (source, target) pair is a group
+    return [
+      [int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))
+    ]
   return [list(range(num_devices))]
 
 

@@ -100,6 +100,24 @@ TRANSFORMS = {
     ),
     (4,),
   ),
+  # Issue 51's transforms. DES-LOC: params every 2, Adam's moments every 3
+  # and 6 (each in the round of its sync). NoLoCo and Eager updates keep
+  # per-replica params by design (one peer; each replica's own term): no
+  # step where the data replicas agree.
+  "desloc": (
+    lambda: shardopt.desloc(
+      _adam(), "data", sync_period=2, state_sync_periods={"mu": 3, "nu": 6}
+    ),
+    (2, 4, 6),
+  ),
+  "noloco": (
+    lambda: shardopt.noloco(_adam(), "data", sync_period=2, num_matchings=2),
+    (),
+  ),
+  "diloco(eager=True)": (
+    lambda: shardopt.diloco(_adam(), "data", sync_period=2, eager=True),
+    (),
+  ),
 }
 # Model collectives a transform may add beyond plain optax's (elements): the
 # finite flags of a sync (a reduction of one bool over the model shards), and
