@@ -100,7 +100,7 @@ def _transforms():
 
 
 TRANSFORMS = _transforms()
-FAST = ("accumulate_diloco", "desloc")
+FAST = ("accumulate_diloco",)  # desloc: its own due tests (test_desloc.py)
 
 # Where the in-graph schedule's local step is not the plain optimizer's to
 # the bit: after a warm-up it reads the gradient out of the warm-up's cond,
