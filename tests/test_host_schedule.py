@@ -100,7 +100,11 @@ def _transforms():
 
 
 TRANSFORMS = _transforms()
-FAST = ("accumulate_diloco",)  # desloc: its own due tests (test_desloc.py)
+# Every case is slow: the fast tier keeps the host local step to the bit
+# (test_the_host_local_step_is_the_plain_optimizers_to_the_bit) and the sync=0
+# program (test_the_sync_0_program_is_the_plain_local_step); desloc keeps its
+# own due tests (test_desloc.py).
+FAST = ()
 
 # Where the in-graph schedule's local step is not the plain optimizer's to
 # the bit: after a warm-up it reads the gradient out of the warm-up's cond,
