@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -440,10 +441,10 @@ def test_sigterm_ends_a_waiting_coordinator_cleanly(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "n"), [("keys", 2), ("keys_coordinated", 3)])
 def test_the_stores_keys_stay_bounded_over_many_rounds(tmp_path, mode, n):
-  """The key-value store holds as many shardopt keys after every round up
-  to 60 as after round 2, give or take an announcement in flight (issue 52:
-  the stall keys, and under a coordinator the want/join keys, grew every
-  round); measured: constant over 1,000 rounds (CHANGELOG)."""
+  """The key-value store holds as many shardopt keys over rounds 40-59 as
+  over rounds 2-21, on average (one count varies with what is in flight;
+  issue 52: the stall keys, and under a coordinator the want/join keys,
+  grew every round); measured: constant over 1,000 rounds (CHANGELOG)."""
   rounds = 60
   with Job(tmp_path, mode, n, rounds=rounds) as job:
     codes = job.wait()
@@ -454,8 +455,14 @@ def test_the_stores_keys_stay_bounded_over_many_rounds(tmp_path, mode, n):
       for m in re.finditer(r"KEYS round (\d+) (\d+)", job.log(0))
     }
     assert max(counts) >= rounds - 1, report
-    # An island's next announcement may be in the store as the coordinator
-    # counts: up to one key per process more (the stall keys alone grew by
-    # one per process and round before).
-    later = max(v for r, v in counts.items() if r >= 2)
-    assert later <= counts[2] + n, counts
+    # A single count varies with what is in flight as the coordinator counts
+    # (CI saw 10 keys at round 1, 6 at round 2 and 8 at round 3), so compare
+    # the mean count of the first twenty rounds with that of the last twenty.
+    # A leak of one key per round (the stall keys grew by one per process and
+    # round before) moves the late mean up by >= 38; in-flight noise averages
+    # out to well under the n keys of margin.
+    early = [counts[r] for r in range(2, 22) if r in counts]
+    late = [counts[r] for r in range(rounds - 20, rounds) if r in counts]
+    assert len(early) >= 15 and len(late) >= 15, counts
+    early_mean, late_mean = statistics.mean(early), statistics.mean(late)
+    assert late_mean <= early_mean + n, (early_mean, late_mean, counts)
