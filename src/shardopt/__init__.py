@@ -25,6 +25,8 @@ from shardopt.cross_shard import cross_shard_sum
 from shardopt.cross_shard import scale_loss
 from shardopt.decoupled import DecoupledMomentumState
 from shardopt.decoupled import decoupled_momentum
+from shardopt.delayed_nesterov import DelayedNesterovState
+from shardopt.delayed_nesterov import delayed_nesterov
 from shardopt.finite import all_finite
 from shardopt.finite import apply_if_finite
 from shardopt.mt_dao import MTDAOState
@@ -79,6 +81,8 @@ __all__ = [
   "powersgd",
   "DecoupledMomentumState",
   "decoupled_momentum",
+  "DelayedNesterovState",
+  "delayed_nesterov",
   "MTDAOState",
   "mt_dao",
   "scale_by_mt_dao",
