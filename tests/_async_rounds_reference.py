@@ -110,9 +110,13 @@ def simulate(
   momentum = np.zeros_like(center)
   buffer = np.zeros_like(center)
   steps_done = 0  # outer steps, for the DN period
-  pending: list[tuple[float, int, int, np.ndarray, float]] = []  # (t, i, v, delta, w)
+  pending: list[
+    tuple[float, int, int, np.ndarray, float]
+  ] = []  # (t, i, v, delta, w)
   out: list[Version] = []
-  start = {i: (center.copy(), 0) for i in range(n)}  # island -> (center, version)
+  start = {
+    i: (center.copy(), 0) for i in range(n)
+  }  # island -> (center, version)
   # events: (time, order, island); order breaks ties by island id.
   events = [(sync_period / speeds[i], i, i) for i in range(n)]
   heapq.heapify(events)
@@ -121,14 +125,22 @@ def simulate(
     nonlocal center, version, momentum, buffer, steps_done
     total_w = sum(p[4] for p in pending)
     stale = [version - p[2] for p in pending]
-    g = sum(p[4] * staleness_factor(rule, s) * p[3] for p, s in zip(pending, stale, strict=True)) / total_w
+    g = (
+      sum(
+        p[4] * staleness_factor(rule, s) * p[3]
+        for p, s in zip(pending, stale, strict=True)
+      )
+      / total_w
+    )
     beta = outer_momentum
     if rule == "delayed_nesterov":
       steps_done += 1
       buffer = buffer + g
       if steps_done % dn_n == 0:
         momentum = beta * momentum + buffer / dn_n
-        center = center - outer_lr * ((1.0 - dn_c * (dn_n - 1)) * beta * momentum + g / dn_n)
+        center = center - outer_lr * (
+          (1.0 - dn_c * (dn_n - 1)) * beta * momentum + g / dn_n
+        )
         buffer = np.zeros_like(buffer)
       else:
         center = center - outer_lr * (dn_c * beta * momentum + g / dn_n)
@@ -137,13 +149,22 @@ def simulate(
       center = center - outer_lr * (g + beta * momentum)
     version += 1
     out.append(
-      Version(version, t, [p[1] for p in pending], [p[4] for p in pending], stale, center.copy())
+      Version(
+        version,
+        t,
+        [p[1] for p in pending],
+        [p[4] for p in pending],
+        stale,
+        center.copy(),
+      )
     )
     pending.clear()
 
   while events:
     t, _, i = events[0]
-    grace_due = pending[0][0] + grace if (pending and grace is not None) else None
+    grace_due = (
+      pending[0][0] + grace if (pending and grace is not None) else None
+    )
     if grace_due is not None and grace_due < t:
       if grace_due > until:
         break
@@ -164,4 +185,8 @@ def simulate(
 
 def global_loss(x, targets) -> float:
   """The mean of the islands' quadratics at ``x``."""
-  return float(np.mean([0.5 * np.sum((np.asarray(x) - np.asarray(t)) ** 2) for t in targets]))
+  return float(
+    np.mean(
+      [0.5 * np.sum((np.asarray(x) - np.asarray(t)) ** 2) for t in targets]
+    )
+  )

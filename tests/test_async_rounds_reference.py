@@ -22,7 +22,13 @@ def run(**kw):
 def test_equal_speeds_quorum_two_is_one_synchronous_round():
   # Both start at 0 and arrive at t=1: g = mean(0.5*(0-1), 0.5*(0+1)) = 0.
   (v1, *_) = run(speeds=[1.0, 1.0], quorum=2, until=1.0)
-  assert (v1.version, v1.time, v1.contributors, v1.weights, v1.staleness) == (1, 1.0, [0, 1], [1.0, 1.0], [0, 0])
+  assert (v1.version, v1.time, v1.contributors, v1.weights, v1.staleness) == (
+    1,
+    1.0,
+    [0, 1],
+    [1.0, 1.0],
+    [0, 0],
+  )
   np.testing.assert_allclose(v1.center, [0.0])
 
 
@@ -43,7 +49,10 @@ def test_quorum_two_and_grace():
   # Quorum 2: 0.8: island 1's two contributions from c0 (0.5 each) -> c1 = -0.5.
   # 1.2: island 0 from c0 (stale 1, delta -0.5) and island 1 from c1 (delta 0.25).
   vs = run(speeds=[1.0, 2.5], quorum=2, until=1.25)
-  assert [(v.contributors, v.staleness) for v in vs] == [([1, 1], [0, 0]), ([0, 1], [1, 0])]
+  assert [(v.contributors, v.staleness) for v in vs] == [
+    ([1, 1], [0, 0]),
+    ([0, 1], [1, 0]),
+  ]
   np.testing.assert_allclose([v.time for v in vs], [0.8, 1.2])
   np.testing.assert_allclose([v.center[0] for v in vs], [-0.5, -0.5 + 0.125])
   vs = run(speeds=[1.0, 2.5], quorum=2, rule="inverse", until=1.25)
@@ -57,7 +66,9 @@ def test_quorum_two_and_grace():
 def test_nesterov_outer_step():
   # One contribution g = 0.5 (island 1 alone, quorum 1), lr 0.7, beta 0.9:
   # m = g, x = 0 - 0.7 (g + 0.9 m).
-  (v1, *_) = run(speeds=[0.1, 2.5], quorum=1, outer_lr=0.7, outer_momentum=0.9, until=0.4)
+  (v1, *_) = run(
+    speeds=[0.1, 2.5], quorum=1, outer_lr=0.7, outer_momentum=0.9, until=0.4
+  )
   np.testing.assert_allclose(v1.center, [-0.7 * (0.5 + 0.9 * 0.5)])
 
 
@@ -66,12 +77,22 @@ def test_delayed_nesterov_with_c_zero_is_one_synchronous_step_per_period():
   # at 0.8 from c1), DN period 2, c = 0: g1/2 applied, then g2/2 and beta*m
   # with m = (g1 + g2)/2: one Nesterov step on the mean of g1 and g2.
   lr, beta = 0.7, 0.9
-  vs = run(speeds=[0.1, 2.5], quorum=1, outer_lr=lr, outer_momentum=beta, rule="delayed_nesterov", dn_period=2, until=0.8)
+  vs = run(
+    speeds=[0.1, 2.5],
+    quorum=1,
+    outer_lr=lr,
+    outer_momentum=beta,
+    rule="delayed_nesterov",
+    dn_period=2,
+    until=0.8,
+  )
   g1 = 0.5 * (0.0 + 1.0)
   c1 = -lr * g1 / 2
   g2 = 0.5 * (c1 + 1.0)
   np.testing.assert_allclose(vs[0].center, [c1])
-  np.testing.assert_allclose(vs[1].center, [-lr * ((g1 + g2) / 2 + beta * (g1 + g2) / 2)])
+  np.testing.assert_allclose(
+    vs[1].center, [-lr * ((g1 + g2) / 2 + beta * (g1 + g2) / 2)]
+  )
 
 
 def test_rules_are_checked():
@@ -90,8 +111,16 @@ def compare(speeds, until=60.0, seeds=3):
       targets = rng.normal(size=(len(speeds), 16))
       x0 = rng.normal(size=16) * 3
       vs = ref.simulate(
-        speeds=speeds, targets=targets, x0=x0, sync_period=8, inner_lr=0.05,
-        outer_lr=0.7, outer_momentum=0.9, quorum=1, rule=rule, until=until,
+        speeds=speeds,
+        targets=targets,
+        x0=x0,
+        sync_period=8,
+        inner_lr=0.05,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        quorum=1,
+        rule=rule,
+        until=until,
       )
       optimum = ref.global_loss(np.mean(targets, 0), targets)
       losses.append(ref.global_loss(vs[-1].center, targets) - optimum)
@@ -100,7 +129,13 @@ def compare(speeds, until=60.0, seeds=3):
 
 
 def test_staleness_rules_on_the_toy_quadratic():
-  table = {name: compare(speeds) for name, speeds in (("equal 1,1,1", [1.0, 1.0, 1.0]), ("unequal 1,3,9", [1.0, 3.0, 9.0]))}
+  table = {
+    name: compare(speeds)
+    for name, speeds in (
+      ("equal 1,1,1", [1.0, 1.0, 1.0]),
+      ("unequal 1,3,9", [1.0, 3.0, 9.0]),
+    )
+  }
   print("\nexcess global loss after 60 s (mean of 3 seeds; lower is better)")
   print(f"{'speeds':16s}" + "".join(f"{r:>18s}" for r in ref.RULES))
   for name, row in table.items():

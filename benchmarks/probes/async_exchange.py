@@ -74,7 +74,6 @@ def worker(cfg: dict) -> None:
   pid, mode = cfg["pid"], cfg["mode"]
   t_zero = cfg["t0"]
   tag = "'" * cfg.get("incarnation", 0)
-  logs = []
 
   def log(msg):
     print(f"[{pid}{tag}] t={time.time() - t_zero:7.2f} {msg}", flush=True)
@@ -112,7 +111,9 @@ def worker(cfg: dict) -> None:
   rec = result["records"]
 
   def dump():
-    path = os.path.join(cfg["dir"], f"result_{pid}_{cfg.get('incarnation', 0)}.json")
+    path = os.path.join(
+      cfg["dir"], f"result_{pid}_{cfg.get('incarnation', 0)}.json"
+    )
     with open(path, "w") as f:
       json.dump(result, f)
 
@@ -123,7 +124,8 @@ def worker(cfg: dict) -> None:
   me_dev = by_proc[pid][0]
 
   # ---- mechanism: the exchange itself ----------------------------------
-  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import Mesh
+  from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   programs = {}
@@ -161,16 +163,20 @@ def worker(cfg: dict) -> None:
     server = transfer.start_transfer_server(
       me_dev.client, "127.0.0.1:0", ["127.0.0.1:0"]
     )
-    client.key_value_set(f"tx/addr/{pid}", server.address(), allow_overwrite=True)
+    client.key_value_set(
+      f"tx/addr/{pid}", server.address(), allow_overwrite=True
+    )
     log(f"transfer server at {server.address()}")
   connections = {}
 
   def spec(n, dev):
-    return jax.ShapeDtypeStruct((n,), np.float32, sharding=jax.sharding.SingleDeviceSharding(dev))
+    return jax.ShapeDtypeStruct(
+      (n,), np.float32, sharding=jax.sharding.SingleDeviceSharding(dev)
+    )
 
   # ---- coordinator ----------------------------------------------------------
   if pid == 0:
-    K = cfg["k"]
+    cfg["k"]
     centers = {}
     pairs_used = {}  # island -> list of pairs handed out
     broken = set()
@@ -206,7 +212,10 @@ def worker(cfg: dict) -> None:
         continue
       if time.time() - last_done_check > 0.2:
         last_done_check = time.time()
-        done = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get("ax/done/")}
+        done = {
+          int(k.rsplit("/", 1)[1])
+          for k, _ in client.key_value_dir_get("ax/done/")
+        }
       if not reqs:
         time.sleep(0.002)
         continue
@@ -216,14 +225,25 @@ def worker(cfg: dict) -> None:
         i, seq, n = r["island"], r["seq"], r["n"]
         ack_key = f"ax/ack/{i}/{r['token']}/{seq}"
         t_in = time.time()
-        entry = {"island": i, "seq": seq, "n": n, "token": r["token"], "phase": r.get("phase")}
+        entry = {
+          "island": i,
+          "seq": seq,
+          "n": n,
+          "token": r["token"],
+          "phase": r.get("phase"),
+        }
         if mode == "clique":
           if r.get("failed"):
             broken.add(tuple(r["failed"]))
           cur = current.get(i)
           if r.get("old") and cur is not None:
             pair = cur[1]
-          elif cur is None or cur[0] != r["token"] or r.get("fresh") or cur[1] in broken:
+          elif (
+            cur is None
+            or cur[0] != r["token"]
+            or r.get("fresh")
+            or cur[1] in broken
+          ):
             pair = fresh_pair(i)
           else:
             pair = cur[1]
@@ -239,10 +259,16 @@ def worker(cfg: dict) -> None:
           entry["pair"] = pair
           try:
             got = clique_exchange(tuple(pair), center(n))
-            entry.update(ok=True, seconds=time.time() - t_in, got0=float(got[0]))
+            entry.update(
+              ok=True, seconds=time.time() - t_in, got0=float(got[0])
+            )
           except Exception as e:  # noqa: BLE001
             broken.add(tuple(pair))
-            entry.update(ok=False, seconds=time.time() - t_in, error=f"{type(e).__name__}: {str(e)[:300]}")
+            entry.update(
+              ok=False,
+              seconds=time.time() - t_in,
+              error=f"{type(e).__name__}: {str(e)[:300]}",
+            )
         elif mode == "transfer":
           try:
             addr = r["addr"]
@@ -250,18 +276,31 @@ def worker(cfg: dict) -> None:
               connections[addr] = server.connect(addr)
             server.await_pull(r["down"], [jax.device_put(center(n), me_dev)])
             client.key_value_set(ack_key, "{}")
-            timeout = datetime.datetime.now() + datetime.timedelta(seconds=COLL_TIMEOUT_S)
-            (got,) = connections[addr].pull(r["up"], [spec(n, me_dev)], timeout=timeout)
+            timeout = datetime.datetime.now() + datetime.timedelta(
+              seconds=COLL_TIMEOUT_S
+            )
+            (got,) = connections[addr].pull(
+              r["up"], [spec(n, me_dev)], timeout=timeout
+            )
             got = np.asarray(got)
-            entry.update(ok=True, seconds=time.time() - t_in, got0=float(got[0]))
+            entry.update(
+              ok=True, seconds=time.time() - t_in, got0=float(got[0])
+            )
           except Exception as e:  # noqa: BLE001
-            entry.update(ok=False, seconds=time.time() - t_in, error=f"{type(e).__name__}: {str(e)[:300]}")
+            entry.update(
+              ok=False,
+              seconds=time.time() - t_in,
+              error=f"{type(e).__name__}: {str(e)[:300]}",
+            )
         if not entry["ok"]:
           killed = try_get(f"ax/killed/{i}")
           entry["killed_at"] = float(killed) if killed else None
           if killed:
             entry["error_after_kill_s"] = time.time() - float(killed)
-          log(f"exchange with {i} seq {seq} FAILED after {entry['seconds']:.2f}s: {entry['error'][:200]}")
+          log(
+            f"exchange with {i} seq {seq} FAILED after"
+            f" {entry['seconds']:.2f}s: {entry['error'][:200]}"
+          )
         served += 1
         entry["t_end"] = time.time()
         rec.append(entry)
@@ -288,11 +327,20 @@ def worker(cfg: dict) -> None:
     time.sleep(step_s)
     steps.append((t, time.time()))
 
-  def exchange(n, phase, old=False, fresh=False, kill_after_s=None, stall_s=None):
+  def exchange(
+    n, phase, old=False, fresh=False, kill_after_s=None, stall_s=None
+  ):
     seq[0] += 1
     s = seq[0]
     mine = np.full(n, float(pid), np.float32)
-    r = {"island": pid, "seq": s, "n": n, "token": token, "t": time.time(), "phase": phase}
+    r = {
+      "island": pid,
+      "seq": s,
+      "n": n,
+      "token": token,
+      "t": time.time(),
+      "phase": phase,
+    }
     if old:
       r["old"] = True
     if fresh:
@@ -309,15 +357,23 @@ def worker(cfg: dict) -> None:
       server.await_pull(up, [up_arr])
       r.update(up=up, down=down, addr=server.address())
     if kill_after_s is not None:
-      client.key_value_set(f"ax/killed/{pid}", repr(time.time() + kill_after_s), allow_overwrite=True)
+      client.key_value_set(
+        f"ax/killed/{pid}",
+        repr(time.time() + kill_after_s),
+        allow_overwrite=True,
+      )
     client.key_value_set(f"ax/req/{pid}", json.dumps(r), allow_overwrite=False)
-    ack = json.loads(client.blocking_key_value_get(f"ax/ack/{pid}/{token}/{s}", 60_000))
+    ack = json.loads(
+      client.blocking_key_value_get(f"ax/ack/{pid}/{token}/{s}", 60_000)
+    )
     client.key_value_delete(f"ax/ack/{pid}/{token}/{s}")
     t_data = time.time()
     if kill_after_s is not None:
+
       def die():
         time.sleep(kill_after_s)
         os.kill(os.getpid(), signal.SIGKILL)
+
       threading.Thread(target=die, daemon=True).start()
     if stall_s:  # alive, but late into the data call (a stuck or slow island)
       time.sleep(stall_s)
@@ -331,18 +387,35 @@ def worker(cfg: dict) -> None:
         got = clique_exchange(tuple(ack["pair"]), mine)
       else:
         if "coord" not in connections:
-          connections["coord"] = server.connect(client.blocking_key_value_get("tx/addr/0", 10_000))
-        timeout = datetime.datetime.now() + datetime.timedelta(seconds=COLL_TIMEOUT_S)
-        (got,) = connections["coord"].pull(down, [spec(n, me_dev)], timeout=timeout)
+          connections["coord"] = server.connect(
+            client.blocking_key_value_get("tx/addr/0", 10_000)
+          )
+        timeout = datetime.datetime.now() + datetime.timedelta(
+          seconds=COLL_TIMEOUT_S
+        )
+        (got,) = connections["coord"].pull(
+          down, [spec(n, me_dev)], timeout=timeout
+        )
         got = np.asarray(got)
       t_end = time.time()
-      entry.update(ok=True, seconds=t_end - t_start, data_seconds=t_end - t_data, got0=float(got[0]))
+      entry.update(
+        ok=True,
+        seconds=t_end - t_start,
+        data_seconds=t_end - t_data,
+        got0=float(got[0]),
+      )
     except Exception as e:  # noqa: BLE001
       t_end = time.time()
       if mode == "clique":
         last_failed[0] = ack["pair"]
-      entry.update(ok=False, seconds=t_end - t_start, error=f"{type(e).__name__}: {str(e)[:300]}")
-      log(f"exchange seq {s} FAILED after {t_end - t_start:.2f}s: {entry['error'][:200]}")
+      entry.update(
+        ok=False,
+        seconds=t_end - t_start,
+        error=f"{type(e).__name__}: {str(e)[:300]}",
+      )
+      log(
+        f"exchange seq {s} FAILED after {t_end - t_start:.2f}s: {entry['error'][:200]}"
+      )
     exchanges.append((t_start, t_end))
     rec.append(entry)
     return entry
@@ -357,13 +430,17 @@ def worker(cfg: dict) -> None:
       for _ in range(count):
         exchange(n, f"burst{n * 4 // MB}MB")
       log(f"burst of {count} x {n * 4 / MB:.0f} MB in {time.time() - t:.2f}s")
-    elif kind == "train":  # `count` rounds of `every` inner steps + one exchange
+    elif (
+      kind == "train"
+    ):  # `count` rounds of `every` inner steps + one exchange
       _, count, n, every = item
       for _ in range(count):
         for _ in range(every):
           inner_step()
         exchange(n, f"train{n * 4 // MB}MB")
-    elif kind == "train_until":  # until the coordinator says island 1's plan ended
+    elif (
+      kind == "train_until"
+    ):  # until the coordinator says island 1's plan ended
       _, n, every = item
       while time.time() < stop_at and try_get("ax/done/1") is None:
         for _ in range(every):
@@ -388,7 +465,9 @@ def worker(cfg: dict) -> None:
     elif kind == "first":
       _, n = item
       e = exchange(n, "first_after_restart")
-      log(f"first exchange after restart: ok={e['ok']} {e.get('seconds', 0):.3f}s")
+      log(
+        f"first exchange after restart: ok={e['ok']} {e.get('seconds', 0):.3f}s"
+      )
     elif kind == "all_pairs":  # every remaining pair, one exchange each
       _, n = item
       while True:
@@ -432,7 +511,8 @@ def kv_worker(cfg: dict) -> None:
     initialization_timeout=90,
   )
   from jax._src import distributed
-  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import Mesh
+  from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   client = distributed.global_state.client
@@ -445,7 +525,9 @@ def kv_worker(cfg: dict) -> None:
       try:
         if pid == 1:  # island: up, then wait for the center
           client.key_value_set_bytes(f"kv/up/{mb}/{rep}", payload)
-          got = client.blocking_key_value_get_bytes(f"kv/down/{mb}/{rep}", 30_000)
+          got = client.blocking_key_value_get_bytes(
+            f"kv/down/{mb}/{rep}", 30_000
+          )
         else:
           got = client.blocking_key_value_get_bytes(f"kv/up/{mb}/{rep}", 30_000)
           client.key_value_delete(f"kv/up/{mb}/{rep}")
@@ -453,7 +535,14 @@ def kv_worker(cfg: dict) -> None:
         ok = len(got) == len(payload)
         result["kv"].append({"mb": mb, "ok": ok, "seconds": time.time() - t})
       except Exception as e:  # noqa: BLE001
-        result["kv"].append({"mb": mb, "ok": False, "seconds": time.time() - t, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        result["kv"].append(
+          {
+            "mb": mb,
+            "ok": False,
+            "seconds": time.time() - t,
+            "error": f"{type(e).__name__}: {str(e)[:300]}",
+          }
+        )
         log(f"kv {mb} MB failed: {str(e)[:200]}")
         break
     if pid == 1:
@@ -480,8 +569,14 @@ def kv_worker(cfg: dict) -> None:
       time.sleep(0.5)
       t = result.get("device_put_entered")
       if t is not None and time.time() - t > hung_after:
-        result["device_put"].append({"mb": result["device_put_mb"], "ok": False, "seconds": time.time() - t,
-                                     "error": f"hung: no result and no error after {hung_after:.0f} s"})
+        result["device_put"].append(
+          {
+            "mb": result["device_put_mb"],
+            "ok": False,
+            "seconds": time.time() - t,
+            "error": f"hung: no result and no error after {hung_after:.0f} s",
+          }
+        )
         log("device_put hung; giving up")
         save()
         os._exit(0)
@@ -493,18 +588,39 @@ def kv_worker(cfg: dict) -> None:
       t = time.time()
       result["device_put_entered"], result["device_put_mb"] = t, mb
       try:
+
         def on(sharding, dev):
-          local = [jax.device_put(np.full(n, float(pid), np.float32), dev)] if dev.process_index == pid else []
-          return jax.make_array_from_single_device_arrays((n,), sharding, local, dtype=np.float32)
+          local = (
+            [jax.device_put(np.full(n, float(pid), np.float32), dev)]
+            if dev.process_index == pid
+            else []
+          )
+          return jax.make_array_from_single_device_arrays(
+            (n,), sharding, local, dtype=np.float32
+          )
+
         log(f"device_put {mb} MB rep {rep}: island -> coordinator")
-        up = jax.block_until_ready(jax.device_put(on(s1, d1), s0))  # island -> coordinator
+        up = jax.block_until_ready(
+          jax.device_put(on(s1, d1), s0)
+        )  # island -> coordinator
         log("  coordinator -> island")
-        down = jax.block_until_ready(jax.device_put(on(s0, d0), s1))  # coordinator -> island
+        down = jax.block_until_ready(
+          jax.device_put(on(s0, d0), s1)
+        )  # coordinator -> island
         mine = up if pid == 0 else down
         v = float(np.asarray(mine.addressable_shards[0].data)[0])
-        result["device_put"].append({"mb": mb, "ok": v == float(1 - pid), "seconds": time.time() - t})
+        result["device_put"].append(
+          {"mb": mb, "ok": v == float(1 - pid), "seconds": time.time() - t}
+        )
       except Exception as e:  # noqa: BLE001
-        result["device_put"].append({"mb": mb, "ok": False, "seconds": time.time() - t, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        result["device_put"].append(
+          {
+            "mb": mb,
+            "ok": False,
+            "seconds": time.time() - t,
+            "error": f"{type(e).__name__}: {str(e)[:400]}",
+          }
+        )
         log(f"device_put {mb} MB failed: {str(e)[:300]}")
         break
     if result["device_put"] and not result["device_put"][-1]["ok"]:
@@ -537,16 +653,35 @@ def run(mode: str, workdir: str, reuse: int) -> dict:
     base = {"mode": "kv", "n": 2, "k": 1, "reps": 5}
     plans = {0: None, 1: None}
   else:
-    base = {"mode": mode, "n": 3, "k": 4 if mode == "clique" else 1, "step_s": 0.02}
+    base = {
+      "mode": mode,
+      "n": 3,
+      "k": 4 if mode == "clique" else 1,
+      "step_s": 0.02,
+    }
     plans = {
       0: [],
-      1: [("burst", reuse, one_mb), ("train", 10, sixteen_mb, 2), ("train", 40, one_mb, 5), ("kill", sixteen_mb, 0.003)],
-      2: [("train", 5, one_mb, 10), ("stall", one_mb, 8.0), ("train_until", one_mb, 10)],
+      1: [
+        ("burst", reuse, one_mb),
+        ("train", 10, sixteen_mb, 2),
+        ("train", 40, one_mb, 5),
+        ("kill", sixteen_mb, 0.003),
+      ],
+      2: [
+        ("train", 5, one_mb, 10),
+        ("stall", one_mb, 8.0),
+        ("train_until", one_mb, 10),
+      ],
     }
   restart_plan = (
     [("old", one_mb), ("all_pairs", one_mb), ("train", 5, one_mb, 2), ("done",)]
     if mode == "clique"
-    else [("first", one_mb), ("train", 20, one_mb, 2), ("train", 5, sixteen_mb, 2), ("done",)]
+    else [
+      ("first", one_mb),
+      ("train", 20, one_mb, 2),
+      ("train", 5, sixteen_mb, 2),
+      ("done",),
+    ]
   )
   procs, events = {}, []
 
@@ -555,10 +690,25 @@ def run(mode: str, workdir: str, reuse: int) -> dict:
     print(f"[drv] t={time.time() - t0:7.2f} {msg}", flush=True)
 
   def start(i, incarnation=0, plan=None):
-    cfg = dict(base, pid=i, port=port, t0=t0, dir=d, limit=limit, incarnation=incarnation, plan=plan)
+    cfg = dict(
+      base,
+      pid=i,
+      port=port,
+      t0=t0,
+      dir=d,
+      limit=limit,
+      incarnation=incarnation,
+      plan=plan,
+    )
     log = open(os.path.join(d, f"p{i}_{incarnation}.log"), "w")
     procs[i] = subprocess.Popen(
-      [sys.executable, "-u", os.path.abspath(__file__), "--worker", json.dumps(cfg)],
+      [
+        sys.executable,
+        "-u",
+        os.path.abspath(__file__),
+        "--worker",
+        json.dumps(cfg),
+      ],
       stdout=log,
       stderr=subprocess.STDOUT,
       start_new_session=True,
@@ -597,7 +747,12 @@ def run(mode: str, workdir: str, reuse: int) -> dict:
     if fn.startswith("result_"):
       with open(os.path.join(d, fn)) as f:
         results[fn[len("result_") : -len(".json")]] = json.load(f)
-  return {"events": events, "results": results, "wall_s": round(time.time() - t0, 1), "logs": d}
+  return {
+    "events": events,
+    "results": results,
+    "wall_s": round(time.time() - t0, 1),
+    "logs": d,
+  }
 
 
 # --------------------------------------------------------------- summary --
@@ -621,7 +776,7 @@ def longest_gap(res):
   """Island's longest wait between inner steps that is not its own exchange."""
   steps, exch = res.get("steps", []), res.get("exchanges", [])
   worst = 0.0
-  for (_, e0), (s1, _) in zip(steps, steps[1:]):
+  for (_, e0), (s1, _) in zip(steps, steps[1:], strict=False):
     own = sum(max(0.0, min(s1, b) - max(e0, a)) for a, b in exch)
     worst = max(worst, s1 - e0 - own)
   return worst
@@ -632,7 +787,9 @@ def summarize(mode, out) -> dict:
   summary: dict = {"mode": mode, "wall_s": out["wall_s"]}
   if mode == "kv":
     for key in ("kv", "device_put"):
-      rows = res.get("1_0", {}).get(key, []) + [r for r in res.get("0_0", {}).get(key, []) if not r["ok"]]
+      rows = res.get("1_0", {}).get(key, []) + [
+        r for r in res.get("0_0", {}).get(key, []) if not r["ok"]
+      ]
       for mb in (1, 16):
         ok = [r["seconds"] for r in rows if r["mb"] == mb and r["ok"]]
         err = [r.get("error") for r in rows if r["mb"] == mb and not r["ok"]]
@@ -642,7 +799,11 @@ def summarize(mode, out) -> dict:
   coord = res.get("0_0", {}).get("records", [])
   by_phase: dict = {}
   for r in isl1 + res.get("2_0", {}).get("records", []):
-    ph = r["phase"] if r["phase"] != "stall" else f"stall (island {2 if r in res.get('2_0', {}).get('records', []) else 1})"
+    ph = (
+      r["phase"]
+      if r["phase"] != "stall"
+      else f"stall (island {2 if r in res.get('2_0', {}).get('records', []) else 1})"
+    )
     by_phase.setdefault(ph, {"ok": [], "data": [], "fail": []})
     if r.get("ok"):
       by_phase[ph]["ok"].append(r["seconds"])
@@ -650,15 +811,35 @@ def summarize(mode, out) -> dict:
     elif not r.get("exhausted"):
       by_phase[ph]["fail"].append(r.get("error"))
   summary["phases"] = {
-    ph: {"exchange": stats(v["ok"]), "data_call": stats(v["data"]), "failures": len(v["fail"]), "first_error": (v["fail"] or [None])[0]}
+    ph: {
+      "exchange": stats(v["ok"]),
+      "data_call": stats(v["data"]),
+      "failures": len(v["fail"]),
+      "first_error": (v["fail"] or [None])[0],
+    }
     for ph, v in by_phase.items()
   }
   fails = [r for r in coord if not r.get("ok") and r.get("seconds") is not None]
   summary["coordinator_failures"] = [
-    {k: r.get(k) for k in ("island", "seq", "n", "pair", "phase", "seconds", "error", "error_after_kill_s")} for r in fails
+    {
+      k: r.get(k)
+      for k in (
+        "island",
+        "seq",
+        "n",
+        "pair",
+        "phase",
+        "seconds",
+        "error",
+        "error_after_kill_s",
+      )
+    }
+    for r in fails
   ]
   summary["coordinator_ok"] = sum(1 for r in coord if r.get("ok"))
-  summary["distinct_pairs_ok"] = sorted({tuple(r["pair"]) for r in coord if r.get("ok") and r.get("pair")})
+  summary["distinct_pairs_ok"] = sorted(
+    {tuple(r["pair"]) for r in coord if r.get("ok") and r.get("pair")}
+  )
   summary["pairs_used"] = res.get("0_0", {}).get("pairs_used")
   summary["broken_pairs"] = res.get("0_0", {}).get("broken")
   i2 = res.get("2_0", {})
@@ -674,30 +855,48 @@ def summarize(mode, out) -> dict:
 def print_table(s):
   print(f"\n== {s['mode']} (run wall {s['wall_s']} s)")
   if s["mode"] == "kv":
-    print(f"{'what':28s} {'n':>5s}  {'med ms':>8s} {'p90 ms':>8s} {'max ms':>8s}  error")
+    print(
+      f"{'what':28s} {'n':>5s}  {'med ms':>8s} {'p90 ms':>8s} {'max ms':>8s}  error"
+    )
     for k, v in s.items():
       if isinstance(v, dict) and "island" in v:
-        print(f"{k:28s} {fmt(v['island'])}  {(v['errors'] or [''])[0] or ''}"[:200])
+        print(
+          f"{k:28s} {fmt(v['island'])}  {(v['errors'] or [''])[0] or ''}"[:200]
+        )
     return
-  print(f"{'phase':22s} {'n':>5s}  {'med ms':>8s} {'p90 ms':>8s} {'max ms':>8s} | data call: {'med ms':>8s} {'max ms':>8s}  fails")
+  print(
+    f"{'phase':22s} {'n':>5s}  {'med ms':>8s} {'p90 ms':>8s} {'max ms':>8s}"
+    f" | data call: {'med ms':>8s} {'max ms':>8s}  fails"
+  )
   for ph, v in s["phases"].items():
     e, dcall = v["exchange"], v["data_call"]
-    dd = f"{dcall['median'] * 1e3:8.1f} {dcall['max'] * 1e3:8.1f}" if dcall else f"{'-':>8s} {'-':>8s}"
-    print(f"{ph:22s} {fmt(e) if e else '    0':>32s} |            {dd}  {v['failures']}")
+    dd = (
+      f"{dcall['median'] * 1e3:8.1f} {dcall['max'] * 1e3:8.1f}"
+      if dcall
+      else f"{'-':>8s} {'-':>8s}"
+    )
+    print(
+      f"{ph:22s} {fmt(e) if e else '    0':>32s} |            {dd}  {v['failures']}"
+    )
     if v["first_error"]:
       print(f"{'':22s}   error: {v['first_error'][:150]}")
-  print(f"coordinator: {s['coordinator_ok']} exchanges ok; distinct device pairs that ran: {len(s['distinct_pairs_ok'])}")
+  print(
+    f"coordinator: {s['coordinator_ok']} exchanges ok; distinct device pairs"
+    f" that ran: {len(s['distinct_pairs_ok'])}"
+  )
   for f in s["coordinator_failures"]:
     aft = f.get("error_after_kill_s")
     print(
-      f"coordinator failure: island {f['island']} phase {f['phase']} pair {f.get('pair')}: after {f['seconds']:.2f} s"
+      f"coordinator failure: island {f['island']} phase {f['phase']}"
+      f" pair {f.get('pair')}: after {f['seconds']:.2f} s"
       + (f" ({aft:.2f} s after the kill)" if aft is not None else "")
       + f": {(f['error'] or '')[:150]}"
     )
   i2 = s["island2"]
   print(
-    f"island 2: {i2['inner_steps']} inner steps ({i2['step_s']} s each), {i2['exchanges']} exchanges;"
-    f" longest gap between its inner steps besides its own exchanges: {i2['longest_gap_not_own_exchange_s']} s"
+    f"island 2: {i2['inner_steps']} inner steps ({i2['step_s']} s each),"
+    f" {i2['exchanges']} exchanges; longest gap between its inner steps"
+    f" besides its own exchanges: {i2['longest_gap_not_own_exchange_s']} s"
   )
 
 
@@ -706,25 +905,45 @@ def main():
   ap.add_argument("--only", default="clique,transfer,kv")
   ap.add_argument("--reuse", type=int, default=1000)
   here = os.path.dirname(os.path.abspath(__file__))
-  ap.add_argument("--out", default=os.path.join(here, "..", "results", "async_exchange_probe.json"))
+  ap.add_argument(
+    "--out",
+    default=os.path.join(here, "..", "results", "async_exchange_probe.json"),
+  )
   args = ap.parse_args()
   import jax
   import jaxlib
 
   workdir = tempfile.mkdtemp(prefix="async_exchange_")
   try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+      ["git", "rev-parse", "--short", "HEAD"],
+      cwd=here,
+      capture_output=True,
+      text=True,
+    ).stdout.strip()
   except OSError:
     commit = None
   doc = {
     "probe": "benchmarks/probes/async_exchange.py",
-    "command": "python benchmarks/probes/async_exchange.py " + " ".join(sys.argv[1:]),
-    "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    "command": "python benchmarks/probes/async_exchange.py "
+    + " ".join(sys.argv[1:]),
+    "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime(
+      "%Y-%m-%dT%H:%M:%SZ"
+    ),
     "commit": commit,
     "jax": jax.__version__,
     "jaxlib": jaxlib.__version__,
-    "machine": {"node": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()},
-    "settings": {"heartbeat_s": HB_S, "collective_timeout_s": COLL_TIMEOUT_S, "reuse": args.reuse},
+    "machine": {
+      "node": platform.node(),
+      "platform": platform.platform(),
+      "cpus": os.cpu_count(),
+      "loadavg_start": os.getloadavg(),
+    },
+    "settings": {
+      "heartbeat_s": HB_S,
+      "collective_timeout_s": COLL_TIMEOUT_S,
+      "reuse": args.reuse,
+    },
     "runs": {},
   }
   for mode in args.only.split(","):
@@ -734,7 +953,9 @@ def main():
     doc["runs"][mode] = {"summary": s, "raw": out["results"]}
     print_table(s)
   doc["machine"]["loadavg_end"] = os.getloadavg()
-  for run_ in doc["runs"].values():  # keep the JSON small: drop per-step timelines
+  for run_ in doc[
+    "runs"
+  ].values():  # keep the JSON small: drop per-step timelines
     for r in run_["raw"].values():
       if "steps" in r:
         r["steps"] = len(r["steps"])
