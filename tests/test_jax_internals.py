@@ -9,6 +9,7 @@ elsewhere and shows the fallback gives the same numbers and warns once."""
 import collections
 import functools
 import inspect
+import threading
 import warnings
 
 import chex
@@ -285,3 +286,31 @@ def test_initialize_refuses_once_backends_run():
   jax.devices()
   with pytest.raises(RuntimeError, match="before any other JAX call"):
     shardopt.elastic.initialize("127.0.0.1:1", 1, 0)
+
+
+def test_transfer_server_moves_arrays_between_two_servers_and_times_out():
+  """jax.experimental.transfer (asynchronous rounds' exchange): an offered
+  array is pulled whole onto the puller's device; a pull of a uuid nobody
+  offered raises TimeoutError after its timeout instead of hanging (the
+  pull's own timeout does not end it on jax 0.10.2: a thread waits)."""
+  devices = jax.devices()
+  offering = _jax.TransferServer(devices[0], "127.0.0.1")
+  pulling = _jax.TransferServer(devices[1], "127.0.0.1")
+  x = jax.device_put(jnp.arange(6.0).reshape(2, 3), devices[0])
+  offering.offer(11, [x])
+  (got,) = pulling.pull(offering.address, 11, [x], timeout_s=30)
+  assert got.devices() == {devices[1]}
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(x))
+  with pytest.raises(TimeoutError, match="uuid 12"):
+    pulling.pull(offering.address, 12, [x], timeout_s=0.5)
+  # The waiting thread stays blocked until something is offered under the
+  # uuid (a thread blocked in the pull at exit aborts the process): offer it.
+  offering.offer(12, [x])
+  for thread in threading.enumerate():
+    if thread.name == "shardopt-pull":
+      thread.join(timeout=30)
+      assert not thread.is_alive()
+
+
+def test_coordinator_address_is_empty_without_distributed():
+  assert _jax.coordinator_address() == ""

@@ -36,6 +36,10 @@ why:
   deletes the stale gloo rendezvous keys of its own local clique.
 - ``jax._src.xla_bridge.backends_are_initialized`` (private): whether the XLA
   flags may still change.
+- ``jax.experimental.transfer`` (experimental): point-to-point pulls of
+  arrays between two processes (:class:`TransferServer`), the exchange of
+  asynchronous rounds (``benchmarks/probes/async_exchange.py`` measured it
+  against two-member gloo cliques and the key-value store).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from __future__ import annotations
 import collections
 import importlib
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -229,6 +234,13 @@ def add_xla_flag(name: str, value: Any) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --{name}={value}".strip()
 
 
+def coordinator_address() -> str:
+  """``host:port`` of JAX's coordination service (``""`` if unknown)."""
+  from jax._src import distributed
+
+  return getattr(distributed.global_state, "coordinator_address", None) or ""
+
+
 class KeyValueStore:
   """The coordination service's key-value store (hosted by process 0)."""
 
@@ -278,6 +290,82 @@ class KeyValueStore:
 
   def delete(self, key: str) -> None:
     self._client.key_value_delete(key)
+
+
+class TransferServer:
+  """This process's end of ``jax.experimental.transfer``: it offers arrays
+  for one pull each (``offer``) and pulls what another process offered
+  (``pull``), with no collective and no other process taking part.
+
+  Args:
+    device: the local device the pulled arrays land on.
+    host: the address other processes reach this one at (the port is
+      picked free).
+  """
+
+  def __init__(self, device, host: str):
+    try:
+      from jax.experimental import transfer
+
+      server = transfer.start_transfer_server(
+        device.client, f"{host}:0", [f"{host}:0"]
+      )
+    except (ImportError, AttributeError) as e:
+      raise _missing(
+        "jax.experimental.transfer.start_transfer_server", e
+      ) from e
+    self._server = server
+    self._device = device
+    self._connections: dict[str, Any] = {}
+
+  @property
+  def address(self) -> str:
+    return self._server.address()
+
+  def offer(self, uuid: int, arrays: list) -> None:
+    """``arrays`` wait for one pull under ``uuid``. An offer nobody pulls
+    stays in the server's table (an await_pull timeout would hand the
+    puller an array that never completes, measured on jax 0.10.2)."""
+    self._server.await_pull(uuid, list(arrays))
+
+  def pull(self, address: str, uuid: int, like: list, timeout_s: float) -> list:
+    """The arrays offered under ``uuid`` at ``address``, shaped as ``like``
+    (arrays or ShapeDtypeStructs), on this server's device, complete.
+
+    Raises the transfer's error if the peer is gone (a closed socket is
+    seen at once), and TimeoutError if they are not complete within
+    ``timeout_s`` (a live peer that never offers): the pull's own
+    ``timeout`` does not end a pull of a uuid never offered (jax 0.10.2), so
+    a daemon thread waits for the arrays and is left behind on a timeout.
+    """
+    connection = self._connections.get(address)
+    if connection is None:
+      connection = self._connections[address] = self._server.connect(address)
+    sharding = jax.sharding.SingleDeviceSharding(self._device)
+    specs = [
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in like
+    ]
+    done: dict[str, Any] = {}
+
+    def wait():
+      try:
+        done["arrays"] = jax.block_until_ready(
+          list(connection.pull(uuid, specs))
+        )
+      except Exception as e:  # noqa: BLE001 (raised below, in the caller)
+        done["error"] = e
+
+    thread = threading.Thread(target=wait, daemon=True, name="shardopt-pull")
+    thread.start()
+    thread.join(timeout_s)
+    if "arrays" in done:
+      return done["arrays"]
+    self._connections.pop(address, None)  # a failed peer: connect afresh
+    if "error" in done:
+      raise done["error"]
+    raise TimeoutError(
+      f"no arrays under uuid {uuid} from {address} within {timeout_s} s"
+    )
 
 
 # gloo keeps the rendezvous of each clique under this directory, one key per

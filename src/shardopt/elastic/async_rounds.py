@@ -1,0 +1,215 @@
+"""Asynchronous rounds, both sides: an island's exchange and the dedicated
+coordinator's loop (``Island(..., asynchronous=True)``).
+
+An island's round (:meth:`Exchanger.exchange`):
+
+1. its contribution (:func:`.asynchronous.contribution`) and weight (its
+   inner steps since its last exchange; 0 for a fresh process, which
+   offers nothing) go to the coordinator (:mod:`.mailbox`);
+2. the newest center comes back, with its version (and, for a fresh
+   process, the local step count its predecessor had reached);
+3. the island adopts it (:func:`.asynchronous.adopt`) and trains on. It
+   never waits for another island: only for the coordinator's handling of
+   its own exchange.
+
+The coordinator's loop (:func:`serve`), until every island it served has
+finished (or died, its heartbeat stopped), or SIGTERM:
+
+1. read the posted offers, oldest first;
+2. for each: pull its contribution (an island gone by then is skipped),
+   add it to the pending ones, take the outer step if one is due
+   (:class:`.asynchronous.Outer`: quorum or grace), answer with the
+   newest center;
+3. take a grace window's outer step when one falls due between offers;
+4. at the end, one last outer step over what is still pending.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardopt.elastic import asynchronous
+from shardopt.elastic import coordinator as _coordinator
+from shardopt.elastic import mailbox as _mailbox
+from shardopt.periodic import split
+
+
+def _host_int(x) -> int:
+  return int(np.asarray(jax.device_get(x)).reshape(-1)[0])
+
+
+def _like(engine, params, state) -> list:
+  """The center's pieces, as shapes and dtypes (float32 on the wire)."""
+  parts = split.pieces(engine, params, 1)
+  return [
+    jax.ShapeDtypeStruct(x.shape, np.float32)
+    for x in split.take(jax.tree.leaves(state.center), parts)
+  ]
+
+
+def _on_device(values: list, like: list) -> list:
+  """``values`` laid out as the arrays of ``like`` are."""
+  return [
+    jax.device_put(v, x.sharding).astype(x.dtype)
+    for v, x in zip(values, like, strict=True)
+  ]
+
+
+class Exchanger:
+  """An island's side of asynchronous rounds.
+
+  Args:
+    engine: the periodic transform's engine.
+    store: the coordination service's key-value store.
+    me: this process's id.
+    device: the device pulled arrays land on (the island's first).
+    timeout_s: how long an exchange waits for the coordinator.
+  """
+
+  def __init__(self, engine, store, me: int, device, *, timeout_s: float):
+    self._engine = engine
+    self._mailbox = _mailbox.Mailbox(store, me, device, timeout_s=timeout_s)
+    self._device = device
+    self.version = 0  # the center version this island trains from
+    self._count_at_exchange = 0
+    self._contribution = jax.jit(
+      lambda p, s: asynchronous.contribution(engine, p, s)
+    )
+    self._adopt = jax.jit(lambda p, s, c: asynchronous.adopt(engine, p, s, c))
+
+  def exchange(self, params, state, *, fresh: bool):
+    """Steps 1-3: ``(params, state, info)``; ``info`` has ``version``,
+    ``weight``, ``count`` and ``seconds`` (inside the exchange)."""
+    start = time.monotonic()
+    count = _host_int(state.count)
+    weight = 0 if fresh else count - self._count_at_exchange
+    values = []
+    if weight > 0:
+      values = [
+        jax.device_put(v, self._device)
+        for v in self._contribution(params, state)
+      ]
+    like = _like(self._engine, params, state)
+    center, version, restored = self._mailbox.exchange(
+      values, weight, self.version, like, count
+    )
+    parts = split.pieces(self._engine, params, 1)
+    center = _on_device(
+      center, split.take(jax.tree.leaves(state.center), parts)
+    )
+    params, state = self._adopt(params, state, center)
+    if fresh and restored > count:  # a restarted island goes on counting
+      state = state._replace(
+        count=jax.device_put(
+          np.asarray(restored, np.dtype(state.count.dtype)),
+          state.count.sharding,
+        )
+      )
+    self.version = version
+    self._count_at_exchange = _host_int(state.count)
+    return (
+      params,
+      state,
+      {
+        "version": version,
+        "weight": float(weight),
+        "count": self._count_at_exchange,
+        "seconds": time.monotonic() - start,
+      },
+    )
+
+
+def serve(
+  engine,
+  params,
+  state,
+  *,
+  store,
+  device,
+  min_quorum: int,
+  grace_seconds: float | None,
+  staleness: str,
+  timeout_s: float,
+  finished: Callable[[], set],
+  on_step: Callable[[asynchronous.Applied, Any], None] | None = None,
+  on_failure: Callable[[_mailbox.Offer, Exception], None] | None = None,
+  poll_s: float = 0.005,
+):
+  """The coordinator's loop (steps 1-4); returns ``(params, state,
+  version)``: the last center (as params), its state and its version.
+
+  Args:
+    finished: the processes that have said they are done (a set).
+    on_step: called with each outer step and the coordinator's ``Outer``.
+    on_failure: called with an offer whose pull failed and the error.
+
+  Raises:
+    TimeoutError: no island exchanged within ``timeout_s``.
+  """
+  mailbox = _mailbox.Mailbox(store, 0, device, timeout_s=timeout_s)
+  outer = asynchronous.Outer(
+    engine,
+    params,
+    state,
+    min_quorum=min_quorum,
+    grace_seconds=grace_seconds,
+    staleness=staleness,
+  )
+  like = _like(engine, params, state)
+  counts: dict[int, int] = {}  # process -> its count at its last exchange
+  watcher = _coordinator.Watcher(store)
+  start = time.monotonic()
+  on_step = on_step or (lambda applied, outer: None)
+  on_failure = on_failure or (lambda offer, error: None)
+
+  def step():
+    on_step(outer.step(), outer)
+
+  with _coordinator.stop_on_sigterm() as stopped:
+    while not stopped.is_set():
+      offers = mailbox.offers()
+      for offer in offers:
+        try:
+          values = mailbox.receive(offer, like)
+        except Exception as error:  # noqa: BLE001 (its island is gone)
+          on_failure(offer, error)
+          continue
+        counts[offer.process] = max(counts.get(offer.process, 0), offer.count)
+        if values is not None:
+          center_like = outer.center()
+          outer.add(
+            asynchronous.Contribution(
+              offer.process,
+              offer.version,
+              offer.weight,
+              _on_device(values, center_like),
+              time.monotonic(),
+            )
+          )
+        if outer.due():
+          step()
+        mailbox.answer(
+          offer, outer.center(), outer.version, counts[offer.process]
+        )
+      if outer.due():  # a grace window ended between offers
+        step()
+      if offers:
+        continue
+      if counts:
+        alive = watcher.alive()
+        done = finished()
+        if all(p in done or p not in alive for p in counts):
+          break
+      elif time.monotonic() - start > timeout_s:
+        raise TimeoutError(
+          f"no island exchanged within timeout_s={timeout_s} s"
+        )
+      time.sleep(poll_s)
+  if outer.pending:
+    step()
+  return outer.params, outer.state, outer.version
