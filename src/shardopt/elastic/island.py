@@ -7,25 +7,33 @@ put it in the island's own jitted step; it never communicates outside the
 island. :meth:`Island.sync` runs one round whenever a sync is due:
 
 1. ``live_devices``: the live processes, each with its incarnation id (the
-   round's *membership*); one barrier, at the block's end.
+   round's *membership*; :mod:`.quorum`); one barrier, at the block's end.
 2. the layout: a *plain* round if every member took part in the last
-   committed round, else a *healing* one (:mod:`.rows`);
+   committed round, else a *healing* one (:mod:`.quorum`, :mod:`.heal`);
 3. the device list: one never used before for this membership and attempt
-   (:mod:`.cliques`);
-4. this island's rows: its contribution on the transform's wire (weight 0
-   if it joins now; :mod:`.rows`);
+   (:mod:`.quorum`, :mod:`.cliques`);
+4. this island's rows: its contribution on the transform's wire, with its
+   weight (0 if it joins now; :mod:`.exchange`, :mod:`.rows`);
 5. one collective program over the live islands, blocked on inside the
    block: on a two-phase wire an ``all_to_all`` of the rows, each island's
    owned chunk summed, and an ``all_gather`` of the sums (an island sends
    about twice its payload, however many islands there are); on the top-k
-   wire, and in a healing round, one ``all_gather`` of the rows;
+   wire, and in a healing round, one ``all_gather`` of the rows
+   (:mod:`.exchange`);
 6. on success everywhere, the commit: every island holds the same sums, in
-   the same (island) order, divides by the contributing islands
-   (:mod:`shardopt.wire.mean`), the outer optimizer moves the center, the
-   sync's leaves land on it; a joining island takes the center, the outer
-   state and the counters from the first up-to-date island's row. On
-   ``ProcessFailureError`` or a collective error nothing is adopted and the
-   same round is tried again over the new membership.
+   the same (island) order, divides by the contributing islands' total
+   weight (:mod:`shardopt.wire.mean`), the outer optimizer moves the
+   center, the sync's leaves land on it (:mod:`.commit`); a joining island
+   takes the center, the outer state and the counters from the first
+   up-to-date island's row (:mod:`.heal`). On ``ProcessFailureError`` or a
+   collective error nothing is adopted and the same round is tried again
+   over the new membership.
+
+:class:`Island` holds this process's parts (its :class:`.quorum.Quorum`,
+:class:`.exchange.Exchange`, :class:`.heal.Heal`, :class:`.commit.Commit`)
+and runs the steps in order (:meth:`Island._rounds`); it keeps the round's
+watchdog, the job's end (:meth:`Island.finish`) and the dedicated
+coordinator's loop (:meth:`Island.coordinate`).
 """
 
 from __future__ import annotations
