@@ -4,8 +4,8 @@ N islands each keep their own params and state and take their local steps
 with ``split.local_update``; a round builds every island's row
 (``rows.plain_row`` / ``rows.healing_row``), stacks them as the all_gather
 would (each island gets its own shuffled order: the result must not depend
-on it) and applies them on every island (``island._apply_plain`` /
-``island._heal``). No processes, no collectives over processes.
+on it) and applies them on every island (``commit.apply_plain`` /
+``heal.heal``). No processes, no collectives over processes.
 
 References are independent of the code under test: the periodic transforms
 themselves under ``jax.shard_map`` over N CPU devices (the synchronous
@@ -25,7 +25,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import shardopt
-from shardopt.elastic import island as island_mod
+from shardopt.elastic import checks
+from shardopt.elastic import commit
+from shardopt.elastic import heal
 from shardopt.elastic import rows
 from shardopt.periodic import split
 
@@ -176,7 +178,7 @@ def _apply_fn(engine, sync, islands):
   return _jit(
     ("apply", engine, sync, islands),
     lambda: (
-      lambda x, p, s, lo, sk, d, c: island_mod._apply_plain(
+      lambda x, p, s, lo, sk, d, c: commit.apply_plain(
         engine, sync, islands, x, p, s, lo, sk, d, c
       )
     ),
@@ -187,7 +189,7 @@ def _heal_fn(engine, sync, fresh):
   return _jit(
     ("heal", engine, sync, fresh),
     lambda: (
-      lambda g, p, s, lo, sk, d: island_mod._heal(
+      lambda g, p, s, lo, sk, d: heal.heal(
         engine, sync, fresh, g, p, s, lo, sk, d
       )
     ),
@@ -1277,6 +1279,6 @@ def test_rounds_on_the_clock_refuse_what_they_cannot_run(
   tx = _diloco(optax.adam(1e-2), "i", sync_period=4, num_fragments=fragments)
   engine = split.engine_of(tx, "test")
   with pytest.raises(error) as e:
-    island_mod._check_round_seconds(seconds, work, engine)
+    checks.round_seconds(seconds, work, engine)
   for name in names:
     assert name in str(e.value), str(e.value)

@@ -56,8 +56,8 @@ import time
 import jax
 
 from shardopt import _jax
+from shardopt.elastic import checks
 from shardopt.elastic import ended as _ended
-from shardopt.elastic import island as _island
 from shardopt.elastic import rows
 from shardopt.elastic.island import Island
 from shardopt.elastic.island import IslandBrokenError
@@ -124,7 +124,7 @@ def initialize(
       this check, JAX's client would wait ``initialization_timeout`` and
       then abort the process from C++).
   """
-  connect_timeout_seconds = _island._seconds(
+  connect_timeout_seconds = checks.seconds(
     connect_timeout_seconds,
     "connect_timeout_seconds",
     "e.g. 60",

@@ -7,32 +7,37 @@ put it in the island's own jitted step; it never communicates outside the
 island. :meth:`Island.sync` runs one round whenever a sync is due:
 
 1. ``live_devices``: the live processes, each with its incarnation id (the
-   round's *membership*); one barrier, at the block's end.
+   round's *membership*; :mod:`.quorum`); one barrier, at the block's end.
 2. the layout: a *plain* round if every member took part in the last
-   committed round, else a *healing* one (:mod:`.rows`);
+   committed round, else a *healing* one (:mod:`.quorum`, :mod:`.heal`);
 3. the device list: one never used before for this membership and attempt
-   (:mod:`.cliques`);
-4. this island's rows: its contribution on the transform's wire (weight 0
-   if it joins now; :mod:`.rows`);
+   (:mod:`.quorum`, :mod:`.cliques`);
+4. this island's rows: its contribution on the transform's wire, with its
+   weight (0 if it joins now; :mod:`.exchange`, :mod:`.rows`);
 5. one collective program over the live islands, blocked on inside the
    block: on a two-phase wire an ``all_to_all`` of the rows, each island's
    owned chunk summed, and an ``all_gather`` of the sums (an island sends
    about twice its payload, however many islands there are); on the top-k
-   wire, and in a healing round, one ``all_gather`` of the rows;
+   wire, and in a healing round, one ``all_gather`` of the rows
+   (:mod:`.exchange`);
 6. on success everywhere, the commit: every island holds the same sums, in
-   the same (island) order, divides by the contributing islands
-   (:mod:`shardopt.wire.mean`), the outer optimizer moves the center, the
-   sync's leaves land on it; a joining island takes the center, the outer
-   state and the counters from the first up-to-date island's row. On
-   ``ProcessFailureError`` or a collective error nothing is adopted and the
-   same round is tried again over the new membership.
+   the same (island) order, divides by the contributing islands' total
+   weight (:mod:`shardopt.wire.mean`), the outer optimizer moves the
+   center, the sync's leaves land on it (:mod:`.commit`); a joining island
+   takes the center, the outer state and the counters from the first
+   up-to-date island's row (:mod:`.heal`). On ``ProcessFailureError`` or a
+   collective error nothing is adopted and the same round is tried again
+   over the new membership.
+
+:class:`Island` holds this process's parts (its :class:`.quorum.Quorum`,
+:class:`.exchange.Exchange`, :class:`.heal.Heal`, :class:`.commit.Commit`)
+and runs the steps in order (:meth:`Island._rounds`); it keeps the round's
+watchdog, the job's end (:meth:`Island.finish`) and the dedicated
+coordinator's loop (:meth:`Island.coordinate`).
 """
 
 from __future__ import annotations
 
-import collections
-import math
-import numbers
 import os
 import sys
 import threading
@@ -41,22 +46,23 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardopt import _args
 from shardopt import _jax
-from shardopt.elastic import cliques as _cliques
+from shardopt.elastic import checks
+from shardopt.elastic import commit
 from shardopt.elastic import coordinator as _coordinator
 from shardopt.elastic import ended as _ended
+from shardopt.elastic import exchange
 from shardopt.elastic import handshake
+from shardopt.elastic import heal
+from shardopt.elastic import quorum
 from shardopt.elastic import rows
 from shardopt.elastic import shards
-from shardopt.elastic import stall
 from shardopt.periodic import split
 
 
@@ -234,54 +240,67 @@ class Island:
     self._engine = split.engine_of(tx, "shardopt.elastic.Island")
     self._init = tx.init
     self.tx = optax.GradientTransformationExtraArgs(self._init, self._update)
-    self._dedicated = _check_dedicated(dedicated_coordinator)
-    self._round_seconds = _check_round_seconds(
+    self._dedicated = checks.dedicated(dedicated_coordinator)
+    self._round_seconds = checks.round_seconds(
       round_seconds, work_per_step, self._engine
     )
     self._work_per_step = 1 if work_per_step is None else int(work_per_step)
-    self._timeout_s = _seconds(timeout_s, "timeout_s", "e.g. 600")
-    self._round_timeout_s = _check_round_timeout(round_timeout_s, timeout_s)
-    self._stall_timeout_s = _check_stall_timeout(
-      stall_timeout_s, round_timeout_s
-    )
-    self._max_attempts = _count(
+    self._timeout_s = checks.seconds(timeout_s, "timeout_s", "e.g. 600")
+    self._round_timeout_s = checks.round_timeout(round_timeout_s, timeout_s)
+    stall_timeout_s = checks.stall_timeout(stall_timeout_s, round_timeout_s)
+    self._max_attempts = checks.count(
       max_attempts, "max_attempts", "failed attempts of a round, e.g. 100"
     )
-    self._on_event = _check_callable(on_event, "on_event", "(name, info)")
-    self._on_event = self._on_event or (lambda name, info: None)
+    on_event = checks.callable_or_none(on_event, "on_event", "(name, info)")
+    self._on_event = on_event or (lambda name, info: None)
     self._deadline = None  # rounds on the clock: when the next is due
     self._count_at_commit = 0  # this island's local steps at its last round
-    self._k = _check_processes_per_island(processes_per_island, self._dedicated)
+    k = checks.processes_per_island(processes_per_island, self._dedicated)
+    self._k = k
     self._me = jax.process_index()
-    self._all = jax.devices()
     self.trains = not (self._dedicated and self._me == 0)
-    self.island = self._island_of(self._me)
-    self.devices = [
-      d for d in self._all if self._island_of(d.process_index) == self.island
-    ]
-    self._replicated = NamedSharding(
+    self._store = _jax.KeyValueStore()
+    self._quorum = quorum.Quorum(
+      self._store,
+      process=self._me,
+      processes_per_island=k,
+      dedicated=self._dedicated,
+      trains=self.trains,
+      timeout_s=self._timeout_s,
+      stall_timeout_s=stall_timeout_s,
+    )
+    self.island = self._quorum.island
+    self.devices = self._quorum.devices
+    replicated = NamedSharding(
       Mesh(np.array(self.devices), ("island_devices",)), P()
     )
-    self._store = _jax.KeyValueStore()
-    self._cliques = _cliques.Cliques(self._store, timeout_s=self._timeout_s)
-    self._fresh = True  # no round committed by this incarnation yet
-    self._last: frozenset = frozenset()  # the last committed membership
-    self._attempts: collections.Counter = collections.Counter()  # failed
-    self._blocks: collections.Counter = collections.Counter()  # all
     self._compiled: dict = {}
+    where = {"process": self._me, "island": self.island, "trains": self.trains}
+    self._heal = heal.Heal(
+      self._engine, self._jit, replicated=replicated, **where
+    )
+    self._exchange = exchange.Exchange(
+      self._engine,
+      self._jit,
+      self._heal,
+      processes_per_island=k,
+      dedicated=self._dedicated,
+      replicated=replicated,
+      **where,
+    )
+    self._commit = commit.Commit(
+      self._engine,
+      self._jit,
+      island=self.island,
+      processes_per_island=k,
+      dedicated=self._dedicated,
+      replicated=replicated,
+    )
     self._published = None  # the params' signature this process published
-    self._arrivals: list = []  # stall keys written since the last commit
-    self._heartbeat = None
-    if self._dedicated and self.trains:
-      self._heartbeat = _coordinator.Heartbeat(self._store, self._me)
     # Until its first round's block succeeds, and inside every round's
     # blocks: leave once process 0 marked the job as ended (.ended).
     self._end = _ended.watch(self._store, self._me)
-    if self._fresh:
-      self._end.arm()
-
-  def _island_of(self, process: int) -> int:
-    return int(rows.island_of(process, self._k, self._dedicated))
+    self._end.arm()
 
   def init(self, params):
     """``island.tx.init(params)`` laid out for rounds: the state's leaves
@@ -306,7 +325,15 @@ class Island:
   @property
   def fresh(self) -> bool:
     """True until this process commits its first round."""
-    return self._fresh
+    return self._quorum.fresh
+
+  @property
+  def _fresh(self) -> bool:
+    return self._quorum.fresh
+
+  @property
+  def _clocked(self) -> bool:
+    return self._round_seconds is not None
 
   def _update(self, grads, state, params=None, **extra_args):
     return split.local_update(self._engine, grads, state, params, extra_args)
@@ -314,9 +341,26 @@ class Island:
   def due(self, state) -> bool:
     """Whether a sync is due after the state's last local step (on the
     clock: whether ``round_seconds`` have passed since the last round)."""
-    if self._round_seconds is not None:
+    if self._clocked:
       return self._deadline is None or time.monotonic() >= self._deadline
-    return split.due(self._engine, _host_int(state.count)) > 0
+    return split.due(self._engine, quorum.host_int(state.count)) > 0
+
+  def _weight(self, state):
+    """This island's weight (:func:`.rows.island_weight`): None on rounds
+    every ``sync_period`` steps; on rounds on the clock its work since its
+    last committed round (0 for the coordinator and a joining island)."""
+    return rows.island_weight(
+      self._clocked,
+      self.trains and not self._fresh,
+      quorum.host_int(state.count) - self._count_at_commit,
+      self._work_per_step,
+    )
+
+  def _jit(self, key, fn, **kwargs):
+    """The island's cache of compiled programs (rows, exchange, commit)."""
+    if key not in self._compiled:
+      self._compiled[key] = jax.jit(fn, **kwargs)
+    return self._compiled[key]
 
   # ------------------------------------------------------------------- end
 
@@ -352,20 +396,10 @@ class Island:
         done (a finite number of seconds >= 0).
       exit_code: the process's exit status (0..255).
     """
-    number = isinstance(timeout_s, numbers.Real) and not isinstance(
-      timeout_s, (bool, np.bool_)
+    checks.finish(timeout_s, exit_code)
+    self._leave(
+      quorum.processes(self._quorum.last), timeout_s, exit_code, mark=True
     )
-    if not number or not math.isfinite(timeout_s) or timeout_s < 0:
-      raise ValueError(
-        f"shardopt.elastic.Island.finish: timeout_s={timeout_s!r} must be a"
-        " finite number of seconds >= 0 (e.g. 60)."
-      )
-    if not _args.is_integer(exit_code) or not 0 <= exit_code <= 255:
-      raise ValueError(
-        f"shardopt.elastic.Island.finish: exit_code={exit_code!r} must be an"
-        " integer from 0 to 255 (a process's exit status)."
-      )
-    self._leave(_processes(self._last), timeout_s, exit_code, mark=True)
 
   def _leave(self, processes, timeout_s: float, exit_code: int, mark=False):
     """:meth:`finish`'s protocol: process 0 leaves last, after the others
@@ -403,6 +437,8 @@ class Island:
       flush=True,
     )
     self._leave(processes, self._timeout_s, PARAMS_EXIT_CODE)
+
+  # ------------------------------------------------------------ coordinator
 
   # ------------------------------------------------------------ coordinator
 
@@ -447,33 +483,27 @@ class Island:
         "shardopt.elastic.Island.coordinate: only process 0 under"
         " dedicated_coordinator=True coordinates; islands call sync."
       )
-    _check_callable(on_round, "on_round", "(params, state, round)", where)
-    poll_s = _seconds(poll_s, "poll_s", "e.g. 0.05", where)
+    checks.callable_or_none(
+      on_round, "on_round", "(params, state, round)", where
+    )
+    poll_s = checks.seconds(poll_s, "poll_s", "e.g. 0.05", where)
     self._publish(params)
-    watcher = _coordinator.Watcher(self._store)
-    tokens: dict = {}  # the islands of the last committed round: tokens
-    joining: dict = {}  # the islands seen waiting to join: tokens
+    turns = quorum.Turns(self._store)
     idle_since = time.monotonic()  # no island up since
     with _coordinator.stop_on_sigterm() as stopped:
       while not stopped.is_set():
-        alive = watcher.alive()
-        up = [p for p, t in tokens.items() if t and alive.get(p) == t]
-        joining = {}
-        if up:
-          ready = watcher.wanted(_host_int(state.sync_count) + 1)
-        else:
-          joining = watcher.joining(alive)
-          ready = bool(joining)
-          if not ready and self._last and self._finished():
+        turn = turns.turn(quorum.host_int(state.sync_count))
+        if turn == "idle":
+          if self._quorum.last and self._finished():
             return params, state
-          if not ready and time.monotonic() - idle_since > self._timeout_s:
+          if time.monotonic() - idle_since > self._timeout_s:
             raise RoundFailedError(
               f"{where}: no island joined within timeout_s={self._timeout_s}"
               " s (at the job's start, or after every island died): the"
               " coordinator gives up. Start the islands (processes"
               f" 1..{jax.process_count() - 1}), or raise timeout_s."
             )
-        if not ready:
+        if turn != "round":
           time.sleep(poll_s)
           continue
         done = self._rounds(0, params, state)
@@ -482,12 +512,11 @@ class Island:
         params, state, done = done
         if on_round is not None:
           on_round(params, state, done)
-        tokens = watcher.tokens(p for p in done.live if p != 0)
-        watcher.forget(_host_int(state.sync_count), joining, done.live)
+        turns.committed(done.live, quorum.host_int(state.sync_count))
         idle_since = time.monotonic()
     print(
       f"{where}: SIGTERM: the coordinator stops at round"
-      f" {_host_int(state.sync_count)} and returns its last committed"
+      f" {quorum.host_int(state.sync_count)} and returns its last committed"
       " center and state.",
       file=sys.stderr,
       flush=True,
@@ -496,34 +525,9 @@ class Island:
 
   def _finished(self) -> bool:
     """Whether every island of the last committed round has finished."""
-    others = {p for p, _ in self._last} - {0}
+    others = {p for p, _ in self._quorum.last} - {0}
     done = {int(k.rsplit("/", 1)[-1]) for k in self._store.keys(_FINISHED)}
     return others <= done
-
-  def _next_due(self, state) -> int:
-    """The local step after which the islands' next sync is due."""
-    step = _host_int(state.count) + 1
-    while not split.due(self._engine, step):
-      step += 1
-    return step
-
-  def _as_coordinator(self, members, sync: int, state):
-    """The sync and state this process rounds with: its own for an island;
-    for the coordinator, the sync due next if an island it committed with
-    takes part (its count set to that step), else 0 (a handshake: the
-    joining islands take its center and counters)."""
-    if self.trains:
-      return sync, state
-    up = {p for p, _ in frozenset(members) & self._last} - {0}
-    if self._fresh or not up:
-      return 0, state
-    if self._clocked:  # the only sync, whatever the islands' steps
-      return 1, state
-    step = self._next_due(state)
-    count = jax.device_put(
-      np.asarray(step, np.dtype(state.count.dtype)), state.count.sharding
-    )
-    return split.due(self._engine, step), state._replace(count=count)
 
   # ------------------------------------------------------------------ rounds
 
@@ -557,12 +561,8 @@ class Island:
       )
     sync = self._sync_index(state, early)
     self._publish(params)
-    if self._heartbeat is not None:  # tell the coordinator (it trains not)
-      if self._fresh:
-        self._heartbeat.join()
-      else:
-        self._heartbeat.want(_host_int(state.sync_count) + 1)
-    watchdog = self._watchdog(_host_int(state.sync_count) + 1)
+    self._quorum.announce(quorum.host_int(state.sync_count))
+    watchdog = self._watchdog(quorum.host_int(state.sync_count) + 1)
     self._end.arm()
     try:
       return self._rounds(sync, params, state)
@@ -570,15 +570,6 @@ class Island:
       self._end.disarm()
       if watchdog is not None:
         watchdog.cancel()
-
-  def _forget(self, number: int) -> None:
-    """Deletes the keys this process wrote for round ``number``, now
-    committed (its stall arrivals, its ``want`` and ``join``
-    announcements), so that the store stays the same size however many
-    rounds run."""
-    stall.forget(self._store, self._arrivals)
-    if self._heartbeat is not None:
-      self._heartbeat.forget(number)
 
   def _publish(self, params) -> None:
     """This process's params' signature, for the others' check
@@ -616,30 +607,28 @@ class Island:
     return timer
 
   def _rounds(self, sync: int, params, state):
-    """Attempts of one round until one commits."""
+    """Attempts of one round until one commits: steps 1-5 inside the
+    ``live_devices`` block (:meth:`_attempt`), step 6 after it
+    (:meth:`_commit_round`); on a failure, the same round again."""
     failures, since = [], time.monotonic()
+    number = quorum.host_int(state.sync_count) + 1
     while True:
       members, start = None, time.monotonic()
       try:
-        with _jax.live_devices(self._all) as live:
-          members, live = self._taking_part(live)
+        with _jax.live_devices(self._quorum.all) as live:
+          members, live = self._taking_part(live)  # 1. the membership
           if members is not None:  # else this island is not complete yet
-            sync_now, state_now = self._as_coordinator(members, sync, state)
-            self._blocks[members] += 1  # every member counts alike
-            with stall.watched(
-              self._store,
-              self._me,
-              members,
-              self._blocks[members],
-              self._stall_timeout_s,
-              _host_int(state.sync_count) + 1,
-              self._arrivals,
-            ):
+            sync_now, state_now = sync, state
+            if not self.trains:
+              sync_now, state_now = self._quorum.as_coordinator(
+                members, sync, state, self._engine, self._clocked
+              )
+            with self._quorum.watched(members, number):
               healing, exchanged, dropped = self._attempt(
                 members, live, sync_now, params, state_now
               )
       except (_jax.process_failure_error(), jax.errors.JaxRuntimeError) as e:
-        self._attempts[members] += 1
+        self._quorum.failed(members)
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         failures.append(why)
         self._on_event(
@@ -664,149 +653,112 @@ class Island:
       # The block succeeded on every member: this process commits the
       # round, even if process 0 marks the job's end meanwhile (.ended).
       self._end.disarm()
-      params, state, done = self._commit(
+      params, state, counted = self._commit_round(  # 6. the commit
         healing, sync_now, exchanged, params, state_now, dropped
       )
-      done = done._replace(
-        live=_processes(members),
+      done = Round(
+        number=quorum.host_int(state.sync_count),
+        step=quorum.host_int(state.count),
+        live=quorum.processes(members),
+        contributors=counted.contributors,
+        joined=counted.joined,
         attempts=len(failures),
         seconds=time.monotonic() - start,
         failures=tuple(failures),
+        weights=counted.weights,
+        digests=counted.digests,
       )
-      self._fresh, self._last = False, frozenset(members)
-      self._forget(_host_int(state.sync_count))
-      self._count_at_commit = _host_int(state.count)
-      if self._round_seconds is not None:
+      self._quorum.committed(members, quorum.host_int(state.sync_count))
+      self._count_at_commit = quorum.host_int(state.count)
+      if self._clocked:
         self._deadline = time.monotonic() + self._round_seconds
       self._on_event("round_committed", done._asdict())
       return params, state, done
 
+  def _taking_part(self, live):
+    """Step 1: the membership and its devices (:meth:`.quorum.Quorum
+    .taking_part`); ``(None, None)`` while this island is joining and not
+    complete; :class:`IslandBrokenError` if it was training."""
+    members, live = self._quorum.taking_part(live)
+    if members is None and self.trains and not self._fresh:
+      first = self._quorum.first_process()
+      raise IslandBrokenError(
+        f"shardopt.elastic: island {self.island} (processes"
+        f" {first}..{first + self._k - 1}) lost a process;"
+        " an island of several processes cannot train without it. Exit"
+        " this process and restart all of the island's processes (with"
+        " the same process ids): the island heals in the round it joins."
+      )
+    return members, live
+
   def _attempt(self, members, live, sync: int, params, state):
     """Steps 2-5: the layout, the device list, the rows, the exchange."""
-    healing = self._fresh or not frozenset(members) <= self._last
+    healing = self._quorum.healing(members)  # 2. the layout
     if healing:  # every member alike: one clear error, never gloo's abort
-      error = handshake.disagreement(
-        self._store,
-        _processes(members),
-        self._island_of,
-        self._timeout_s,
-        "shardopt.elastic.Island",
-      )
-      if error is not None:
-        self._end_job(error, _processes(members))
-    if shards.sharded(params):
-      return self._attempt_sharded(members, live, sync, params, state, healing)
-    order = self._cliques.devices(
-      members, self._attempts[members], live, self._me
+      self._agree_on_params(members)
+    sharded = shards.sharded(params)
+    if sharded:
+      self._exchange.check_shardable()
+    devices = self._quorum.devices_for(members, live, sharded)  # 3.
+    up, weight = not self._fresh, self._weight(state)
+    row, dropped = self._exchange.rows(  # 4. this island's rows
+      healing, devices, sync, params, state, up, weight
     )
-    info = {"live": _processes(members), "healing": healing}
-    if healing:
-      row, dropped = self._healing_row(sync, params, state)
-    else:
-      row, dropped = self._plain_rows(order, sync, params, state)
-    self._on_event("round_started", {**info, "sent": _sent(row)})
-    if healing:
-      exchanged = self._gather(order, row)
-    else:
-      exchanged = self._exchange(order, row, sync, params)
-    exchanged = jax.block_until_ready(exchanged)
+    info = {"live": quorum.processes(members), "healing": healing}
+    sent = self._exchange.sent(row, devices)
+    self._on_event("round_started", {**info, "sent": sent})
+    exchanged = self._exchange.run(healing, devices, sync, params, row)  # 5.
     self._on_event("round_gathered", info)
-    return healing, (exchanged, order), dropped
+    return healing, (exchanged, devices.order), dropped
 
-  def _attempt_sharded(self, members, live, sync, params, state, healing):
-    """:meth:`_attempt` for params sharded over the island's devices: rows
-    built, exchanged and (in :meth:`_commit`) applied shard by shard, each
-    device its own (:mod:`.shards`)."""
-    self._check_shardable()
-    matrix = self._cliques.matrix(
-      members, self._attempts[members], live, self._me, self._island_of
+  def _agree_on_params(self, members) -> None:
+    """A healing round's params handshake (``elastic/handshake.py``): on a
+    disagreement every member ends the job alike, with
+    ``PARAMS_EXIT_CODE``."""
+    error = handshake.disagreement(
+      self._store,
+      quorum.processes(members),
+      self._quorum.island_of,
+      self._timeout_s,
+      "shardopt.elastic.Island",
     )
-    order = [row[0] for row in matrix]  # one device per island
-    info = {"live": _processes(members), "healing": healing}
-    mine = self._mine(matrix)
-    local_p = shards.local_trees(params, mine, "a params")
-    local_s = shards.local_trees(state, mine, "a state")
-    made = {
-      d: (
-        self._healing_row(sync, local_p[d], local_s[d], local=True)
-        if healing
-        else self._plain_rows(order, sync, local_p[d], local_s[d], local=True)
-      )
-      for d in mine
-    }
-    row = {d: m[0] for d, m in made.items()}
-    dropped = {d: m[1] for d, m in made.items()}
-    # Each device's row carries the digest of its own shards; the round's
-    # log reads the headers gathered on the first of them (_commit).
-    self._on_event("round_started", {**info, "sent": _sent(row[mine[0]])})
+    if error is not None:
+      self._end_job(error, quorum.processes(members))
+
+  def _commit_round(self, healing, sync, exchanged, params, state, dropped):
+    """Step 6: the round's results on this island (no collective): the
+    headers read (:func:`.commit.read`), then a healing round's adoption
+    (:mod:`.heal`) or a plain round's commit (:mod:`.commit`)."""
+    exchanged, order = exchanged
+    counted = commit.read(
+      healing,
+      sync,
+      exchanged,
+      self._me,
+      dedicated=self._dedicated,
+      trains=self.trains,
+    )
     if healing:
-      key, body = ("gather",), self._gather_body()
+      fn, extra = self._heal.adopt(counted.sync, self._fresh), ()
     else:
-      key = ("exchange", sync, len(order))
-      body = self._exchange_body(order, sync, local_p[mine[0]])
-    exchanged = shards.run(self._jit, key, matrix, body, row)
-    jax.block_until_ready(list(exchanged.values()))  # a dict keyed by device
-    self._on_event("round_gathered", info)
-    return healing, (exchanged, order), dropped
-
-  def _mine(self, matrix) -> list:
-    """This process's devices of the round's matrix."""
-    return [d for row in matrix for d in row if d.process_index == self._me]
-
-  def _check_shardable(self) -> None:
-    engine = self._engine
-    if engine.num_fragments > 1 or engine.layer_axes is not None:
-      raise ValueError(
-        "shardopt.elastic.Island: params sharded over an island's devices"
-        " run their rounds shard by shard, but Streaming DiLoCo's fragments"
-        f" (num_fragments={engine.num_fragments}) and layer_axes are"
-        " assigned from whole leaves; use num_fragments=1 and no layer_axes,"
-        " or replicate the params over the island's devices."
-      )
-
-  def _taking_part(self, live):
-    """The membership (process, incarnation) of the complete islands and
-    their devices; ``(None, None)`` if this process's island is not complete
-    and it is joining (IslandBrokenError if it was training)."""
-    members = _cliques.membership(live, _jax.incarnations())
-    count = collections.Counter(self._island_of(p) for p, _ in members)
-    members = tuple(
-      m for m in members if count[self._island_of(m[0])] == self._size(m[0])
+      fn, extra = self._commit.plain(sync, order)
+    params, state = self._commit.run(
+      fn, exchanged, params, state, counted, dropped, extra
     )
-    if not self.trains and all(p == 0 for p, _ in members):
-      return None, None  # the coordinator alone: no round without an island
-    if all(p != self._me for p, _ in members):
-      if not self._fresh:
-        first = min(
-          p for p in range(self._me + 1) if self._island_of(p) == self.island
-        )
-        raise IslandBrokenError(
-          f"shardopt.elastic: island {self.island} (processes"
-          f" {first}..{first + self._k - 1}) lost a process;"
-          " an island of several processes cannot train without it. Exit"
-          " this process and restart all of the island's processes (with"
-          " the same process ids): the island heals in the round it joins."
-        )
-      return None, None
-    processes = {p for p, _ in members}
-    return members, [d for d in live if d.process_index in processes]
-
-  def _size(self, process: int) -> int:
-    """Processes in the island of ``process``."""
-    return 1 if self._dedicated and process == 0 else self._k
+    return params, state, counted
 
   def _sync_index(self, state, early: bool) -> int:
     if self._fresh:
       return 0
     if self._round_seconds is not None:
       return 1  # rounds on the clock: the transform's only sync
-    sync = split.due(self._engine, _host_int(state.count))
+    sync = split.due(self._engine, quorum.host_int(state.count))
     if sync or not early:
       if not sync:
         raise ValueError(
           f"shardopt.elastic.Island.sync: no sync of {self._engine.name}"
           f" (axis {self._engine.axis_name!r}) is due after step"
-          f" {_host_int(state.count)}; call it when island.due(state), or with"
+          f" {quorum.host_int(state.count)}; call it when island.due(state), or with"
           " early=True for a last round."
         )
       return sync
@@ -824,508 +776,3 @@ class Island:
         " (num_fragments > 1); call sync when island.due(state)."
       )
     return 1
-
-  def _jit(self, key, fn, **kwargs):
-    if key not in self._compiled:
-      self._compiled[key] = jax.jit(fn, **kwargs)
-    return self._compiled[key]
-
-  def _healing_row(self, sync: int, params, state, local: bool = False):
-    """This island's row of a healing round (on its devices; ``local``: of
-    one device's shards, on it), and what the wire's encoding dropped from
-    its contribution (error feedback)."""
-    engine, me, island = self._engine, self._me, self.island
-    up, trains, clocked = not self._fresh, self.trains, self._clocked
-    fn = self._jit(
-      ("healing_row", sync, up, local),
-      lambda s, p, w: rows.healing_row(
-        engine, island, me, sync, up, s, p, trains, w if clocked else None
-      ),
-      **({} if local else {"out_shardings": self._replicated}),
-    )
-    return fn(state, params, self._weight(state))
-
-  def _plain_rows(
-    self, order: list, sync: int, params, state, local: bool = False
-  ):
-    """This island's rows of a plain round for the processes of ``order``
-    (on its devices; ``local``: of one device's shards, on it), and what
-    the wire dropped from its contribution."""
-    engine, me, island = self._engine, self._me, self.island
-    owners, islands = self._owners(order)
-    trains, clocked = self.trains, self._clocked
-    fn = self._jit(
-      ("plain_rows", sync, islands, len(order), local),
-      lambda s, p, o, w: rows.plain_rows(
-        engine,
-        island,
-        me,
-        sync,
-        s,
-        p,
-        o,
-        islands,
-        trains,
-        w if clocked else None,
-      ),
-      **({} if local else {"out_shardings": self._replicated}),
-    )
-    return fn(state, params, jnp.asarray(owners), self._weight(state))
-
-  @property
-  def _clocked(self) -> bool:
-    return self._round_seconds is not None
-
-  def _weight(self, state) -> jax.Array:
-    """This island's weight on rounds on the clock: its work since its last
-    committed round (0 for the coordinator and a joining island)."""
-    if not self._clocked or not self.trains or self._fresh:
-      return jnp.float32(0)
-    steps = _host_int(state.count) - self._count_at_commit
-    # float32, as it travels (rows.weights): steps times work_per_step
-    # (below 2**71) never overflows it.
-    return jnp.float32(float(max(steps, 0) * self._work_per_step))
-
-  def _owners(self, order: list) -> tuple[np.ndarray, int]:
-    """Per process of ``order``, the chunk its island owns on a two-phase
-    wire (:func:`.rows.islands_of`), and the number of islands."""
-    owners = rows.islands_of(
-      [d.process_index for d in order], self._k, self._dedicated
-    )
-    return owners, int(owners.max()) + 1
-
-  def _program(self, key, order: list, body, row: jax.Array):
-    """``body`` (of this process's ``row``) as one collective program over
-    ``order``'s devices, one per process: its results on this process's
-    device of ``order``."""
-    mine = next(d for d in order if d.process_index == self._me)
-    mesh = Mesh(np.array(order), ("islands",))
-    local = next(s.data for s in row.addressable_shards if s.device == mine)
-    local = local.reshape((1,) + local.shape) if local.ndim == 1 else local
-    rows_in = jax.make_array_from_single_device_arrays(
-      (len(order) * local.shape[0],) + local.shape[1:],
-      NamedSharding(mesh, P("islands")),
-      [local],
-    )
-    fn = self._jit(
-      key + (tuple(d.id for d in order),),
-      jax.shard_map(
-        body, mesh=mesh, in_specs=P("islands"), out_specs=P(), check_vma=False
-      ),
-    )
-    return jax.tree.map(lambda x: x.addressable_shards[0].data, fn(rows_in))
-
-  def _gather(self, order: list, row: jax.Array) -> jax.Array:
-    """One all_gather of the islands' rows over ``order``: every island's
-    rows, on this island's device of ``order``."""
-    return self._program(("gather",), order, self._gather_body(), row)
-
-  @staticmethod
-  def _gather_body():
-    return lambda r: jax.lax.all_gather(r, "islands", tiled=True)
-
-  def _exchange(self, order: list, row: jax.Array, sync: int, params):
-    """A plain round's :func:`.rows.exchange` over ``order``."""
-    _, islands = self._owners(order)
-    return self._program(
-      ("exchange", sync, islands),
-      order,
-      self._exchange_body(order, sync, params),
-      row,
-    )
-
-  def _exchange_body(self, order: list, sync: int, params):
-    engine = self._engine
-    sizes = rows.sizes_of(engine, sync, params)
-    _, islands = self._owners(order)
-    return lambda r: rows.exchange(engine, sizes, r, "islands", islands)
-
-  def _on_island(self, x: jax.Array) -> jax.Array:
-    """A value on one device of this island, replicated on all of them."""
-    return jax.make_array_from_single_device_arrays(
-      x.shape,
-      self._replicated,
-      [jax.device_put(x, d) for d in self._replicated.addressable_devices],
-    )
-
-  def _commit(self, healing, sync, exchanged, params, state, dropped):
-    """The round's results on this island (no collective); with sharded
-    params (``exchanged`` per device) shard by shard."""
-    exchanged, order = exchanged
-    per_device = isinstance(exchanged, dict)
-    any_x = next(iter(exchanged.values())) if per_device else exchanged
-    if healing:
-      head = _headers(np.asarray(any_x[:, : rows.HEADER_BYTES]))
-    else:
-      head = _columns(np.asarray(any_x.header))
-    up = head["up_to_date"] > 0
-    source = int(np.argmax(up)) if up.any() else 0
-    if healing:
-      sync = int(head["sync"][source]) if up.any() else 0
-    contributing = up & (head["finite"] > 0)
-    me = int(np.flatnonzero(head["process"] == self._me)[0])
-    left_out = bool(up[me] and not contributing[me])
-    first = rows.first_of_island(head["island"])
-    trains = (head["process"] != 0) if self._dedicated else True
-    skipped = int(np.sum(up & ~contributing & first & trains))
-    left_out = left_out and self.trains
-    flags = (jnp.asarray(left_out), jnp.int32(skipped))
-    if healing:
-      fresh = self._fresh
-      fn = self._jit(
-        ("heal", sync, fresh),
-        lambda g, p, s, lo, sk, d: _heal(
-          self._engine, sync, fresh, g, p, s, lo, sk, d
-        ),
-      )
-      extra = ()
-    else:
-      owners, islands = self._owners(order)
-      ranks = [self._island_of(d.process_index) for d in order]
-      chunk = int(owners[ranks.index(self.island)])
-      fn = self._jit(
-        ("apply", sync, islands),
-        lambda x, p, s, lo, sk, d, c: _apply_plain(
-          self._engine, sync, islands, x, p, s, lo, sk, d, c
-        ),
-      )
-      extra = (jnp.int32(chunk),)
-    if per_device:  # each device its own shards, then whole arrays again
-      local_p = shards.local_trees(params, list(exchanged), "a params")
-      local_s = shards.local_trees(state, list(exchanged), "a state")
-      out = {
-        d: fn(x, local_p[d], local_s[d], *flags, dropped[d], *extra)
-        for d, x in exchanged.items()
-      }
-      params = shards.global_tree({d: o[0] for d, o in out.items()}, params)
-      state = shards.global_tree({d: o[1] for d, o in out.items()}, state)
-    else:
-      exchanged = jax.tree.map(self._on_island, exchanged)
-      params, state = fn(exchanged, params, state, *flags, dropped, *extra)
-    done = Round(
-      number=_host_int(state.sync_count),
-      step=_host_int(state.count),
-      live=(),
-      contributors=tuple(int(i) for i in head["process"][contributing]),
-      weights=tuple(
-        (int(p), int(w))
-        for p, w in zip(
-          head["process"][contributing],
-          head["weight"][contributing],
-          strict=True,
-        )
-      ),
-      digests=tuple(
-        (int(p), int(d))
-        for p, d in zip(
-          head["process"][contributing],
-          head["digest"][contributing],
-          strict=True,
-        )
-      ),
-      joined=tuple(int(i) for i in head["process"][~up]) if up.any() else (),
-      attempts=0,
-      seconds=0.0,
-      failures=(),
-    )
-    return params, state, done
-
-
-def _sent(row: jax.Array) -> dict:
-  """What this process's ``row`` (of a round, a healing round's or a plain
-  round's) carries in its header: its contribution's digest and weight, and
-  whether a committed round would count it."""
-  head = np.asarray(row[..., : rows.HEADER_BYTES]).reshape(
-    -1, rows.HEADER_BYTES
-  )
-  head = head[:1].copy().view(np.int32)
-  field = lambda name: int(head[0, rows.FIELD[name]])  # noqa: E731
-  return {
-    "digest": field("digest"),
-    "weight": float(rows.weights(head)[0]),
-    "counted": bool(field("up_to_date") > 0 and field("finite") > 0),
-  }
-
-
-def _processes(members) -> tuple:
-  return tuple(sorted(p for p, _ in members))
-
-
-def _host_int(x) -> int:
-  """A replicated scalar's value (also of an array over several processes'
-  devices, where ``int(x)`` is refused)."""
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    x = x.addressable_data(0)
-  return int(np.asarray(x))
-
-
-# Every argument is checked when the Island is built, with one error type
-# per kind of mistake (as shardopt._args): a flag that is not True/False or
-# a callback that is not callable, TypeError; a number of seconds or a count
-# that is not a number in its range (a string, a bool, a NaN, an infinity, a
-# float where an integer is needed, a negative), or two arguments that
-# contradict each other, ValueError. Each message names the argument, the
-# value and the fix.
-_WHERE = "shardopt.elastic.Island"
-# work_per_step's bound: a weight (steps since the last round, below 2**31,
-# times work_per_step) stays far inside float32's range (2**128) summed over
-# any number of islands.
-MAX_WORK_PER_STEP = 2**40
-
-
-def _seconds(value, arg: str, fix: str, where: str = _WHERE) -> float:
-  """``value`` as a finite number of seconds > 0; else a ``ValueError``
-  naming ``arg`` (``fix``: an example of a good value)."""
-  number = isinstance(value, numbers.Real) and not isinstance(
-    value, (bool, np.bool_)
-  )
-  if not number or not math.isfinite(value) or value <= 0:
-    raise ValueError(
-      f"{where}: {arg}={value!r} must be a finite number of seconds > 0"
-      f" ({fix})."
-    )
-  return float(value)
-
-
-def _count(value, arg: str, fix: str, minimum: int = 1) -> int:
-  """``value`` as an integer >= ``minimum``; else a ``ValueError``."""
-  if not _args.is_integer(value) or int(value) < minimum:
-    raise ValueError(
-      f"{_WHERE}: {arg}={value!r} must be an integer >= {minimum} ({fix})."
-    )
-  return int(value)
-
-
-def _check_callable(fn, arg: str, signature: str, where: str = _WHERE):
-  if fn is not None and not callable(fn):
-    raise TypeError(
-      f"{where}: {arg}={fn!r} must be a function {arg}{signature}, or None."
-    )
-  return fn
-
-
-def _check_round_timeout(seconds, timeout_s):
-  if seconds is None:
-    return None
-  seconds = _seconds(seconds, "round_timeout_s", "None: no watchdog")
-  if seconds <= timeout_s:
-    raise ValueError(
-      f"{_WHERE}: round_timeout_s={seconds!r} must be above"
-      f" timeout_s={timeout_s!r}: a joining island waits up to timeout_s"
-      " inside its sync, which the watchdog would end first. Raise"
-      " round_timeout_s (to timeout_s plus a few collective timeouts) or"
-      " lower timeout_s."
-    )
-  return seconds
-
-
-def _check_stall_timeout(seconds, round_timeout_s=None):
-  if seconds is None:
-    return None
-  seconds = _seconds(
-    seconds,
-    "stall_timeout_s",
-    "above the normal skew between islands' arrivals, a joining island's"
-    " first compile, e.g. 30; None: no stuck island is evicted",
-  )
-  if round_timeout_s is not None and seconds >= round_timeout_s:
-    raise ValueError(
-      f"{_WHERE}: stall_timeout_s={seconds!r} must be below"
-      f" round_timeout_s={round_timeout_s!r}: the round watchdog would end"
-      " the job before a stuck island evicts itself. Lower stall_timeout_s"
-      " or raise round_timeout_s."
-    )
-  return seconds
-
-
-def _check_processes_per_island(k, dedicated: bool = False) -> int:
-  n = jax.process_count() - (1 if dedicated else 0)
-  if not _args.is_integer(k) or k < 1 or n % k or n < 1:
-    what = (
-      f"the number of processes but the coordinator ({n})"
-      if dedicated
-      else f"the number of processes ({n})"
-    )
-    raise ValueError(
-      f"{_WHERE}: processes_per_island={k!r} must be a"
-      f" positive integer dividing {what}."
-    )
-  return int(k)
-
-
-def _check_round_seconds(seconds, work_per_step, engine):
-  if work_per_step is not None:
-    _count(
-      work_per_step,
-      "work_per_step",
-      "an inner step's weight on rounds on the clock: its tokens, say",
-    )
-    if work_per_step > MAX_WORK_PER_STEP:
-      raise ValueError(
-        f"{_WHERE}: work_per_step={work_per_step!r} must be <="
-        f" 2**40 (MAX_WORK_PER_STEP): only the ratios of the weights"
-        " count; divide every island's work_per_step by a common factor."
-      )
-    if seconds is None:
-      raise ValueError(
-        f"{_WHERE}: work_per_step={work_per_step!r} weighs rounds on the"
-        " clock only, and round_seconds is None (rounds every sync_period"
-        " steps weigh every island 1). Pass round_seconds, or drop"
-        " work_per_step."
-      )
-  if seconds is None:
-    return None
-  seconds = _seconds(
-    seconds, "round_seconds", "None: a round every sync_period steps"
-  )
-  if len(engine.syncs) != 1:
-    raise ValueError(
-      f"{_WHERE}: round_seconds runs the transform's only sync"
-      f" on the clock, but {engine.name} has {len(engine.syncs)} syncs"
-      " (num_fragments > 1: Streaming DiLoCo's fragments have no deadlines"
-      " of their own); use num_fragments=1 with round_seconds."
-    )
-  return seconds
-
-
-def _check_dedicated(flag) -> bool:
-  flag = _args.flag(
-    flag,
-    "dedicated_coordinator",
-    _WHERE,
-    "True: process 0 trains nothing and keeps the center",
-  )
-  if flag and jax.process_count() < 2:
-    raise ValueError(
-      f"{_WHERE}: dedicated_coordinator=True needs at least 2"
-      f" processes (the coordinator and an island); there are"
-      f" {jax.process_count()}."
-    )
-  return flag
-
-
-def _headers(head_bytes: np.ndarray) -> dict:
-  """The gathered headers, sorted by (island, process): field -> column."""
-  head = head_bytes.copy().view(np.int32).reshape(head_bytes.shape[0], -1)
-  key = rows.sort_key(
-    head[:, rows.FIELD["island"]], head[:, rows.FIELD["process"]]
-  )
-  return _columns(head[np.argsort(key, kind="stable")])
-
-
-def _columns(head: np.ndarray) -> dict:
-  """Sorted int32 headers: field -> column (the weight's as float32)."""
-  columns = {name: head[:, i] for name, i in rows.FIELD.items()}
-  columns["weight"] = rows.weights(head)
-  return columns
-
-
-def _apply_plain(
-  engine,
-  sync,
-  islands,
-  exchanged,
-  params,
-  state,
-  left_out,
-  skipped,
-  dropped,
-  chunk,
-):
-  """A plain round's commit: the mean over the contributing islands
-  (:func:`.rows.combined_plain`), then :func:`.split.apply`; with error
-  feedback the new error pieces are what the wire dropped in both phases
-  (:func:`.rows.with_owned`)."""
-  combined, count = rows.combined_plain(engine, exchanged, params, sync)
-  error = None
-  if engine.error_feedback:
-    error = rows.with_owned(dropped, exchanged.dropped, chunk, islands)
-  return _apply(
-    engine, sync, state, params, combined, count, left_out, skipped, error
-  )
-
-
-def _apply(
-  engine, sync, state, params, combined, count, left_out, skipped, error
-):
-  """:func:`.split.apply` of a round's combined pieces; ``error``: error
-  feedback's new pieces, flat (used only with error feedback)."""
-  pieces = None
-  if engine.error_feedback:
-    likes = split.take(
-      jax.tree.leaves(params), split.pieces(engine, params, sync)
-    )
-    pieces = [
-      e.reshape(np.shape(like)) for e, like in zip(error, likes, strict=True)
-    ]
-  return split.apply(
-    engine,
-    sync,
-    state,
-    params,
-    combined,
-    any_contribution=count > 0,
-    left_out=left_out,
-    skipped=skipped,
-    error=pieces,
-  )
-
-
-def _heal(
-  engine, sync, fresh, gathered, params, state, left_out, skipped, dropped=()
-):
-  """A healing round: everyone adopts the source's center, outer state and
-  counters (bit for bit what the up-to-date islands hold); a fresh island
-  also its params (the center) and a restarted local optimizer."""
-  received = rows.read_healing(gathered, state, params)
-  head = received.header
-  up = head[:, rows.FIELD["up_to_date"]] > 0
-  source = jnp.where(jnp.any(up), jnp.argmax(up), 0)
-  field = lambda name: head[source, rows.FIELD[name]]  # noqa: E731
-  treedef = jax.tree.structure(params)
-  center = treedef.unflatten(received.center)
-  state = state._replace(
-    center=center,
-    global_state=jax.tree.unflatten(
-      jax.tree.structure(state.global_state), received.global_state
-    ),
-    # An up-to-date island keeps its own step count (the same as the
-    # source's, but on rounds on the clock, where islands step at their own
-    # pace); a fresh one takes the source's.
-    count=field("count").astype(state.count.dtype) if fresh else state.count,
-    sync_count=field("sync_count").astype(state.sync_count.dtype),
-    skipped=jnp.full_like(state.skipped, field("skipped")),
-  )
-  if fresh:
-    params = jax.tree.map(lambda c, p: c.astype(p.dtype), center, params)
-    state = state._replace(
-      accumulator=jax.tree.map(jnp.zeros_like, state.accumulator),
-      error=jax.tree.map(jnp.zeros_like, state.error),
-      restart=jnp.zeros_like(state.restart),
-    )
-  if sync:
-    params, state = _heal_sync(
-      engine, sync, received, params, state, left_out, skipped, dropped
-    )
-  if fresh:  # the inner optimizer restarts where the island trains from
-    state = state._replace(local_state=engine.optimizer.init(params))
-  return params, state
-
-
-def _heal_sync(
-  engine, sync, received, params, state, left_out, skipped, dropped
-):
-  """The sync of a healing round, on the adopted state. Its rows carry what
-  a plain round's wire would have delivered (:func:`.rows.on_the_wire`), so
-  error feedback's pieces are what that encoding dropped (``dropped``; zero
-  for a fresh island, which contributed nothing)."""
-  parts = split.pieces(engine, params, sync)
-  combined, count = rows.combined_healing(engine, received, params, parts)
-  if not len(dropped):  # a fresh island: nothing was sent, nothing dropped
-    dropped = [
-      jnp.zeros(np.size(x), jnp.float32)
-      for x in split.take(jax.tree.leaves(params), parts)
-    ]
-  return _apply(
-    engine, sync, state, params, combined, count, left_out, skipped, dropped
-  )

@@ -184,6 +184,36 @@ def digest(flats: list) -> jax.Array:
   return jax.lax.bitcast_convert_type(total, jnp.int32)
 
 
+# An island's weight, one path from the island to the mean: the island's
+# host computes it (island_weight: None, or its work as a float32), its row
+# builders weigh its contribution with it (contribution: mean.weight, then
+# mean.weigh) and carry it in the header's weight word (header_weight); every
+# island reads the word back (weights, columns) and divides the sums by the
+# counted rows' total (total_weight, then mean.divide).
+
+
+def island_weight(clocked: bool, counts: bool, steps: int, work_per_step):
+  """An island's weight in a round, on its host: None on rounds every
+  ``sync_period`` steps (a contribution that counts weighs 1: the mean's
+  flag, :func:`shardopt.wire.mean.weight`); on rounds on the clock, the
+  work it did since its last committed round (``steps`` times
+  ``work_per_step``) as the float32 it travels as, 0 where it ``counts``
+  not (the dedicated coordinator, a joining island)."""
+  if not clocked:
+    return None
+  if not counts:
+    return jnp.float32(0)
+  # float32, as it travels (weights): steps times work_per_step (below
+  # 2**71) never overflows it.
+  return jnp.float32(float(max(steps, 0) * work_per_step))
+
+
+def header_weight(weight):
+  """The header's weight word for :func:`island_weight`'s ``weight``: 1
+  where no weight is given."""
+  return 1 if weight is None else weight
+
+
 def weights(head) -> Any:
   """The weight column of headers (rows of int32 words, a jax or a numpy
   array) as float32: exact up to 2**24, rounded to float32 above (the
@@ -192,6 +222,22 @@ def weights(head) -> Any:
   if isinstance(column, jax.Array):
     return jax.lax.bitcast_convert_type(column, jnp.float32)
   return np.ascontiguousarray(column, np.int32).view(np.float32)
+
+
+def columns(head: np.ndarray) -> dict:
+  """Headers (rows of int32 words, numpy) as field -> column, the weight's
+  as float32 (:func:`weights`)."""
+  out = {name: head[:, i] for name, i in FIELD.items()}
+  out["weight"] = weights(head)
+  return out
+
+
+def sorted_columns(head_bytes: np.ndarray) -> dict:
+  """Gathered headers' bytes (numpy), sorted by (island, process), as
+  :func:`columns`."""
+  head = head_bytes.copy().view(np.int32).reshape(head_bytes.shape[0], -1)
+  key = sort_key(head[:, FIELD["island"]], head[:, FIELD["process"]])
+  return columns(head[np.argsort(key, kind="stable")])
 
 
 def contribution(engine, sync: int, state, params, up_to_date, weight=None):
@@ -213,10 +259,7 @@ def contribution(engine, sync: int, state, params, up_to_date, weight=None):
     ]
   mine = [m.astype(jnp.float32) for m in mine]
   finite = jnp.logical_and(jnp.asarray(up_to_date, bool), all_finite(mine))
-  if weight is None:
-    return mean.weigh(mine, finite), finite
-  weight = jnp.where(finite, jnp.asarray(weight, jnp.float32), 0.0)
-  return mean.weigh(mine, weight), finite
+  return mean.weigh(mine, mean.weight(finite, weight)), finite
 
 
 def total_weight(head: jax.Array) -> jax.Array:
@@ -276,10 +319,9 @@ def plain_rows(
   """
   flats, finite = contribution(engine, sync, state, params, trains, weight)
   wire = engine.wire
+  word = header_weight(weight)
   head = to_bytes(
-    header(
-      island, 1, finite, state, sync, process, _weight(weight), digest(flats)
-    )
+    header(island, 1, finite, state, sync, process, word, digest(flats))
   )
   if wire.two_phase:
     plan = wire.plan(sizes_of(engine, sync, params), islands)
@@ -291,11 +333,6 @@ def plain_rows(
     payload, dropped = wire.encode_whole(flats)
     rows = jnp.concatenate([head, payload])
   return rows, mean.weigh(dropped, finite)
-
-
-def _weight(weight):
-  """The header's weight field: 1 where no weight is given."""
-  return 1 if weight is None else weight
 
 
 def _headers(rows: jax.Array) -> jax.Array:
@@ -423,9 +460,8 @@ def healing_row(
       parts,
       [m.reshape(np.shape(like)) for m, like in zip(mine, likes, strict=True)],
     )
-  head = header(
-    island, up_to_date, finite, state, sync, process, _weight(weight), sent
-  )
+  word = header_weight(weight)
+  head = header(island, up_to_date, finite, state, sync, process, word, sent)
   parts = [to_bytes(head)]
   parts += [to_bytes(c) for c in jax.tree.leaves(state.center)]
   parts += [to_bytes(g) for g in jax.tree.leaves(state.global_state)]

@@ -5,7 +5,7 @@ the islands) averages only the contributions that count: finite ones, from
 replicas that are up to date, each with its weight. Whatever carries the
 bytes in between, the arithmetic is these two steps:
 
-1. ``weigh``, on the sender: a contribution that does not count is
+1. ``weight`` and ``weigh``, on the sender: a contribution that does not count is
    replaced by zeros (a select, so that a left-out NaN cannot leak into the
    sum); one that counts is multiplied by its weight unless the weight is a
    flag (0/1);
@@ -21,6 +21,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def weight(counts: jax.Array, weight: jax.Array | None = None) -> jax.Array:
+  """A contribution's weight in the sum: the flag ``counts`` where no
+  weight is given (plain averaging: 1 where it counts), else ``weight`` (a
+  float) where it counts and 0 elsewhere; what :func:`weigh` takes."""
+  counts = jnp.asarray(counts, bool)
+  if weight is None:
+    return counts
+  return jnp.where(counts, jnp.asarray(weight, jnp.float32), 0.0)
 
 
 def weigh(values: list, weight: jax.Array) -> list:
