@@ -284,6 +284,31 @@ def parse(argv=None):
     ),
   )
   ap.add_argument(
+    "--asynchronous",
+    action="store_true",
+    help=(
+      "islands never wait (with --dedicated-coordinator): each exchanges"
+      " with the coordinator alone when its round is due; the outer step is"
+      " delayed Nesterov (shardopt.delayed_nesterov, period: islands /"
+      " --min-quorum)"
+    ),
+  )
+  ap.add_argument(
+    "--min-quorum",
+    type=int,
+    default=1,
+    help="asynchronous: contributions that make an outer step due",
+  )
+  ap.add_argument(
+    "--grace-seconds",
+    type=float,
+    default=None,
+    help=(
+      "asynchronous: an outer step this long after the first pending"
+      " contribution, quorum or not"
+    ),
+  )
+  ap.add_argument(
     "--processes-per-island",
     type=int,
     default=1,
@@ -350,6 +375,7 @@ def main(argv=None) -> None:
     num_fragments=args.num_fragments,
     comm_dtype=_comm_dtype(args.comm_dtype),
     error_feedback=args.error_feedback,
+    **_asynchronous_outer(args, shardopt),
   )
   island = shardopt.elastic.Island(
     tx,
@@ -361,6 +387,15 @@ def main(argv=None) -> None:
     dedicated_coordinator=args.dedicated_coordinator,
     round_seconds=args.round_seconds,
     on_event=_events(say, args, me, since),
+    **(
+      {
+        "asynchronous": True,
+        "min_quorum": args.min_quorum,
+        "grace_seconds": args.grace_seconds,
+      }
+      if args.asynchronous
+      else {}
+    ),
   )
   step_seconds = args.step_seconds[min(me, len(args.step_seconds) - 1)]
 
@@ -445,6 +480,9 @@ def main(argv=None) -> None:
         "contributions": _contributions(done),
         "time": time.time(),
       }
+      if done.version is not None:  # asynchronous: one row per outer step
+        row["version"] = done.version
+        row["weights"] = [w for _, w in done.weights]
       with open(os.path.join(args.out, "coordinator.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -477,6 +515,10 @@ def main(argv=None) -> None:
       row["failures"] = list(done.failures)
     if args.round_seconds is not None:  # the inner steps each contributed
       row["steps_by_process"] = {str(p): w for p, w in done.weights}
+    if done.version is not None:  # asynchronous: the center it received
+      row["version"] = done.version
+      row["exchange_seconds"] = done.seconds
+      row["wall"] = time.time()
     if m > 1:
       row["local_shard_shapes"] = {
         name: list(a.addressable_shards[0].data.shape)
@@ -490,7 +532,9 @@ def main(argv=None) -> None:
   # Join: the handshake at the job's start, or the healing round of a
   # restarted island (weight 0; it takes the center and the counters).
   params, state, done = island.sync(params, state)
-  if done.number:  # a heal, or a resume from the coordinator's last round
+  if done.version is not None:  # asynchronous: the center it starts from
+    log(done)
+  elif done.number:  # a heal, or a resume from the coordinator's last round
     log(done, resumed=not done.contributors)
   count = done.step
   stop = os.environ.get("ELASTIC_EXAMPLE_STOP")
@@ -561,12 +605,30 @@ def round_line(row: dict, done, resumed: bool = False) -> str:
       f" coordinator's center, loss {row['loss']:.5f}"
     )
   line = f"round {done.number} step {done.step} live {list(done.live)}"
+  if done.version is not None:
+    line += f" version {done.version}"
   if done.joined:
     line += f" healed {list(done.joined)}"
   if done.attempts:
     kinds = sorted({why.split(":", 1)[0] for why in done.failures})
     line += f" retried {done.attempts}x ({', '.join(kinds)})"
   return line + f" ({done.seconds:.2f}s) loss {row['loss']:.5f}"
+
+
+def _asynchronous_outer(args, shardopt) -> dict:
+  """``--asynchronous``: diloco's outer step as delayed Nesterov, with the
+  library's default learning rate and momentum, one momentum update per
+  islands / --min-quorum outer steps (about one contribution per island)."""
+  if not args.asynchronous:
+    return {}
+  islands = (args.num_processes - 1) // args.processes_per_island
+  return {
+    "outer_optimizer": shardopt.delayed_nesterov(
+      learning_rate=0.8,
+      momentum=0.2,
+      period=max(1, islands // args.min_quorum),
+    )
+  }
 
 
 def _contributions(done) -> dict:

@@ -69,9 +69,20 @@ class Exchanger:
     me: this process's id.
     device: the device pulled arrays land on (the island's first).
     timeout_s: how long an exchange waits for the coordinator.
+    work_per_step: the weight of one inner step (its tokens, say).
   """
 
-  def __init__(self, engine, store, me: int, device, *, timeout_s: float):
+  def __init__(
+    self,
+    engine,
+    store,
+    me: int,
+    device,
+    *,
+    timeout_s: float,
+    work_per_step: int = 1,
+  ):
+    self._work_per_step = work_per_step
     self._engine = engine
     self._mailbox = _mailbox.Mailbox(store, me, device, timeout_s=timeout_s)
     self._device = device
@@ -87,7 +98,8 @@ class Exchanger:
     ``weight``, ``count`` and ``seconds`` (inside the exchange)."""
     start = time.monotonic()
     count = _host_int(state.count)
-    weight = 0 if fresh else count - self._count_at_exchange
+    steps = 0 if fresh else count - self._count_at_exchange
+    weight = steps * self._work_per_step
     values = []
     if weight > 0:
       values = [
@@ -141,7 +153,8 @@ def serve(
   poll_s: float = 0.005,
 ):
   """The coordinator's loop (steps 1-4); returns ``(params, state,
-  version)``: the last center (as params), its state and its version.
+  served)``: the last center (as params), its state, and the processes it
+  exchanged with.
 
   Args:
     finished: the processes that have said they are done (a set).
@@ -212,4 +225,4 @@ def serve(
       time.sleep(poll_s)
   if outer.pending:
     step()
-  return outer.params, outer.state, outer.version
+  return outer.params, outer.state, set(counts)

@@ -182,3 +182,68 @@ def finish(timeout_s, exit_code) -> None:
       f"{where}: exit_code={exit_code!r} must be an"
       " integer from 0 to 255 (a process's exit status)."
     )
+
+
+def asynchronous(
+  flag,
+  *,
+  dedicated: bool,
+  k: int,
+  engine,
+  min_quorum,
+  grace_seconds,
+  staleness,
+):
+  """``asynchronous`` (True/False) and its options: ``(flag, min_quorum,
+  grace_seconds, staleness)``. Asynchronous rounds need a dedicated
+  coordinator, one process per island, one sync (no fragments) and the
+  float32 wire; the options only with ``asynchronous=True``."""
+  from shardopt.elastic import asynchronous as _asynchronous  # noqa: PLC0415
+
+  flag = _args.flag(
+    flag,
+    "asynchronous",
+    WHERE,
+    "True: each island exchanges with the dedicated coordinator alone",
+  )
+  if not flag:
+    given = {
+      "min_quorum": min_quorum != 1,
+      "grace_seconds": grace_seconds is not None,
+      "staleness": staleness != "none",
+    }
+    for arg, set_ in given.items():
+      if set_:
+        raise ValueError(
+          f"{WHERE}: {arg} is an option of asynchronous rounds, and"
+          " asynchronous=False (synchronous rounds wait for every live"
+          f" island). Pass asynchronous=True, or drop {arg}."
+        )
+    return False, 1, None, "none"
+  refusals = {
+    "dedicated_coordinator=False (the coordinator keeps the center and"
+    " applies the outer steps): pass dedicated_coordinator=True": not dedicated,
+    f"processes_per_island={k} (an island's exchange is one process's):"
+    " use one process per island": k != 1,
+    f"{engine.name} with num_fragments > 1 (one center per exchange):"
+    " build it with num_fragments=1": len(engine.syncs) != 1,
+    f"{engine.name} with comm_dtype={engine.wire.spec!r} (an exchange"
+    " sends float32): build it without comm_dtype": engine.wire.spec
+    is not None,
+  }
+  for what, present in refusals.items():
+    if present:
+      raise ValueError(f"{WHERE}: asynchronous=True cannot run with {what}.")
+  min_quorum = count(
+    min_quorum,
+    "min_quorum",
+    "contributions that make an outer step due, e.g. 1",
+  )
+  if grace_seconds is not None:
+    grace_seconds = seconds(
+      grace_seconds,
+      "grace_seconds",
+      "an outer step this long after the first pending contribution, or"
+      " None: the quorum alone",
+    )
+  return True, min_quorum, grace_seconds, _asynchronous.check_rule(staleness)

@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardopt import _jax
+from shardopt.elastic import async_rounds
 from shardopt.elastic import checks
 from shardopt.elastic import commit
 from shardopt.elastic import coordinator as _coordinator
@@ -85,6 +86,9 @@ class Round(NamedTuple):
     digests: ``((process, digest), ...)`` of the contributing processes:
       each one's ``rows.digest`` of its contribution, as its row's
       header carried it (a log matches it against what the island sent).
+    version: asynchronous rounds: the center version this island received
+      (on the coordinator, the version the outer step made); None in
+      synchronous rounds.
   """
 
   number: int
@@ -97,6 +101,7 @@ class Round(NamedTuple):
   failures: tuple
   weights: tuple = ()
   digests: tuple = ()
+  version: int | None = None
 
 
 # The exit code of a process whose round watchdog fired (``round_timeout_s``).
@@ -206,6 +211,26 @@ class Island:
       carries: ``{"digest": int, "weight": float, "counted": bool}``
       (``rows.digest`` of its contribution; ``counted``: up to date
       and finite, so that a committed round would combine it).
+    asynchronous: islands that never wait (with
+      ``dedicated_coordinator=True``, one process per island, one fragment,
+      no ``comm_dtype``): :meth:`sync` exchanges with the coordinator alone
+      (its contribution in, weighted by its inner steps times
+      ``work_per_step``; the newest center out, with its version in
+      ``Round.version``) and returns; the coordinator applies an outer step
+      once ``min_quorum`` contributions are pending or ``grace_seconds``
+      after the first of them (``shardopt/elastic/async_rounds.py``,
+      docs/elastic.md "Asynchronous rounds"). Its only wait is the
+      coordinator's handling of its own exchange.
+    min_quorum: asynchronous rounds: pending contributions that make an
+      outer step due (an integer >= 1; 1: every contribution).
+    grace_seconds: asynchronous rounds: an outer step this long after the
+      first pending contribution arrived, quorum or not (None: the quorum
+      alone).
+    staleness: asynchronous rounds: how a contribution computed from a
+      center ``s`` versions old is weighed: ``"none"`` (1) or
+      ``"inverse"`` (``1 / (1 + s)``). With ``min_quorum=1`` pass
+      ``shardopt.delayed_nesterov(period=number of islands)`` as the
+      transform's outer optimizer.
 
   Raises:
     TypeError: ``dedicated_coordinator`` is not True/False, or ``on_event``
@@ -236,6 +261,10 @@ class Island:
     round_seconds: float | None = None,
     work_per_step: int | None = None,
     on_event: Callable[[str, dict], None] | None = None,
+    asynchronous: bool = False,
+    min_quorum: int = 1,
+    grace_seconds: float | None = None,
+    staleness: str = "none",
   ):
     self._engine = split.engine_of(tx, "shardopt.elastic.Island")
     self._init = tx.init
@@ -257,6 +286,21 @@ class Island:
     self._count_at_commit = 0  # this island's local steps at its last round
     k = checks.processes_per_island(processes_per_island, self._dedicated)
     self._k = k
+    (
+      self._asynchronous,
+      self._min_quorum,
+      self._grace_seconds,
+      self._staleness,
+    ) = checks.asynchronous(
+      asynchronous,
+      dedicated=self._dedicated,
+      k=k,
+      engine=self._engine,
+      min_quorum=min_quorum,
+      grace_seconds=grace_seconds,
+      staleness=staleness,
+    )
+    self._exchanger = None  # asynchronous rounds: this island's side
     self._me = jax.process_index()
     self.trains = not (self._dedicated and self._me == 0)
     self._store = _jax.KeyValueStore()
@@ -487,6 +531,8 @@ class Island:
       on_round, "on_round", "(params, state, round)", where
     )
     poll_s = checks.seconds(poll_s, "poll_s", "e.g. 0.05", where)
+    if self._asynchronous:
+      return self._serve(params, state, on_round)
     self._publish(params)
     turns = quorum.Turns(self._store)
     idle_since = time.monotonic()  # no island up since
@@ -559,6 +605,8 @@ class Island:
         " coordinator (dedicated_coordinator=True): it trains nothing; call"
         " island.coordinate(params, state) there instead."
       )
+    if self._asynchronous:
+      return self._exchange_async(params, state)
     sync = self._sync_index(state, early)
     self._publish(params)
     self._quorum.announce(quorum.host_int(state.sync_count))
@@ -570,6 +618,97 @@ class Island:
       self._end.disarm()
       if watchdog is not None:
         watchdog.cancel()
+
+  # ------------------------------------------------------ asynchronous rounds
+
+  def _exchange_async(self, params, state):
+    """:meth:`sync` under ``asynchronous=True``: one exchange with the
+    coordinator (:class:`.async_rounds.Exchanger`), under the watchdog."""
+    if self._exchanger is None:
+      self._exchanger = async_rounds.Exchanger(
+        self._engine,
+        self._store,
+        self._me,
+        self.devices[0],
+        timeout_s=self._timeout_s,
+        work_per_step=self._work_per_step,
+      )
+    fresh = self._quorum.fresh
+    watchdog = self._watchdog(quorum.host_int(state.sync_count) + 1)
+    self._end.arm()
+    try:
+      params, state, info = self._exchanger.exchange(params, state, fresh=fresh)
+    finally:
+      self._end.disarm()
+      if watchdog is not None:
+        watchdog.cancel()
+    me = ((self._me, ""),)
+    self._quorum.committed(me, quorum.host_int(state.sync_count))
+    if self._clocked:
+      self._deadline = time.monotonic() + self._round_seconds
+    weight = info["weight"]
+    done = Round(
+      number=quorum.host_int(state.sync_count),
+      step=info["count"],
+      live=(0, self._me),
+      contributors=(self._me,) if weight > 0 else (),
+      joined=(self._me,) if fresh else (),
+      attempts=0,
+      seconds=info["seconds"],
+      failures=(),
+      weights=((self._me, weight),) if weight > 0 else (),
+      version=info["version"],
+    )
+    self._on_event("round_committed", done._asdict())
+    return params, state, done
+
+  def _serve(self, params, state, on_round):
+    """:meth:`coordinate` under ``asynchronous=True``
+    (:func:`.async_rounds.serve`)."""
+    where = "shardopt.elastic.Island.coordinate"
+
+    def finished() -> set:
+      return {int(k.rsplit("/", 1)[-1]) for k in self._store.keys(_FINISHED)}
+
+    def on_step(applied, outer):
+      if on_round is None:
+        return
+      done = Round(
+        number=applied.version,
+        step=0,
+        live=(0, *sorted(set(applied.contributors))),
+        contributors=applied.contributors,
+        joined=(),
+        attempts=0,
+        seconds=0.0,
+        failures=(),
+        weights=tuple(zip(applied.contributors, applied.weights, strict=True)),
+        version=applied.version,
+      )
+      on_round(outer.params, outer.state, done)
+
+    try:
+      params, state, served = async_rounds.serve(
+        self._engine,
+        params,
+        state,
+        store=self._store,
+        device=self.devices[0],
+        min_quorum=self._min_quorum,
+        grace_seconds=self._grace_seconds,
+        staleness=self._staleness,
+        timeout_s=self._timeout_s,
+        finished=finished,
+        on_step=on_step,
+      )
+    except TimeoutError as e:
+      raise RoundFailedError(
+        f"{where}: no island joined within timeout_s={self._timeout_s} s:"
+        " the coordinator gives up. Start the islands (processes"
+        f" 1..{jax.process_count() - 1}), or raise timeout_s."
+      ) from e
+    self._quorum.committed(tuple((p, "") for p in served), 0)
+    return params, state
 
   def _publish(self, params) -> None:
     """This process's params' signature, for the others' check
