@@ -39,6 +39,17 @@ the digest and weight its row carries, and the inner steps and seconds
 since its last committed round (examples/elastic_chaos.py's ``audit``
 reads them: goodput, lost contributions).
 
+``--asynchronous`` (with ``--dedicated-coordinator``; ``--min-quorum Q``,
+``--grace-seconds G``): islands never wait; each exchanges with the
+coordinator alone every H steps (``shardopt.elastic.Island(...,
+asynchronous=True)``, the outer step delayed Nesterov). Each island row
+(one per exchange, its join included) also carries ``"version"`` (the
+center version it received; ``params_sha256`` is that center's),
+``"wall"`` (Unix time when the exchange returned), ``"exchange_seconds"``,
+``"inner_seconds"`` (this incarnation's seconds in inner steps so far) and
+``"started"``; the coordinator writes one row per outer step with
+``"version"``, ``"params_sha256"``, ``"contributors"`` and ``"weights"``.
+
 (rounds 1, 2, ... at steps H, 2H, ..., S; the start-up handshake is not
 logged). It prints one line per committed round (``round 5 step 20 live
 [0, 1, 2] healed [2] retried 1x (ProcessFailureError) (0.31s) loss
@@ -325,6 +336,9 @@ def main(argv=None) -> None:
   # The inner steps since this incarnation's last committed round, and their
   # seconds: what its next contribution carries (DIR/sent.{I}.jsonl).
   since = {"steps": 0, "inner_seconds": 0.0}
+  # This incarnation's seconds in inner steps (asynchronous rows carry it:
+  # the time-based goodput of benchmarks/perf/elastic.py --asynchronous).
+  totals = {"inner_seconds": 0.0}
   if "xla_force_host_platform_device_count" not in os.environ.get(
     "XLA_FLAGS", ""
   ):
@@ -519,6 +533,8 @@ def main(argv=None) -> None:
       row["version"] = done.version
       row["exchange_seconds"] = done.seconds
       row["wall"] = time.time()
+      row["inner_seconds"] = totals["inner_seconds"]
+      row["started"] = started
     if m > 1:
       row["local_shard_shapes"] = {
         name: list(a.addressable_shards[0].data.shape)
@@ -578,6 +594,7 @@ def main(argv=None) -> None:
     inner_s += took
     since["steps"] += 1
     since["inner_seconds"] += took
+    totals["inner_seconds"] += took
     record(trained, inner_s)
     due = island.due(state)
     # A last round at the end, due or not (one fragment only).

@@ -135,3 +135,66 @@ def test_an_unknown_staleness_rule_is_refused_with_the_choices():
   params = jnp.zeros(3)
   with pytest.raises(ValueError, match="staleness='newest'.*'inverse'"):
     asynchronous.Outer(engine, params, tx.init(params), staleness="newest")
+
+
+def _engine(**kwargs):
+  return split.engine_of(
+    shardopt.diloco(optax.sgd(0.1), "i", sync_period=4, **kwargs), "test"
+  )
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "words"),
+  [
+    ({"dedicated": False}, "pass dedicated_coordinator=True"),
+    ({"k": 2}, "processes_per_island=2"),
+    ({"engine": {"num_fragments": 2}}, "build it with num_fragments=1"),
+    ({"engine": {"comm_dtype": jnp.int8}}, "build it without comm_dtype"),
+    ({"min_quorum": 0}, "min_quorum=0 must be an integer >= 1"),
+    ({"grace_seconds": -1.0}, "grace_seconds=-1.0 must be a finite number"),
+    ({"staleness": "newest"}, "staleness='newest' is not a staleness rule"),
+  ],
+)
+def test_island_refuses_what_asynchronous_rounds_cannot_run(kwargs, words):
+  """Island(asynchronous=True)'s argument check (elastic/checks.py): each
+  refusal names the argument, the value and the fix."""
+  from shardopt.elastic import checks
+
+  args = dict(
+    dedicated=True,
+    k=1,
+    engine=_engine(),
+    min_quorum=1,
+    grace_seconds=None,
+    staleness="none",
+  )
+  if "engine" in kwargs:
+    kwargs = dict(kwargs, engine=_engine(**kwargs["engine"]))
+  args.update(kwargs)
+  with pytest.raises(ValueError, match="shardopt.elastic.Island") as info:
+    checks.asynchronous(True, **args)
+  assert words in str(info.value)
+
+
+def test_the_options_of_asynchronous_rounds_need_it():
+  from shardopt.elastic import checks
+
+  with pytest.raises(ValueError, match="min_quorum is an option"):
+    checks.asynchronous(
+      False,
+      dedicated=True,
+      k=1,
+      engine=_engine(),
+      min_quorum=2,
+      grace_seconds=None,
+      staleness="none",
+    )
+  assert checks.asynchronous(
+    True,
+    dedicated=True,
+    k=1,
+    engine=_engine(),
+    min_quorum=2,
+    grace_seconds=0.5,
+    staleness="inverse",
+  ) == (True, 2, 0.5, "inverse")

@@ -5,6 +5,12 @@
     python -m benchmarks.perf.elastic --chaos 100 [--seed 0]
     python -m benchmarks.perf.elastic --model-parallel-memory
     python -m benchmarks.perf.elastic --unequal [--seconds 40]
+    python -m benchmarks.perf.elastic --asynchronous [--seconds 30] [--repeats 2]
+
+``--asynchronous`` alone (issue 50): asynchronous rounds against rounds on
+the clock, at equal and unequal speeds, and a kill
+(:mod:`benchmarks.perf.elastic_async`); saved to
+``benchmarks/results/elastic_async.json``.
 
 ``--unequal`` alone (issue 42): 3 islands whose inner steps take 0.03,
 0.06 and 0.12 s (1x, 2x, 4x; a sleep standing in for compute), for the same
@@ -85,6 +91,7 @@ ROUND_BYTES = ROOT / "benchmarks" / "results" / "elastic_round_bytes.json"
 CHAOS = ROOT / "benchmarks" / "results" / "elastic_chaos.json"
 MODEL_PARALLEL = ROOT / "benchmarks" / "results" / "elastic_model_parallel.json"
 UNEQUAL = ROOT / "benchmarks" / "results" / "elastic_unequal.json"
+ASYNCHRONOUS = ROOT / "benchmarks" / "results" / "elastic_async.json"
 _spec = importlib.util.spec_from_file_location(
   "elastic_launch", ROOT / "examples" / "elastic_launch.py"
 )
@@ -475,12 +482,21 @@ def main() -> None:
   ap.add_argument("--model-parallel-memory", action="store_true")
   ap.add_argument("--unequal", action="store_true")
   ap.add_argument("--seconds", type=float, default=40.0)
+  ap.add_argument("--asynchronous", action="store_true")
+  ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument(
     "--round-bytes",
     action="store_true",
     help="only the bytes one island sends per plain round at 2, 4, 8 islands",
   )
   args = ap.parse_args()
+  if args.asynchronous:
+    from benchmarks.perf import elastic_async  # noqa: PLC0415
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    result = elastic_async.measure(launch, args.seconds, args.repeats)
+    _save(ASYNCHRONOUS, started, result)
+    return
   if args.unequal:
     started = datetime.datetime.now(datetime.timezone.utc)
     print("| run | goodput per island | rounds | final loss | exit codes |")
