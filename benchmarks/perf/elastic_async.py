@@ -6,17 +6,22 @@ CPU devices each, H = 8, a sleep per inner step standing in for compute:
 equal islands (0.03 s a step each) and islands at 1x, 3x and 9x (0.01,
 0.03, 0.09 s). Each run trains for ``--seconds`` of wall time after the
 first island's first exchange, then every island stops after its next
-round. Three setups per speed profile:
+round. Four setups per speed profile:
 
-- ``asynchronous``: ``--asynchronous`` (quorum 1, delayed Nesterov with the
-  library's outer lr 0.8 and momentum 0.2, period 3);
+- ``asynchronous, every 8 steps``: ``--asynchronous`` (quorum 1, delayed
+  Nesterov with the library's outer lr 0.8 and momentum 0.2, period 3);
+- ``asynchronous, every 2 s``: the same, each island's exchange due 2 s
+  after its last (``--round-seconds 2``: the cadence of the next setup);
 - ``on the clock``: synchronous rounds every 2 s (``--round-seconds 2``),
   each island weighted by its steps;
 - ``asynchronous, island 3 killed``: SIGKILL at half time, back 3 s later.
 
 Per run: each island's share of its wall time in inner steps (its
 ``steps.{I}.{pid}`` files: seconds in inner steps over seconds since it
-joined, summed over incarnations), the time-based goodput of asynchronous
+joined, summed over incarnations; the rest is the example's host work per
+step, its batch and its log, and the exchanges), the share inside its
+exchanges (asynchronous runs: the rows' ``exchange_seconds`` over the same
+seconds), the time-based goodput of asynchronous
 runs (island-seconds in inner steps whose contribution reached a center,
 i.e. up to the incarnation's last exchange, over island-seconds since each
 island's first start, start-ups and restarts included), the outer steps
@@ -42,7 +47,11 @@ from pathlib import Path
 H = 8
 SPEEDS = {"equal": "0,0.03,0.03,0.03", "1x 3x 9x": "0,0.01,0.03,0.09"}
 SETUPS = {
-  "asynchronous": (("--asynchronous",), False),
+  "asynchronous, every 8 steps": (("--asynchronous",), False),
+  "asynchronous, every 2 s": (
+    ("--asynchronous", "--round-seconds", "2"),
+    False,
+  ),
   "on the clock (2 s)": (("--round-seconds", "2"), False),
   "asynchronous, island 3 killed": (("--asynchronous",), True),
 }
@@ -95,13 +104,17 @@ def run(launch, speeds: str, extra: tuple, seconds: float, kill: bool) -> dict:
         "center_loss": float(loss[-1]) if loss else None,
         "coordinator_rows": len(_jsonl(out / "coordinator.jsonl")),
       }
-      shares, useful, lived = {}, 0.0, 0.0
+      shares, waits, useful, lived = {}, {}, 0.0, 0.0
       for i in (1, 2, 3):
         runs = _incarnations(out, i)
         shares[str(i)] = sum(r["inner_seconds"] for r in runs) / max(
           sum(r["seconds"] for r in runs), 1e-9
         )
         rows = islands.rows(i)
+        if "--asynchronous" in extra:  # time inside its exchanges
+          waits[str(i)] = sum(r["exchange_seconds"] for r in rows) / max(
+            sum(r["seconds"] for r in runs), 1e-9
+          )
         last = {}
         for r in rows:
           last[r["incarnation"]] = r.get("inner_seconds", 0.0)
@@ -109,6 +122,7 @@ def run(launch, speeds: str, extra: tuple, seconds: float, kill: bool) -> dict:
         first = min((r["started"] for r in runs), default=end)
         lived += end - first
       result["inner_share_by_island"] = shares
+      result["exchange_share_by_island"] = waits
       if "--asynchronous" in extra:
         result["goodput"] = useful / lived
       if kill:
@@ -138,10 +152,11 @@ def measure(launch, seconds: float, repeats: int) -> dict:
   """Every run; prints one table row per run."""
   out = {"seconds": seconds, "sync_period": H, "speeds_s": SPEEDS, "runs": []}
   print(
-    "| speeds | setup | run | inner-step share per island | goodput |"
+    "| speeds | setup | run | inner-step share per island |"
+    " exchange share per island | goodput |"
     " outer steps | center loss | island 1 longest gap | exit codes |"
   )
-  print("|---|---|---:|---|---:|---:|---:|---:|---|")
+  print("|---|---|---:|---|---|---:|---:|---:|---:|---|")
   for speed, profile in SPEEDS.items():
     for setup, (extra, kill) in SETUPS.items():
       for k in range(1 if kill else repeats):
@@ -152,9 +167,13 @@ def measure(launch, seconds: float, repeats: int) -> dict:
           f"{v:.1%}" for v in r["inner_share_by_island"].values()
         )
         goodput = f"{r['goodput']:.1%}" if "goodput" in r else "-"
+        waits = (
+          ", ".join(f"{v:.1%}" for v in r["exchange_share_by_island"].values())
+          or "-"
+        )
         gap = r.get("island_1_longest_gap_s")
         print(
-          f"| {speed} | {setup} | {k + 1} | {share} | {goodput} |"
+          f"| {speed} | {setup} | {k + 1} | {share} | {waits} | {goodput} |"
           f" {r['coordinator_rows']} | {r['center_loss']} |"
           f" {'-' if gap is None else f'{gap:.2f} s'} | {r['exit_codes']} |",
           flush=True,
