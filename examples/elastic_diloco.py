@@ -643,7 +643,7 @@ def _asynchronous_outer(args, shardopt) -> dict:
     "outer_optimizer": shardopt.delayed_nesterov(
       learning_rate=0.8,
       momentum=0.2,
-      period=max(1, islands // args.min_quorum),
+      momentum_period=max(1, islands // args.min_quorum),
     )
   }
 

@@ -105,7 +105,9 @@ def test_outer_steps_match_the_numpy_reference(case):
     **kw,
   )
   if kw["rule"] == "delayed_nesterov":
-    outer = shardopt.delayed_nesterov(0.7, 0.9, period=len(kw["speeds"]))
+    outer = shardopt.delayed_nesterov(
+      0.7, 0.9, momentum_period=len(kw["speeds"])
+    )
     staleness = "none"
   else:
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True)

@@ -33,7 +33,9 @@ def numpy_dn(grads, lr, beta, n):
 def test_updates_match_the_numpy_transcription(n):
   rng = np.random.default_rng(n)
   grads = [rng.normal(size=(5,)).astype(np.float32) for _ in range(11)]
-  dn = shardopt.delayed_nesterov(learning_rate=0.7, momentum=0.9, period=n)
+  dn = shardopt.delayed_nesterov(
+    learning_rate=0.7, momentum=0.9, momentum_period=n
+  )
   update = jax.jit(dn.update)
   state = dn.init(jnp.zeros(5))
   want = numpy_dn([g.astype(np.float64) for g in grads], 0.7, 0.9, n)
@@ -47,7 +49,9 @@ def test_n_updates_are_one_nesterov_step_on_their_mean():
   of optax.sgd(lr, beta, nesterov=True) on each round's mean."""
   rng = np.random.default_rng(0)
   rounds = [rng.normal(size=(4, 3)) for _ in range(2)]
-  dn = shardopt.delayed_nesterov(learning_rate=0.5, momentum=0.8, period=4)
+  dn = shardopt.delayed_nesterov(
+    learning_rate=0.5, momentum=0.8, momentum_period=4
+  )
   sgd = optax.sgd(0.5, momentum=0.8, nesterov=True)
   x = jnp.zeros(3)
   y = jnp.zeros(3)
@@ -66,7 +70,7 @@ def test_n_updates_are_one_nesterov_step_on_their_mean():
 def test_period_one_is_optax_nesterov_sgd():
   rng = np.random.default_rng(1)
   params = {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)}
-  dn = shardopt.delayed_nesterov(0.7, 0.9, period=1)
+  dn = shardopt.delayed_nesterov(0.7, 0.9, momentum_period=1)
   sgd = optax.sgd(0.7, momentum=0.9, nesterov=True)
   a, b = dn.init(params), sgd.init(params)
   for _ in range(5):
@@ -85,7 +89,7 @@ def test_it_is_diloco_s_outer_optimizer_under_pmap():
     optax.sgd(0.1),
     "i",
     sync_period=2,
-    outer_optimizer=shardopt.delayed_nesterov(0.7, 0.9, period=2),
+    outer_optimizer=shardopt.delayed_nesterov(0.7, 0.9, momentum_period=2),
   )
   params = jnp.ones((8, 4))
   state = jax.pmap(tx.init, axis_name="i")(params)
@@ -107,8 +111,8 @@ def test_it_is_diloco_s_outer_optimizer_under_pmap():
 @pytest.mark.parametrize(
   ("kwargs", "error", "words"),
   [
-    ({"period": 0}, ValueError, "period=0 must be >= 1"),
-    ({"period": 2.0}, TypeError, "period=2.0 must be an int"),
+    ({"momentum_period": 0}, ValueError, "momentum_period=0 must be >= 1"),
+    ({"momentum_period": 2.0}, TypeError, "momentum_period=2.0 must be an int"),
     (
       {"momentum": 1.0},
       ValueError,

@@ -107,6 +107,10 @@ NOT_TRANSFORMS = {
   "due": "reads a transform's schedule on the host",
   "WARM_UP": "a constant, a value of due",
   "MTDAOState": "a state",
+  "DelayedNesterovState": "a state",
+  "delayed_nesterov": "an outer optimizer without collectives, like"
+  " optax.sgd: it runs on combined outer gradients (diloco's"
+  " outer_optimizer, an asynchronous coordinator), never on a replica's",
   "pier_momentum": "a schedule of diloco's outer momentum",
   "mt_dao": "a local optimizer without collectives, like optax.adamw: it"
   " runs inside local_sgd, diloco or desloc, which check the gradients",

@@ -9,19 +9,19 @@ time one island's pseudo-gradient arrives (``Island(asynchronous=True)``)
 would, with DiLoCo's Nesterov step, push the momentum once per island and
 round instead of once per round: stale directions compound. DN applies each
 arriving outer gradient ``g_t`` at once, without momentum, and folds the
-buffered gradients into the momentum only every ``period``-th update::
+buffered gradients into the momentum only every ``momentum_period``-th update::
 
     b   <- b + g_t
     if t % N == 0:   m <- beta m + b / N
                      update = -lr (g_t / N + beta m),   b <- 0
     else:            update = -lr g_t / N
 
-(``t`` counts updates from 1, ``N = period``). Over ``N`` updates the center
+(``t`` counts updates from 1, ``N = momentum_period``). Over ``N`` updates the center
 moves by ``-lr (mean(g) + beta m_new)``: exactly one step of
 ``optax.sgd(lr, momentum=beta, nesterov=True)`` on the mean of the ``N``
 outer gradients, while every island still receives a center that moved with
-its own contribution. ``period = 1`` is ``optax.sgd(lr, beta, nesterov=True)``.
-Set ``period`` to the number of islands, so that one momentum update sees
+its own contribution. ``momentum_period = 1`` is ``optax.sgd(lr, beta, nesterov=True)``.
+Set ``momentum_period`` to the number of islands, so that one momentum update sees
 about one contribution from each.
 """
 
@@ -70,14 +70,14 @@ def _check(value, arg: str, low: float, high: float, example: str) -> float:
 def delayed_nesterov(
   learning_rate: float = 0.7,
   momentum: float = 0.9,
-  period: int = 4,
+  momentum_period: int = 4,
 ) -> optax.GradientTransformation:
   """Delayed Nesterov momentum, for outer steps that see one island each.
 
   Args:
     learning_rate: the outer learning rate ``lr`` (DiLoCo's 0.7).
     momentum: ``beta`` in ``[0, 1)`` (DiLoCo's 0.9).
-    period: ``N >= 1``, updates per momentum update; the number of islands.
+    momentum_period: ``N >= 1``, updates per momentum update; the number of islands.
 
   Returns:
     An ``optax.GradientTransformation`` (state :class:`DelayedNesterovState`);
@@ -86,7 +86,7 @@ def delayed_nesterov(
   Example:
     >>> import jax.numpy as jnp, optax, shardopt
     >>> dn = shardopt.delayed_nesterov(learning_rate=1.0, momentum=0.5,
-    ...                                period=2)
+    ...                                momentum_period=2)
     >>> state = dn.init(jnp.zeros(1))
     >>> u1, state = dn.update(jnp.array([2.0]), state)   # -g/N
     >>> u2, state = dn.update(jnp.array([4.0]), state)   # -(g/N + beta m)
@@ -104,16 +104,18 @@ def delayed_nesterov(
       f"{_NAME}: learning_rate={learning_rate!r} must be > 0; e.g. 0.7."
     )
   beta = _check(momentum, "momentum", 0.0, 1.0, "0.9")
-  if isinstance(period, bool) or not isinstance(period, numbers.Integral):
+  if isinstance(momentum_period, bool) or not isinstance(
+    momentum_period, numbers.Integral
+  ):
     raise TypeError(
-      f"{_NAME}: period={period!r} must be an int >= 1, the number of"
+      f"{_NAME}: momentum_period={momentum_period!r} must be an int >= 1, the number of"
       " islands; e.g. 4."
     )
-  if period < 1:
+  if momentum_period < 1:
     raise ValueError(
-      f"{_NAME}: period={period} must be >= 1, the number of islands; e.g. 4."
+      f"{_NAME}: momentum_period={momentum_period} must be >= 1, the number of islands; e.g. 4."
     )
-  n = int(period)
+  n = int(momentum_period)
 
   def init_fn(params):
     zeros = jax.tree.map(jnp.zeros_like, params)

@@ -22,7 +22,7 @@ contributions that arrived and are not yet applied, and moves the center
 
 With an outer step per contribution (``min_quorum=1``), DiLoCo's Nesterov
 momentum would be pushed once per island and round; pass
-``shardopt.delayed_nesterov(period=number of islands)`` as the outer
+``shardopt.delayed_nesterov(momentum_period=number of islands)`` as the outer
 optimizer (docs/elastic.md, "Asynchronous rounds").
 
 :func:`adopt` is the island's side: the received center becomes its params

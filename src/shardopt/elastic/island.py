@@ -229,7 +229,7 @@ class Island:
     staleness: asynchronous rounds: how a contribution computed from a
       center ``s`` versions old is weighed: ``"none"`` (1) or
       ``"inverse"`` (``1 / (1 + s)``). With ``min_quorum=1`` pass
-      ``shardopt.delayed_nesterov(period=number of islands)`` as the
+      ``shardopt.delayed_nesterov(momentum_period=number of islands)`` as the
       transform's outer optimizer.
 
   Raises:
