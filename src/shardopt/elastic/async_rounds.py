@@ -36,11 +36,8 @@ import numpy as np
 from shardopt.elastic import asynchronous
 from shardopt.elastic import coordinator as _coordinator
 from shardopt.elastic import mailbox as _mailbox
+from shardopt.elastic import quorum
 from shardopt.periodic import split
-
-
-def _host_int(x) -> int:
-  return int(np.asarray(jax.device_get(x)).reshape(-1)[0])
 
 
 def _like(engine, params, state) -> list:
@@ -97,7 +94,7 @@ class Exchanger:
     """Steps 1-3: ``(params, state, info)``; ``info`` has ``version``,
     ``weight``, ``count`` and ``seconds`` (inside the exchange)."""
     start = time.monotonic()
-    count = _host_int(state.count)
+    count = quorum.host_int(state.count)
     steps = 0 if fresh else count - self._count_at_exchange
     weight = steps * self._work_per_step
     values = []
@@ -123,7 +120,7 @@ class Exchanger:
         )
       )
     self.version = version
-    self._count_at_exchange = _host_int(state.count)
+    self._count_at_exchange = quorum.host_int(state.count)
     return (
       params,
       state,

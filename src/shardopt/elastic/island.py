@@ -638,6 +638,13 @@ class Island:
     self._end.arm()
     try:
       params, state, info = self._exchanger.exchange(params, state, fresh=fresh)
+    except Exception as e:  # noqa: BLE001 (the coordinator is gone or stuck)
+      raise RoundFailedError(
+        f"shardopt.elastic.Island.sync: process {self._me}'s exchange with"
+        f" the coordinator failed ({type(e).__name__}: {e}); the coordinator"
+        " (process 0) is gone, or did not answer within"
+        f" timeout_s={self._timeout_s} s."
+      ) from e
     finally:
       self._end.disarm()
       if watchdog is not None:
