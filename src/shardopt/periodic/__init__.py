@@ -57,6 +57,9 @@ imported).
 
 from shardopt.periodic.desloc import desloc
 from shardopt.periodic.noloco import noloco
+from shardopt.periodic.pier import PierOuterState
+from shardopt.periodic.pier import pier
+from shardopt.periodic.pier import pier_learning_rate
 from shardopt.periodic.pier import pier_momentum
 from shardopt.periodic.state import AGNState
 from shardopt.periodic.state import PeriodicState
@@ -68,11 +71,14 @@ from shardopt.periodic.transforms import local_sgd
 __all__ = [
   "AGNState",
   "PeriodicState",
+  "PierOuterState",
   "agn",
   "desloc",
   "diloco",
   "hierarchical_local_sgd",
   "local_sgd",
+  "pier",
+  "pier_learning_rate",
   "pier_momentum",
   "noloco",
 ]
