@@ -46,8 +46,9 @@ pseudo-gradients, params), ``combine`` (the collective round), ``outer``
 with one peer, its contribution and outer step; the transform), ``engine`` (``update`` as its
 numbered steps), ``checks`` (argument checks) and ``_xla`` (the XLA cost
 tricks); ``desloc`` (DES-LOC: the local optimizer's moments averaged on
-periods of their own, found by ``moments``) and ``pier`` (Pier's
-outer-momentum schedule for ``diloco``). A new schedule touches
+periods of their own, found by ``moments``) and ``pier`` (Pier: a
+``diloco`` after a synchronous start that builds the outer momentum, and
+its outer schedules). A new schedule touches
 ``schedules``; a new outer step ``outer`` (and the transform that uses it).
 
 The examples assume 8 devices (for instance a CPU with

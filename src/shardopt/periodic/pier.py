@@ -317,7 +317,9 @@ def pier(
     start, end: the momentum decay's ends (:func:`pier_momentum`).
     peak, final: the outer rate's peak and end (:func:`pier_learning_rate`).
     lr_warmup_fraction: the outer rate's warm-up, a share of ``K_all``.
-    axis_index_groups, comm_dtype, error_feedback: as :func:`diloco`'s.
+    axis_index_groups, comm_dtype, error_feedback: as :func:`diloco`'s
+      (``comm_dtype`` is the outer gradient's wire; the synchronous phase
+      averages the gradients in their own dtype).
 
   Returns:
     ``shardopt.diloco``'s transform (``state.global_state`` is a
