@@ -430,33 +430,27 @@ def pier(
   period: int = 16,
   steps: int = workload.FULL.steps,
   warmup_fraction: float = 0.1,
-  decay_fraction: float = 0.1,
-  peak: float = 0.9,
-  outer_learning_rate: float = 0.7,
 ) -> Method:
-  """Pier (issue 51, arXiv 2511.17849): ``diloco(adamw, H=period)`` whose
-  Nesterov outer momentum warms up from 0 to ``peak`` over the first
-  ``warmup_fraction`` of the run's ``steps // period`` outer steps and
-  decays to 0 over the last ``decay_fraction`` (shardopt.pier_momentum),
-  DiLoCo's outer learning rate 0.7."""
-  outer_steps = max(1, steps // period)
+  """Pier (issue 51, arXiv 2511.17849) as its authors' code runs it
+  (``shardopt.pier``, ``docs/pier.md``): the first ``warmup_fraction`` of
+  the run's ``steps // period`` syncs synchronous (the mean gradient every
+  step) while the outer momentum accumulates (0.9), then DiLoCo with the
+  outer momentum decaying 0.99 -> 0.9 and the outer rate 0 -> 1.1 -> 0.9."""
+  warm = f", warm-up {warmup_fraction:g}" if warmup_fraction != 0.1 else ""
   return Method(
-    f"diloco(adamw, H={period}, Pier {outer_learning_rate:g}/{peak:g},"
-    f" warm-up {warmup_fraction:g}, decay {decay_fraction:g})",
-    ("diloco", "pier_momentum"),
-    lambda opt: shardopt.diloco(
+    f"pier(adamw, H={period}{warm})",
+    ("pier",),
+    lambda opt: shardopt.pier(
       opt(),
       AXIS,
+      total_steps=steps,
       sync_period=period,
-      outer_learning_rate=outer_learning_rate,
-      outer_momentum=shardopt.pier_momentum(
-        outer_steps,
-        peak=peak,
-        warmup_fraction=warmup_fraction,
-        decay_fraction=decay_fraction,
-      ),
+      warmup_fraction=warmup_fraction,
     ),
-    hlo.Schedule(schedules.every(period)),
+    hlo.Schedule(
+      schedules.every(period),
+      warmup_steps=round(warmup_fraction * (steps // period)) * period,
+    ),
     1.0 / period,
     family="pier",
   )
@@ -487,6 +481,32 @@ def mt_dao(
     hlo.Schedule(schedules.every(period)),
     1.0 / period,
     quick,
+    family="mt_dao",
+    optimizer="decayed step",
+  )
+
+
+def mt_dao_synced(
+  period: int = 16, beta: float = 0.995, omega: float = 0.7
+) -> Method:
+  """MT-DAO with the paper's sync (issue 51, arXiv 2510.05361): every
+  ``period`` steps the params, the momentum and the second moment are all
+  averaged (``K_x = K_1 = K_v``, its experiments' setting), as
+  ``shardopt.desloc`` around :func:`mt_dao`'s inner step
+  (``state_sync_periods={"momenta": period, "nu": period}``)."""
+  periods = {"params": period, "momenta": period, "nu": period}
+  return Method(
+    f"desloc(mt_dao(beta={beta:g}, omega={omega:g}), K={period}, states"
+    f" every {period})",
+    ("desloc", "scale_by_mt_dao"),
+    lambda opt: shardopt.desloc(
+      optax.chain(shardopt.scale_by_mt_dao((beta,), (omega,)), opt()),
+      AXIS,
+      sync_period=period,
+      state_sync_periods={"momenta": period, "nu": period},
+    ),
+    hlo.Schedule(schedules.desloc(periods)),
+    1.0 / period,
     family="mt_dao",
     optimizer="decayed step",
   )
@@ -576,6 +596,7 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
     pier(16, steps, warmup_fraction=0.3),
     demo(mean="senders"),
     *(mt_dao(16, beta) for beta in (0.99, 0.995, 0.999)),
+    *(mt_dao_synced(16, beta) for beta in (0.99, 0.995, 0.999)),
     *(noloco(16, pull) for pull in (None, 0.0, 0.35)),
     *(diloco(h, eager=True) for h in (16, 64)),
   ]
@@ -588,7 +609,8 @@ def frontier() -> list[Method]:
   and Muon inside), SparseLoCo H = 4 (``diloco`` on ``topk(64)`` with error
   feedback, outer ``sgd(1)``), DeMo at the paper's defaults with each of its
   two means (issue 51), and issue 51's DES-LOC (K_x = 16), Pier (H = 16),
-  MT-DAO (``local_sgd`` H = 16 around ``mt_dao``), NoLoCo H = 16 and Eager
+  MT-DAO (``desloc`` K = 16 around ``mt_dao``: params and states averaged,
+  the paper's sync), NoLoCo H = 16 and Eager
   updates H = 16 at the papers' defaults."""
   return [
     sync(),
@@ -601,7 +623,7 @@ def frontier() -> list[Method]:
     desloc(16),
     pier(16),
     demo(mean="senders"),
-    mt_dao(16),
+    mt_dao_synced(16),
     noloco(16),
     diloco(16, eager=True),
   ]

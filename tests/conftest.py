@@ -304,6 +304,9 @@ SLOW_TESTS = {
     "test_outer_gradient_error_feedback_keeps_the_center_on_course": _LONG,
     "test_quantized_streaming_with_overlap_and_layers_under_shard_map": _VARIANT,
   },
+  "test_pier.py": {
+    "test_pier_is_the_authors_loop_over_40_syncs[pmap]": _VARIANT,
+  },
   "test_study_replicas.py": {
     "test_digits_under_vmap_matches_pmap": (
       "trains the study's model two ways per method (a benchmark's harness,"

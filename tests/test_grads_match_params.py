@@ -61,6 +61,11 @@ TRANSFORMS = {
 
 # More configurations of the transforms above, each its own code path.
 VARIANTS = {
+  # shardopt.pier is a shardopt.diloco (its errors name diloco).
+  "pier": (
+    "diloco",
+    lambda: shardopt.pier(optax.adam(0.1), AXIS, total_steps=20, sync_period=2),
+  ),
   "cross_shard_mean int8 error_feedback": (
     "cross_shard_mean",
     lambda: shardopt.cross_shard_mean(
@@ -112,6 +117,10 @@ NOT_TRANSFORMS = {
   " optax.sgd: it runs on combined outer gradients (diloco's"
   " outer_optimizer, an asynchronous coordinator), never on a replica's",
   "pier_momentum": "a schedule of diloco's outer momentum",
+  "pier_learning_rate": "a schedule of diloco's outer learning rate",
+  "pier": "a shardopt.diloco (checked as the variant 'pier', its errors"
+  " naming shardopt.diloco)",
+  "PierOuterState": "a state",
   "mt_dao": "a local optimizer without collectives, like optax.adamw: it"
   " runs inside local_sgd, diloco or desloc, which check the gradients",
   "scale_by_mt_dao": "mt_dao's direction, like optax.scale_by_adam: it runs"

@@ -362,12 +362,13 @@ def test_the_docs_page_runs_and_shows_what_it_says(capsys):
 STATE_PERIODS = {"momenta": 2, "nu": 3}
 
 
-def np_desloc_mt_dao(p0, a, noise):
+def np_desloc_mt_dao(p0, a, noise, periods=None):
   """Every replica's params after every step and the final states, the
   params averaged every PERIOD steps, the momenta every
   ``STATE_PERIODS["momenta"]`` and the second moment every
   ``STATE_PERIODS["nu"]`` (DES-LOC's Algorithm 1 around equations
-  (1)-(4)), in float64."""
+  (1)-(4)), in float64; ``periods`` replaces ``STATE_PERIODS``."""
+  periods = STATE_PERIODS if periods is None else periods
   names = list(SHAPES)
   p = {n: np.repeat(p0[n][None].astype(np.float64), N, 0) for n in names}
   u = {n: np.zeros((len(BETAS), N) + SHAPES[n]) for n in names}
@@ -384,27 +385,36 @@ def np_desloc_mt_dao(p0, a, noise):
         u[n][:, r] = np.stack(new_u)
       if t % PERIOD == 0:
         p[n][:] = p[n].mean(0)
-      if t % STATE_PERIODS["momenta"] == 0:
+      if t % periods["momenta"] == 0:
         u[n][:] = u[n].mean(1, keepdims=True)
-      if t % STATE_PERIODS["nu"] == 0:
+      if t % periods["nu"] == 0:
         v[n][:] = v[n].mean(0)
       history[n][t - 1] = p[n]
   return history, u, v
 
 
-def test_desloc_averages_mt_daos_momenta_and_second_moment_as_numpy_does():
-  """``shardopt.desloc(shardopt.mt_dao(...), state_sync_periods={"momenta":
-  2, "nu": 3})`` (the paper's states averaged at syncs, the gap the plain
-  ``local_sgd`` leaves) against numpy over 9 steps under pmap: every
-  replica's params after every step, and the final momenta and second
-  moment, each bit-identical across replicas after its own sync (step 8
-  for the momenta, 9 for nu and the params)."""
+@pytest.mark.parametrize(
+  "periods",
+  [STATE_PERIODS, {"momenta": PERIOD, "nu": PERIOD}],
+  ids=["own-periods", "paper-K-all"],
+)
+def test_desloc_averages_mt_daos_momenta_and_second_moment_as_numpy_does(
+  periods,
+):
+  """``shardopt.desloc(shardopt.mt_dao(...), state_sync_periods=...)`` (the
+  paper's states averaged at syncs, the gap the plain ``local_sgd`` leaves)
+  against numpy over 9 steps under pmap: every replica's params after every
+  step, and the final momenta and second moment, each bit-identical across
+  replicas after its own sync. Two settings: the momenta every 2 steps and
+  the second moment every 3 (periods of their own), and the paper's
+  experiments' ``K_x = K_1 = K_v`` (every state with the params, every 3
+  steps: the whole optimizer state averaged at each sync)."""
   inner = shardopt.mt_dao(LR, BETAS, OMEGAS, b2=B2, eps=EPS, weight_decay=WD)
   tx = shardopt.desloc(
-    inner, AXIS, sync_period=PERIOD, state_sync_periods=STATE_PERIODS
+    inner, AXIS, sync_period=PERIOD, state_sync_periods=periods
   )
   p0, a, noise = _problem()
-  want, want_u, want_v = np_desloc_mt_dao(p0, a, noise)
+  want, want_u, want_v = np_desloc_mt_dao(p0, a, noise, periods)
 
   def run(p, a, noise):
     def step(carry, noise):

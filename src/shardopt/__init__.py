@@ -34,12 +34,15 @@ from shardopt.mt_dao import mt_dao
 from shardopt.mt_dao import scale_by_mt_dao
 from shardopt.periodic import AGNState
 from shardopt.periodic import PeriodicState
+from shardopt.periodic import PierOuterState
 from shardopt.periodic import agn
 from shardopt.periodic import desloc
 from shardopt.periodic import diloco
 from shardopt.periodic import hierarchical_local_sgd
 from shardopt.periodic import local_sgd
 from shardopt.periodic import noloco
+from shardopt.periodic import pier
+from shardopt.periodic import pier_learning_rate
 from shardopt.periodic import pier_momentum
 from shardopt.periodic.describe import describe_fragments
 from shardopt.periodic.fragments import fragment_of
@@ -68,6 +71,7 @@ __all__ = [
   "scale_loss",
   "AGNState",
   "PeriodicState",
+  "PierOuterState",
   "agn",
   "desloc",
   "diloco",
@@ -75,6 +79,8 @@ __all__ = [
   "fragment_of",
   "hierarchical_local_sgd",
   "local_sgd",
+  "pier",
+  "pier_learning_rate",
   "pier_momentum",
   "noloco",
   "PowerSGDState",

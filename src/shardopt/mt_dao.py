@@ -22,12 +22,13 @@ synchronizations of a low-communication method, which is the paper's
 remedy for the "timescale mismatch" of Adam's ``beta1 = 0.9`` (half-life
 6.6 steps) with sync periods of 16 to 256 steps.
 
-It uses no collective: use it as the ``inner`` optimizer of
-``shardopt.local_sgd`` or ``shardopt.diloco`` (the paper's setting is
-parameter averaging every ``K`` steps). The paper also averages the
-optimizer's states (each momentum and the second moment, each on its own
-period); shardopt's periodic engine averages the parameters only, so every
-replica's momenta stay its own (docs/mt_dao.md says what that costs).
+It uses no collective. The paper's method averages the parameters *and*
+the optimizer's states (the momenta and the second moment; every ``K =
+K_x = K_1 = K_v`` steps in its experiments, as summaries of the paper
+report it): ``shardopt.desloc(mt_dao(...), axis, sync_period=K,
+state_sync_periods={"momenta": K, "nu": K})``. Inside
+``shardopt.local_sgd`` or ``shardopt.diloco`` only the parameters are
+averaged and every replica's momenta stay its own (docs/mt_dao.md).
 """
 
 from __future__ import annotations
@@ -194,13 +195,16 @@ def mt_dao(
   weight_decay), scale_by_learning_rate(learning_rate))``, as
   ``optax.adamw`` chains ``scale_by_adam``: equations (1) to (4) on the API
   page's top. It uses no collective; run it as the ``inner`` optimizer of
-  :func:`shardopt.local_sgd` (the paper's parameter averaging) or
-  :func:`shardopt.diloco`.
+  :func:`shardopt.desloc` with ``state_sync_periods={"momenta": K, "nu":
+  K}`` (the paper's sync: the params and the states averaged every ``K``
+  steps), or of :func:`shardopt.local_sgd` / :func:`shardopt.diloco` (the
+  params averaged, the states each replica's own).
 
   Defaults: one slow momentum (``betas=(0.995,)``, half-life 138 steps)
   weighted 0.7 against the gradient's 0.3, QHAdam's recommended values (Ma
   and Yarats), which MT-DAO's Adam form generalizes; ``b2``, ``eps`` as
-  Adam's. The knob the paper studies is the slow momentum's timescale
+  Adam's. They are not the paper's (its table was not read: see
+  docs/mt_dao.md); the knob it studies is the slow momentum's timescale
   against the sync period (``betas``).
 
   Args:

@@ -46,8 +46,9 @@ pseudo-gradients, params), ``combine`` (the collective round), ``outer``
 with one peer, its contribution and outer step; the transform), ``engine`` (``update`` as its
 numbered steps), ``checks`` (argument checks) and ``_xla`` (the XLA cost
 tricks); ``desloc`` (DES-LOC: the local optimizer's moments averaged on
-periods of their own, found by ``moments``) and ``pier`` (Pier's
-outer-momentum schedule for ``diloco``). A new schedule touches
+periods of their own, found by ``moments``) and ``pier`` (Pier: a
+``diloco`` after a synchronous start that builds the outer momentum, and
+its outer schedules). A new schedule touches
 ``schedules``; a new outer step ``outer`` (and the transform that uses it).
 
 The examples assume 8 devices (for instance a CPU with
@@ -57,6 +58,9 @@ imported).
 
 from shardopt.periodic.desloc import desloc
 from shardopt.periodic.noloco import noloco
+from shardopt.periodic.pier import PierOuterState
+from shardopt.periodic.pier import pier
+from shardopt.periodic.pier import pier_learning_rate
 from shardopt.periodic.pier import pier_momentum
 from shardopt.periodic.state import AGNState
 from shardopt.periodic.state import PeriodicState
@@ -68,11 +72,14 @@ from shardopt.periodic.transforms import local_sgd
 __all__ = [
   "AGNState",
   "PeriodicState",
+  "PierOuterState",
   "agn",
   "desloc",
   "diloco",
   "hierarchical_local_sgd",
   "local_sgd",
+  "pier",
+  "pier_learning_rate",
   "pier_momentum",
   "noloco",
 ]
