@@ -70,6 +70,23 @@ _CASES = "more cases of a reference test the fast tier keeps"
 _VARIANT = "a variant; the fast tier keeps the reference test"
 _LONG = "long run"
 SLOW_TESTS = {
+  "test_vmap.py": {
+    "test_a_grouped_quantized_or_sparse_reduce_under_vmap_names_the_fix"
+    "[comm_dtype1-the top-k wire]": (
+      "more cases of a refusal test the fast tier keeps (the int8 wire)"
+    ),
+  },
+  "test_quoted_commands.py": {
+    # Each case starts a Python process (1-3 s); 17 of them.
+    "test_python_m_help_lists_every_quoted_option": (
+      "a subprocess per command; the fast tier keeps the elastic benchmark's"
+    ),
+  },
+  "test_mt_dao.py": {
+    "test_the_compiled_step_averages_the_params_only_in_its_branch[diloco]": (
+      _HLO
+    ),
+  },
   "test_accumulate.py": {
     "test_mixed_precision_same_numbers_as_optax_multisteps": _CASES,
     "test_mixed_precision_cross_shard_matches_multisteps_and_stays_in_sync": (
@@ -334,6 +351,9 @@ SLOW_TESTS = {
 }
 
 KEEP = {
+  "test_quoted_commands.py": [
+    "test_python_m_help_lists_every_quoted_option[benchmarks.perf.elastic]",
+  ],
   "test_collectives.py": [
     "test_reduce_of_per_replica_values_matches_numpy[pmap-no_groups-*]",
     "test_reduce_of_per_replica_values_matches_numpy[shard_map_check_vma-pairs-*]",
