@@ -28,7 +28,7 @@ about one contribution from each.
 from __future__ import annotations
 
 import numbers
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +50,8 @@ class DelayedNesterovState(NamedTuple):
   """
 
   count: jax.Array
-  buffer: optax.Updates
-  momentum: optax.Updates
+  buffer: Any
+  momentum: Any
 
 
 def _check(value, arg: str, low: float, high: float, example: str) -> float:
