@@ -145,6 +145,22 @@ def _engine(**kwargs):
   )
 
 
+def _check(flag, **changes):
+  """``elastic.checks.asynchronous`` with good arguments but ``changes``."""
+  from shardopt.elastic import checks
+
+  args = dict(
+    dedicated=True,
+    k=1,
+    engine=_engine(),
+    min_quorum=1,
+    grace_seconds=None,
+    staleness="none",
+  )
+  args.update(changes)
+  return checks.asynchronous(flag, **args)
+
+
 @pytest.mark.parametrize(
   ("kwargs", "words"),
   [
@@ -160,43 +176,19 @@ def _engine(**kwargs):
 def test_island_refuses_what_asynchronous_rounds_cannot_run(kwargs, words):
   """Island(asynchronous=True)'s argument check (elastic/checks.py): each
   refusal names the argument, the value and the fix."""
-  from shardopt.elastic import checks
-
-  args = dict(
-    dedicated=True,
-    k=1,
-    engine=_engine(),
-    min_quorum=1,
-    grace_seconds=None,
-    staleness="none",
-  )
   if "engine" in kwargs:
     kwargs = dict(kwargs, engine=_engine(**kwargs["engine"]))
-  args.update(kwargs)
   with pytest.raises(ValueError, match="shardopt.elastic.Island") as info:
-    checks.asynchronous(True, **args)
+    _check(True, **kwargs)
   assert words in str(info.value)
 
 
 def test_the_options_of_asynchronous_rounds_need_it():
-  from shardopt.elastic import checks
-
   with pytest.raises(ValueError, match="min_quorum is an option"):
-    checks.asynchronous(
-      False,
-      dedicated=True,
-      k=1,
-      engine=_engine(),
-      min_quorum=2,
-      grace_seconds=None,
-      staleness="none",
-    )
-  assert checks.asynchronous(
+    _check(False, min_quorum=2)
+  assert _check(True, min_quorum=2, grace_seconds=0.5, staleness="inverse") == (
     True,
-    dedicated=True,
-    k=1,
-    engine=_engine(),
-    min_quorum=2,
-    grace_seconds=0.5,
-    staleness="inverse",
-  ) == (True, 2, 0.5, "inverse")
+    2,
+    0.5,
+    "inverse",
+  )

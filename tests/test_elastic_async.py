@@ -11,9 +11,7 @@ row: the center every island receives is the coordinator's, to the bit);
 an island's versions never go back; an outer step's weights are the inner
 steps its contributors took since their last exchange."""
 
-import json
 import time
-from pathlib import Path
 
 import pytest
 
@@ -28,11 +26,12 @@ RUN_TIMEOUT_S = 240
 ASYNC = ("--dedicated-coordinator", "--asynchronous")
 
 
-def _jsonl(path: Path) -> list[dict]:
-  try:
-    return [json.loads(x) for x in path.read_text().splitlines() if x]
-  except FileNotFoundError:
-    return []
+_jsonl = launch._jsonl  # the complete lines of a JSON-lines file
+
+
+def restarted(rows: list[dict]) -> dict:
+  """The first row of an island's second incarnation."""
+  return next(r for r in rows if r["incarnation"] != rows[0]["incarnation"])
 
 
 def report(islands) -> str:
@@ -125,10 +124,7 @@ def test_a_killed_island_costs_the_others_nothing(tmp_path):
     ]
     assert window and max(window) < 4.0, (max(window), sorted(window)[-5:])
     # the restarted incarnation's first row: its join
-    rows3 = islands.rows(3)
-    first = next(
-      r for r in rows3 if r["incarnation"] != rows3[0]["incarnation"]
-    )
+    first = restarted(islands.rows(3))
     assert first["joined"] == [3], first
     before = [
       v for v, r in by_version.items() if r["time"] < first["wall"] - 0.5
@@ -166,9 +162,7 @@ def test_every_island_killed_at_once_resumes_at_the_coordinators_version(
     check_versions(islands)
     for i in (1, 2, 3):
       rows = islands.rows(i)
-      first = next(
-        r for r in rows if r["incarnation"] != rows[0]["incarnation"]
-      )
+      first = restarted(rows)
       assert first["version"] == newest, (i, first, newest)
       # the count it posted last: its last logged row's, or one round more
       # if it was killed between posting an exchange and logging it

@@ -58,13 +58,6 @@ SETUPS = {
 _LOSS = re.compile(r"the center's loss ([0-9.]+)")
 
 
-def _jsonl(path: Path) -> list[dict]:
-  try:
-    return [json.loads(x) for x in path.read_text().splitlines() if x]
-  except FileNotFoundError:
-    return []
-
-
 def _incarnations(out: Path, island: int) -> list[dict]:
   return [json.loads(p.read_text()) for p in out.glob(f"steps.{island}.*")]
 
@@ -102,7 +95,7 @@ def run(launch, speeds: str, extra: tuple, seconds: float, kill: bool) -> dict:
       result = {
         "exit_codes": {str(i): c for i, c in sorted(codes.items())},
         "center_loss": float(loss[-1]) if loss else None,
-        "coordinator_rows": len(_jsonl(out / "coordinator.jsonl")),
+        "coordinator_rows": len(launch._jsonl(out / "coordinator.jsonl")),
       }
       shares, waits, useful, lived = {}, {}, 0.0, 0.0
       for i in (1, 2, 3):
@@ -138,7 +131,7 @@ def run(launch, speeds: str, extra: tuple, seconds: float, kill: bool) -> dict:
         )
         rows3 = islands.rows(3)
         back = [r for r in rows3 if r["incarnation"] != rows3[0]["incarnation"]]
-        versions = _jsonl(out / "coordinator.jsonl")
+        versions = launch._jsonl(out / "coordinator.jsonl")
         if back:
           made = [
             r["version"] for r in versions if r["time"] < back[0]["wall"] - 0.5
