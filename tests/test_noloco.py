@@ -252,3 +252,20 @@ def test_identical_replicas_stay_identical_until_pairs_differ():
   for k in params:
     for r in range(1, R):
       chex.assert_trees_all_equal(params[k][:, r], params[k][:, 0])
+
+
+def test_each_matching_is_the_authors_grouping_of_its_permutation():
+  """The authors' code (jkolehm/noloco, src/noloco/sparse_optimizer_c.py)
+  splits a random permutation of the replicas into groups of two with
+  ``batched``: element ``i`` joins group ``i % (n // 2)``, written out here.
+  gossip.matching's pairs are those groups, in order, for every size and
+  draw (the draw itself differs: the authors seed it with the step count at
+  every sync, shardopt with ``seed + m`` for a cycle of matchings;
+  docs/noloco.md, "Against the paper")."""
+  for n in (2, 4, 8, 16):
+    for seed, m in ((0, 0), (0, 5), (7, 3), (100, 15)):
+      perm = [int(x) for x in np.random.default_rng(seed + m).permutation(n)]
+      groups = [[] for _ in range(n // 2)]
+      for i, x in enumerate(perm):
+        groups[i % (n // 2)].append(x)
+      assert [tuple(g) for g in groups] == gossip.matching(n, seed, m)

@@ -65,8 +65,13 @@ def desloc(
   when ``t mod K_u = 0``, ``t mod K_v = 0``, the params ``x_t`` when ``t
   mod K_x = 0``, with ``t`` the steps done), run at the end of the step
   that completes ``t`` steps rather than at the start of the next: the same
-  arithmetic. ``sync_period`` alone with ``state_sync_periods`` equal to it
-  is Local Adam (every state averaged with the params).
+  averages, with one difference: the next step's gradient is then taken at
+  the averaged params, where the paper's step takes it at each replica's
+  own params before averaging them. The paper's coordinate-wise clip
+  (``optax.clip(rho)`` first in ``inner``) is not applied here. Both are in
+  docs/desloc.md, "Against the paper". ``sync_period`` alone with
+  ``state_sync_periods`` equal to it is Local Adam (every state averaged
+  with the params).
 
   Whatever fires after a step averages in one collective round, inside one
   ``lax.cond``: the schedule has one sync per set of parts that fire
@@ -89,7 +94,8 @@ def desloc(
     inner: the local optimizer, Adam-family (``optax.adamw(...)``).
     axis_name: the ``pmap``/mesh axis name (or tuple) of the replicas.
     sync_period: ``K_x``, local steps between two params averages; an
-      integer >= 1. The paper's runs use 16 to 256.
+      integer >= 1. The paper's runs use 16 to 256 (16 here is not a
+      default of the paper's).
     state_sync_periods: ``{field: period}`` for the state fields averaged
       on their own periods; None (the default) is the paper's recommendation
       ``{"mu": 3 * sync_period, "nu": 6 * sync_period}`` (periods grow with
