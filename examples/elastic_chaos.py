@@ -37,6 +37,17 @@ round it was told committed (the contributions that round combined,
 ``{process: [digest, weight]}``, and the center's sha256);
 ``DIR/steps.{I}.{pid}``, per incarnation its start and its inner steps. The
 coordinator's ``coordinator.jsonl`` logs the contributions it combined.
+
+With ``--asynchronous`` (islands that never wait: each exchanges with the
+coordinator alone, :func:`report_asynchronous`) the report has, instead of
+rounds and stalls: the outer steps (versions); contributions lost (an
+exchange returned, so the coordinator held the contribution, and no outer
+step applied it) and applied twice (goal 0 each), matched by offer id
+(:func:`audit_asynchronous`); versions an island received with bits other
+than the coordinator's (goal 0); the same time-based goodput; the
+survivors' gaps between exchanges across each kill beside all their gaps
+(:func:`exchange_gaps`: a kill should cost them nothing); restarted islands
+whose first exchange handed them a version older than the newest (goal 0).
 """
 
 from __future__ import annotations
@@ -120,10 +131,11 @@ def run(
   _wait_for_rounds(islands, everyone, recovered, rounds_after, timeout_s)
   Path(environment(islands.out)["ELASTIC_EXAMPLE_STOP"]).write_text("now")
   codes = islands.wait(timeout_s)
-  result = report(islands, kills, codes, time.time())
-  result["rounds_after_recovery"] = len(
-    _full_rounds(islands, everyone, recovered)
-  )
+  if is_asynchronous(islands):
+    result = report_asynchronous(islands, kills, codes, time.time())
+  else:
+    result = report(islands, kills, codes, time.time())
+  result["rounds_after_recovery"] = _rounds_after(islands, everyone, recovered)
   load["end"] = list(os.getloadavg())
   result["load_average"] = load  # 1, 5 and 15 minutes, at start and end
   return result
@@ -143,10 +155,30 @@ def _full_rounds(islands, everyone, since: float) -> set[int]:
   }
 
 
+def is_asynchronous(islands) -> bool:
+  """Whether ``islands`` run asynchronous rounds (``--asynchronous``)."""
+  return "--asynchronous" in islands.argv
+
+
+def _rounds_after(islands, everyone, since: float) -> int:
+  """The recovery since ``since``: synchronous, the rounds committed with
+  every island in them; asynchronous, the fewest outer steps any island's
+  contribution went into (every island contributed at least that often)."""
+  if not is_asynchronous(islands):
+    return len(_full_rounds(islands, everyone, since))
+  counts = dict.fromkeys(everyone, 0)
+  for r in _logged(islands):
+    if r["time"] > since:
+      for p in {int(p) for p, _, _ in r.get("offers", [])}:
+        if p in counts:
+          counts[p] += 1
+  return min(counts.values())
+
+
 def _wait_for_rounds(islands, everyone, since, rounds, timeout_s) -> None:
   deadline = time.time() + timeout_s
   while time.time() < deadline:
-    if len(_full_rounds(islands, everyone, since)) >= rounds:
+    if _rounds_after(islands, everyone, since) >= rounds:
       return
     time.sleep(0.5)
 
@@ -365,6 +397,9 @@ def _share(x) -> str:
 
 
 def show(result: dict) -> str:
+  """The report, one line per figure."""
+  if result.get("asynchronous"):
+    return show_asynchronous(result)
   stall = result["stall_after_kill_s"]
   lines = [
     f"kills                      {result['kills']}"
@@ -385,6 +420,240 @@ def show(result: dict) -> str:
     f" max {stall['max']:.1f} s ({stall['count']} kills with survivors)"
     if stall["median"] is not None
     else "stall after a kill         -",
+    f"exit codes                 {result['exit_codes']}",
+  ]
+  if "load_average" in result:
+    load = result["load_average"]
+    lines.append(
+      f"load average (1 min)       {load['start'][0]:.1f} at the start,"
+      f" {load['end'][0]:.1f} at the end"
+    )
+  return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# Asynchronous rounds (``--asynchronous``): each island exchanges with the
+# coordinator alone; the coordinator logs one row per outer step (a
+# version) with the offers it combined, each island one row per exchange.
+
+
+def read_exchanges(out, processes) -> dict:
+  """The logs of asynchronous islands ``processes`` in ``out``, as
+  :func:`audit_asynchronous` takes them: per process its incarnations and
+  its exchanges (``p{I}.jsonl``, in the order it wrote them)."""
+  out = Path(out)
+  logs = {}
+  for p in processes:
+    files = sorted(out.glob(f"steps.{p}.*"))
+    runs = [_incarnation(f) for f in files if f.suffix != ".tmp"]
+    logs[p] = {
+      "incarnations": [r for r in runs if r is not None],
+      "exchanges": _jsonl(out / f"p{p}.jsonl"),
+    }
+  return logs
+
+
+def audit_asynchronous(versions: list[dict], islands: dict, end: float) -> dict:
+  """Asynchronous islands' logs cross-checked against the coordinator's.
+  Pure: no files, no processes.
+
+  Args:
+    versions: the coordinator's rows, one per outer step, each
+      ``{"version": v, "params_sha256": ..., "offers": [[process, offer,
+      weight], ...]}``.
+    islands: ``{process: {"incarnations": [...], "exchanges": [...]}}``
+      (:func:`read_exchanges`): per incarnation ``{"started", "steps",
+      "inner_seconds"}``; per exchange ``{"incarnation", "version",
+      "params_sha256", "offer", "weight", "inner_seconds"}``
+      (``inner_seconds``: the incarnation's seconds in inner steps up to
+      this exchange; ``offer``: None when it offered nothing).
+    end: the run's end (unix time).
+
+  Returns the figures of :func:`audit` (``goodput``: island-seconds in
+  inner steps whose contribution an outer step applied, over island-seconds
+  from each island's first start to ``end``; ``inner_step_ratio``: the
+  applied contributions' inner steps over every inner step taken) and:
+  ``contributions_applied_twice`` (offers combined by two outer steps, or
+  twice by one), ``contributions_lost`` (an exchange returned, so the
+  coordinator held the contribution, and no outer step applied it, or
+  applied it with another weight), ``contributions_dropped`` (exchanges
+  whose contribution the coordinator could not pull and said so: not
+  applied, not lost; their seconds count against goodput) and
+  ``versions_with_other_bits`` (an
+  island received version v with bits other than the coordinator's v, or a
+  version the coordinator never logged), each a list of
+  ``{"process", "offer" or "version", "why"}``.
+  """
+  applied: dict = {}  # offer -> [(version, process, weight)]
+  for r in versions:
+    for p, offer, w in r.get("offers", []):
+      applied.setdefault(offer, []).append((r["version"], int(p), w))
+  twice = [
+    {"process": where[0][1], "offer": offer, "why": f"in versions {where}"}
+    for offer, where in applied.items()
+    if len(where) > 1
+  ]
+  bits = {r["version"]: r["params_sha256"] for r in versions}
+  other, lost, dropped = [], [], []
+  useful, useful_steps, seconds, inner_s, steps, by_island = 0.0, 0, 0, 0, 0, {}
+  for p, log in islands.items():
+    mine, before = 0.0, {}  # before: incarnation -> its last inner_seconds
+    for x in log["exchanges"]:
+      v = x["version"]
+      if v and bits.get(v) != x["params_sha256"]:
+        why = "not logged" if v not in bits else "other bits"
+        other.append({"process": p, "version": v, "why": why})
+      spent = x["inner_seconds"] - before.get(x["incarnation"], 0.0)
+      before[x["incarnation"]] = x["inner_seconds"]
+      if any(
+        f.startswith("ContributionDropped") for f in x.get("failures", [])
+      ):
+        dropped.append({"process": p, "version": v, "seconds": spent})
+      if x.get("offer") is None:
+        continue
+      where = applied.get(x["offer"], [])
+      if not where:
+        lost.append({"process": p, "offer": x["offer"], "why": "not applied"})
+      elif where[0][2] != x["weight"] or where[0][1] != p:
+        lost.append(
+          {
+            "process": p,
+            "offer": x["offer"],
+            "why": f"sent weight {x['weight']}, applied {where}",
+          }
+        )
+      else:
+        mine += spent
+        useful_steps += int(x["weight"])
+    runs = log["incarnations"]
+    span = end - min(r["started"] for r in runs) if runs else 0.0
+    by_island[str(p)] = mine / span if span > 0 else None
+    useful += mine
+    seconds += span
+    inner_s += sum(r.get("inner_seconds", 0.0) for r in runs)
+    steps += sum(r.get("steps", 0) for r in runs)
+  return {
+    "goodput": useful / seconds if seconds else None,
+    "goodput_by_island": by_island,
+    "useful_island_seconds": useful,
+    "island_seconds": seconds,
+    "inner_seconds": inner_s,
+    "inner_step_ratio": useful_steps / steps if steps else None,
+    "useful_inner_steps": useful_steps,
+    "inner_steps": steps,
+    "contributions_combined": sum(len(w) for w in applied.values()),
+    "contributions_applied_twice": twice,
+    "contributions_lost": lost,
+    "contributions_dropped": dropped,
+    "versions_with_other_bits": other,
+  }
+
+
+def exchange_gaps(exchanges: dict, kills: list[dict]) -> dict:
+  """What a kill costs the islands it spared: per kill and survivor, the
+  seconds between the survivor's last exchange before the kill and its
+  first after (``wall``), beside every gap between two exchanges of one
+  incarnation. ``exchanges``: ``{process: rows}``; ``kills``: ``{"time",
+  "islands"}`` each."""
+  spanning, every = [], []
+  for p, rows in exchanges.items():
+    walls = {}
+    for x in rows:
+      walls.setdefault(x["incarnation"], []).append(x["wall"])
+    for ws in walls.values():
+      gaps = list(zip(ws, ws[1:], strict=False))
+      every += [b - a for a, b in gaps]
+      for kill in kills:
+        if int(p) in kill["islands"]:
+          continue
+        spanning += [b - a for a, b in gaps if a <= kill["time"] < b]
+
+  def summary(xs):
+    return {
+      "median": statistics.median(xs) if xs else None,
+      "max": max(xs) if xs else None,
+      "count": len(xs),
+    }
+
+  return {"spanning_a_kill_s": summary(spanning), "every_s": summary(every)}
+
+
+def restarts_behind(versions: list[dict], exchanges: dict) -> list[dict]:
+  """Restarted incarnations whose first exchange handed them a version
+  older than one the coordinator had logged before that exchange began
+  (``wall - exchange_seconds``): goal none (the coordinator answers every
+  offer with its newest center)."""
+  behind = []
+  for p, rows in exchanges.items():
+    first = {}
+    for x in rows:
+      first.setdefault(x["incarnation"], x)
+    for x in list(first.values())[1:]:
+      began = x["wall"] - x["exchange_seconds"]
+      made = max(
+        (r["version"] for r in versions if r["time"] < began), default=0
+      )
+      if x["version"] < made:
+        behind.append({"process": p, "version": x["version"], "newest": made})
+  return behind
+
+
+def report_asynchronous(islands, kills: list[dict], codes: dict, end: float):
+  """The chaos run's report under ``--asynchronous``: :func:`audit_asynchronous`,
+  :func:`exchange_gaps` and :func:`restarts_behind` of its logs."""
+  versions = _logged(islands)
+  everyone = range(1, islands.n)
+  logs = read_exchanges(islands.out, everyone)
+  exchanges = {p: log["exchanges"] for p, log in logs.items()}
+  return {
+    "asynchronous": True,
+    "kills": len(kills),
+    "kills_of_every_island": sum(
+      len(k["islands"]) == islands.n - 1 for k in kills
+    ),
+    "versions": len(versions),
+    "version_numbers_in_order": [r["version"] for r in versions]
+    == list(range(1, len(versions) + 1)),
+    **audit_asynchronous(versions, logs, end),
+    "exchange_gaps": exchange_gaps(exchanges, kills),
+    "restarts_behind": restarts_behind(versions, exchanges),
+    "restarts": sum(
+      max(0, len({x["incarnation"] for x in rows}) - 1)
+      for rows in exchanges.values()
+    ),
+    "exit_codes": {str(i): c for i, c in sorted(codes.items())},
+  }
+
+
+def show_asynchronous(result: dict) -> str:
+  gaps = result["exchange_gaps"]
+
+  def gap(g):
+    if g["median"] is None:
+      return "-"
+    return f"median {g['median']:.2f} s, max {g['max']:.2f} s ({g['count']})"
+
+  lines = [
+    f"kills                      {result['kills']}"
+    f" ({result['kills_of_every_island']} of every island at once)",
+    f"outer steps (versions)     {result['versions']}"
+    f" (numbered 1, 2, ...: {result['version_numbers_in_order']})",
+    f"contributions lost         {len(result['contributions_lost'])}"
+    f" (of {result['contributions_combined']} applied)",
+    f"applied twice              {len(result['contributions_applied_twice'])}",
+    f"dropped (told, not pulled) {len(result['contributions_dropped'])}",
+    f"versions with other bits   {len(result['versions_with_other_bits'])}",
+    f"goodput (time)             {_share(result['goodput'])}"
+    f" ({result['useful_island_seconds']:.1f} of"
+    f" {result['island_seconds']:.1f} island-seconds; per island"
+    f" {', '.join(map(_share, result['goodput_by_island'].values()))})",
+    f"inner-step ratio           {_share(result['inner_step_ratio'])}"
+    f" ({result['useful_inner_steps']} of {result['inner_steps']} inner"
+    " steps)",
+    f"survivors' exchange gap    across a kill: {gap(gaps['spanning_a_kill_s'])};"
+    f" every gap: {gap(gaps['every_s'])}",
+    f"restarts behind the newest {len(result['restarts_behind'])}"
+    f" (of {result['restarts']} restarts)",
     f"exit codes                 {result['exit_codes']}",
   ]
   if "load_average" in result:

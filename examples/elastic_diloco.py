@@ -46,9 +46,12 @@ asynchronous=True)``, the outer step delayed Nesterov). Each island row
 (one per exchange, its join included) also carries ``"version"`` (the
 center version it received; ``params_sha256`` is that center's),
 ``"wall"`` (Unix time when the exchange returned), ``"exchange_seconds"``,
-``"inner_seconds"`` (this incarnation's seconds in inner steps so far) and
-``"started"``; the coordinator writes one row per outer step with
-``"version"``, ``"params_sha256"``, ``"contributors"`` and ``"weights"``.
+``"inner_seconds"`` (this incarnation's seconds in inner steps so far),
+``"started"``, ``"offer"`` (the id of the contribution it offered; None
+when it offered none) and ``"weight"``; the coordinator writes one row per
+outer step with ``"version"``, ``"params_sha256"``, ``"contributors"``,
+``"weights"`` and ``"offers"`` (``[process, offer id, weight]`` per
+contribution combined: examples/elastic_chaos.py's asynchronous audit).
 
 (rounds 1, 2, ... at steps H, 2H, ..., S; the start-up handshake is not
 logged). It prints one line per committed round (``round 5 step 20 live
@@ -497,6 +500,12 @@ def main(argv=None) -> None:
       if done.version is not None:  # asynchronous: one row per outer step
         row["version"] = done.version
         row["weights"] = [w for _, w in done.weights]
+        # [process, offer id, weight] per contribution, in the order the
+        # outer step combined them (a process can appear twice)
+        row["offers"] = [
+          [p, d, w]
+          for (p, d), (_, w) in zip(done.digests, done.weights, strict=True)
+        ]
       with open(os.path.join(args.out, "coordinator.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -531,6 +540,11 @@ def main(argv=None) -> None:
       row["steps_by_process"] = {str(p): w for p, w in done.weights}
     if done.version is not None:  # asynchronous: the center it received
       row["version"] = done.version
+      # the offer this exchange carried (None: a fresh island's, nothing;
+      # or one the coordinator could not pull, "ContributionDropped" in
+      # "failures": not applied)
+      row["offer"] = done.digests[0][1] if done.digests else None
+      row["weight"] = done.weights[0][1] if done.weights else 0.0
       row["exchange_seconds"] = done.seconds
       row["wall"] = time.time()
       row["inner_seconds"] = totals["inner_seconds"]

@@ -35,14 +35,22 @@ float32 wire) and one healing round's row, built from that device's shards
 as a round builds them; saved to
 ``benchmarks/results/elastic_model_parallel.json``.
 
-``--chaos N`` alone: ``examples/elastic_launch.py``'s chaos run
+``--chaos N [--asynchronous] [--gentle]``: ``examples/elastic_launch.py``'s chaos run
 (:mod:`examples.elastic_chaos`) under a dedicated coordinator, 3 islands x
 4 CPU devices, H=4, 0.05 s per inner step, until N kills (a kill every 3-8
 s, one in ten of every island at once, each island back 1-6 s later); its
 report (kills, rounds committed, contributions lost, rounds with other
 bits, goodput in island-seconds and the inner-step ratio, the stall after a
 kill) printed and saved to
-``benchmarks/results/elastic_chaos.json``.
+``benchmarks/results/elastic_chaos.json``. With ``--asynchronous`` the
+islands run asynchronous rounds (``--asynchronous``, quorum 1, delayed
+Nesterov) and the report is ``elastic_chaos.report_asynchronous``'s
+(versions, contributions lost and applied twice matched by offer id,
+versions with other bits, the same time-based goodput, the survivors' gaps
+between exchanges across a kill), saved to
+``benchmarks/results/elastic_chaos_async.json``. ``--gentle``: a kill every
+10-30 s (about one per island a minute) instead of every 3-8 s; the file's
+name gains ``_gentle``.
 
 ``--round-bytes`` alone (no processes, under a minute): compiles one plain
 round's collective program (``shardopt.elastic.rows.exchange``, float32
@@ -282,7 +290,18 @@ def round_bytes(islands=(2, 4, 8), shape=(512, 512)) -> dict:
   }
 
 
-def chaos(kills: int, seed: int) -> dict:
+CHAOS_GAPS_S = {"as issue 41 ran it": (3.0, 8.0), "gentle": (10.0, 30.0)}
+
+
+def chaos_file(asynchronous: bool, gentle: bool) -> Path:
+  """Where ``--chaos`` saves its report (the module's docstring)."""
+  name = "elastic_chaos" + ("_async" if asynchronous else "")
+  return CHAOS.with_name(name + ("_gentle" if gentle else "") + ".json")
+
+
+def chaos(
+  kills: int, seed: int, asynchronous: bool = False, gentle: bool = False
+) -> dict:
   """The chaos run of ``--chaos``: the report of
   ``examples/elastic_chaos.py``, with its settings."""
   module = chaos_run
@@ -291,9 +310,12 @@ def chaos(kills: int, seed: int) -> dict:
     "devices_per_process": 4,
     "sync_period": H,
     "step_seconds": 0.05,
-    "kill_every_s": [3.0, 8.0],
+    "kill_every_s": list(
+      CHAOS_GAPS_S["gentle" if gentle else "as issue 41 ran it"]
+    ),
     "back_after_s": [1.0, 6.0],
     "seed": seed,
+    "asynchronous": asynchronous,
   }
   with tempfile.TemporaryDirectory() as out:
     with launch.Islands(
@@ -303,7 +325,8 @@ def chaos(kills: int, seed: int) -> dict:
       sync_period=H,
       step_seconds=settings["step_seconds"],
       env=module.environment(out),
-      extra=("--dedicated-coordinator",),
+      extra=("--dedicated-coordinator",)
+      + (("--asynchronous",) if asynchronous else ()),
     ) as islands:
       start = time.time()
       result = module.run(
@@ -489,7 +512,15 @@ def main() -> None:
     action="store_true",
     help="only the bytes one island sends per plain round at 2, 4, 8 islands",
   )
+  ap.add_argument(
+    "--gentle", action="store_true", help="--chaos: a kill every 10-30 s"
+  )
   args = ap.parse_args()
+  if args.chaos is not None:
+    started = datetime.datetime.now(datetime.timezone.utc)
+    result = chaos(args.chaos, args.seed, args.asynchronous, args.gentle)
+    _save(chaos_file(args.asynchronous, args.gentle), started, result)
+    return
   if args.asynchronous:
     from benchmarks.perf import elastic_async  # noqa: PLC0415
 
@@ -519,11 +550,6 @@ def main() -> None:
         f" {r['healing_row_bytes_per_device']:,} |"
       )
     _save(MODEL_PARALLEL, started, result)
-    return
-  if args.chaos is not None:
-    started = datetime.datetime.now(datetime.timezone.utc)
-    result = chaos(args.chaos, args.seed)
-    _save(CHAOS, started, result)
     return
   if args.round_bytes:
     measured = round_bytes()

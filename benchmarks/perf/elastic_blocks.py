@@ -164,6 +164,96 @@ def render_elastic_unequal(data: Sequence[dict]) -> str:
 CHAOS = "benchmarks/results/elastic_chaos.json"
 
 
+CHAOS_RUNS = (
+  "benchmarks/results/elastic_chaos.json",
+  "benchmarks/results/elastic_chaos_async.json",
+  "benchmarks/results/elastic_chaos_gentle.json",
+  "benchmarks/results/elastic_chaos_async_gentle.json",
+)
+
+
+def _chaos_column(d: dict) -> list[str]:
+  """One chaos run's figures, in :func:`render_elastic_chaos_compared`'s
+  rows (synchronous or asynchronous rounds)."""
+  st = d["settings"]
+  load = d.get("load_average")
+  if d.get("asynchronous"):
+    gaps = d["exchange_gaps"]
+    spanning, every = gaps["spanning_a_kill_s"], gaps["every_s"]
+    rounds = f"{d['versions']:,} versions"
+    stall = (
+      f"gap across a kill: median {spanning['median']:.2f} s, max"
+      f" {spanning['max']:.2f} s (every gap: median {every['median']:.2f} s)"
+    )
+    twice = str(len(d["contributions_applied_twice"]))
+    other = str(len(d["versions_with_other_bits"]))
+  else:
+    stall_s = d["stall_after_kill_s"]
+    rounds = f"{d['rounds_committed']:,} rounds"
+    stall = (
+      f"to the next round: median {stall_s['median']:.1f} s, max"
+      f" {stall_s['max']:.1f} s"
+      if stall_s["median"] is not None
+      else "-"
+    )
+    twice = "(counted as lost)"
+    other = str(len(d["rounds_with_other_bits"]))
+  return [
+    d["command"].removeprefix("python -m benchmarks.perf.elastic "),
+    f"{d['started_utc'][:16].replace('T', ' ')} UTC, {d['commit']}",
+    f"{st['kill_every_s'][0]:g}-{st['kill_every_s'][1]:g} s",
+    f"{d['kills']} ({d['kills_of_every_island']} of every island)",
+    rounds,
+    f"{len(d['contributions_lost'])} of {d['contributions_combined']:,}",
+    twice,
+    other,
+    f"{d['goodput']:.1%}",
+    f"{d['inner_step_ratio']:.1%}",
+    f"{d['inner_seconds'] / d['island_seconds']:.1%}",
+    stall,
+    ", ".join(map(str, sorted(set(d["exit_codes"].values()), key=str))),
+    f"{d['wall_s']:.0f} s",
+    f"{load['start'][0]:.1f} / {load['end'][0]:.1f}" if load else "-",
+  ]
+
+
+def render_elastic_chaos_compared(data: Sequence[dict]) -> str:
+  """docs/elastic.md: chaos runs, synchronous against asynchronous rounds,
+  at issue 41's failure rate and a gentler one."""
+  names = [
+    "command (python -m benchmarks.perf.elastic ...)",
+    "started, commit",
+    "a kill every",
+    "kills",
+    "outer steps",
+    "contributions lost (of applied)",
+    "applied twice",
+    "rounds / versions whose bits differ",
+    "goodput (time)",
+    "inner-step ratio",
+    "island-seconds in any inner step",
+    "survivors after a kill",
+    "exit codes",
+    "wall time",
+    "load average, start / end",
+  ]
+  columns = [_chaos_column(d) for d in data]
+  header = [
+    "",
+    *("asynchronous" if d.get("asynchronous") else "synchronous" for d in data),
+  ]
+  rows = [[n, *(c[k] for c in columns)] for k, n in enumerate(names)]
+  st = data[0]["settings"]
+  return (
+    f"_Numbers from {', '.join(f'`{f}`' for f in CHAOS_RUNS)} (each as its"
+    f" command wrote it); {st['islands']} islands x"
+    f" {st['devices_per_process']} CPU devices and a dedicated coordinator,"
+    f" H = {st['sync_period']}, {st['step_seconds']} s per inner step, back"
+    f" after {st['back_after_s'][0]:g}-{st['back_after_s'][1]:g} s, seed"
+    f" {st['seed']}._\n\n" + table(header, rows, "l" + "r" * len(data))
+  )
+
+
 def render_elastic_model_parallel(data: Sequence[dict]) -> str:
   """docs/elastic.md: bytes per device of a model-parallel island."""
   (d,) = data

@@ -12,14 +12,17 @@ An island's round (:meth:`Exchanger.exchange`):
    never waits for another island: only for the coordinator's handling of
    its own exchange.
 
-The coordinator's loop (:func:`serve`), until every island it served has
-finished (or died, its heartbeat stopped), or SIGTERM:
+The coordinator's loop (:func:`serve`), until an island has finished and
+every other one it served has finished too or died (its heartbeat stopped;
+while every island is dead and none has finished it waits for restarts, up
+to ``timeout_s`` without an exchange), or SIGTERM:
 
 1. read the posted offers, oldest first;
-2. for each: pull its contribution (an island gone by then is skipped),
-   add it to the pending ones, take the outer step if one is due
-   (:class:`.asynchronous.Outer`: quorum or grace), answer with the
-   newest center;
+2. for each: pull its contribution, add it to the pending ones, take the
+   outer step if one is due (:class:`.asynchronous.Outer`: quorum or
+   grace), answer with the newest center (a contribution that cannot be
+   pulled, its island gone or the pull stalled past
+   :func:`.mailbox.pull_timeout`, is not applied, and the answer says so);
 3. take a grace window's outer step when one falls due between offers;
 4. at the end, one last outer step over what is still pending.
 """
@@ -92,7 +95,8 @@ class Exchanger:
 
   def exchange(self, params, state, *, fresh: bool):
     """Steps 1-3: ``(params, state, info)``; ``info`` has ``version``,
-    ``weight``, ``count`` and ``seconds`` (inside the exchange)."""
+    ``weight``, ``count``, ``seconds`` (inside the exchange) and ``offer``
+    (the offer's id, :func:`.mailbox.offer_id`; None for weight 0)."""
     start = time.monotonic()
     count = quorum.host_int(state.count)
     steps = 0 if fresh else count - self._count_at_exchange
@@ -104,7 +108,7 @@ class Exchanger:
         for v in self._contribution(params, state)
       ]
     like = _like(self._engine, params, state)
-    center, version, restored = self._mailbox.exchange(
+    center, version, restored, offer = self._mailbox.exchange(
       values, weight, self.version, like, count
     )
     parts = split.pieces(self._engine, params, 1)
@@ -129,6 +133,7 @@ class Exchanger:
         "weight": float(weight),
         "count": self._count_at_exchange,
         "seconds": time.monotonic() - start,
+        "offer": offer,
       },
     )
 
@@ -159,7 +164,8 @@ def serve(
     on_failure: called with an offer whose pull failed and the error.
 
   Raises:
-    TimeoutError: no island exchanged within ``timeout_s``.
+    TimeoutError: no island exchanged for ``timeout_s`` (at the start, or
+      after every island died and none came back).
   """
   mailbox = _mailbox.Mailbox(store, 0, device, timeout_s=timeout_s)
   outer = asynchronous.Outer(
@@ -173,7 +179,7 @@ def serve(
   like = _like(engine, params, state)
   counts: dict[int, int] = {}  # process -> its count at its last exchange
   watcher = _coordinator.Watcher(store)
-  start = time.monotonic()
+  last_offer = time.monotonic()
   on_step = on_step or (lambda applied, outer: None)
   on_failure = on_failure or (lambda offer, error: None)
 
@@ -188,6 +194,15 @@ def serve(
           values = mailbox.receive(offer, like)
         except Exception as error:  # noqa: BLE001 (its island is gone)
           on_failure(offer, error)
+          # A live island that offered what could not be pulled is told so
+          # and trains on (a dead one never reads the answer).
+          mailbox.answer(
+            offer,
+            outer.center(),
+            outer.version,
+            max(counts.get(offer.process, 0), offer.count),
+            applied=False,
+          )
           continue
         counts[offer.process] = max(counts.get(offer.process, 0), offer.count)
         if values is not None:
@@ -199,6 +214,7 @@ def serve(
               offer.weight,
               _on_device(values, center_like),
               time.monotonic(),
+              offer.id,
             )
           )
         if outer.due():
@@ -209,13 +225,14 @@ def serve(
       if outer.due():  # a grace window ended between offers
         step()
       if offers:
+        last_offer = time.monotonic()
         continue
-      if counts:
-        alive = watcher.alive()
-        done = finished()
-        if all(p in done or p not in alive for p in counts):
-          break
-      elif time.monotonic() - start > timeout_s:
+      # The end: an island has finished, and every other one it served has
+      # finished too or is dead. Islands that all died wait for restarts.
+      done = finished()
+      if done and all(p in done or p not in watcher.alive() for p in counts):
+        break
+      if time.monotonic() - last_offer > timeout_s:
         raise TimeoutError(
           f"no island exchanged within timeout_s={timeout_s} s"
         )

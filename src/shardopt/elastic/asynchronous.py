@@ -55,6 +55,8 @@ class Contribution(NamedTuple):
     values: one float32 array per piece of the params (the transform's
       contribution, e.g. ``center - params`` for ``diloco``).
     arrived: ``time.monotonic()`` when it arrived.
+    offer: the offer's id (:func:`.mailbox.offer_id`; None when built by
+      hand): what the logs of both sides match on.
   """
 
   process: int
@@ -62,6 +64,7 @@ class Contribution(NamedTuple):
   weight: float
   values: list
   arrived: float
+  offer: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Applied:
   contributors: tuple[int, ...]
   weights: tuple[float, ...]
   staleness: tuple[int, ...]
+  offers: tuple = ()  # each contribution's offer id, in arrival order
 
 
 def staleness_factor(rule: str, staleness: int) -> float:
@@ -176,6 +180,7 @@ class Outer:
       tuple(c.process for c in pending),
       tuple(weights),
       tuple(stale),
+      tuple(c.offer for c in pending),
     )
 
   def center(self) -> list:

@@ -85,7 +85,10 @@ class Round(NamedTuple):
       committed round (its inner steps times ``work_per_step``).
     digests: ``((process, digest), ...)`` of the contributing processes:
       each one's ``rows.digest`` of its contribution, as its row's
-      header carried it (a log matches it against what the island sent).
+      header carried it (a log matches it against what the island sent);
+      in asynchronous rounds each contribution's offer id
+      (:func:`.mailbox.offer_id`), in the order the outer step combined
+      them (a process may appear twice).
     version: asynchronous rounds: the center version this island received
       (on the coordinator, the version the outer step made); None in
       synchronous rounds.
@@ -503,7 +506,9 @@ class Island:
     It keeps the center, the outer state and the counters, so islands that
     return after every one of them died resume from the last committed
     round (``shardopt/elastic/coordinator.py`` says how it learns when to
-    take part).
+    take part). Under ``asynchronous=True`` it answers each island's
+    exchange instead, until an island has finished and every other one it
+    served has finished or died (:func:`.async_rounds.serve`).
 
     Args:
       params: the initial params (the center every island starts from).
@@ -653,7 +658,9 @@ class Island:
     self._quorum.committed(me, quorum.host_int(state.sync_count))
     if self._clocked:
       self._deadline = time.monotonic() + self._round_seconds
-    weight = info["weight"]
+    # what the coordinator applies (0: nothing offered, or not pulled)
+    weight = info["weight"] if info["offer"] is not None else 0.0
+    dropped = info["weight"] > 0 and info["offer"] is None
     done = Round(
       number=quorum.host_int(state.sync_count),
       step=info["count"],
@@ -662,8 +669,16 @@ class Island:
       joined=(self._me,) if fresh else (),
       attempts=0,
       seconds=info["seconds"],
-      failures=(),
+      failures=(
+        (
+          "ContributionDropped: the coordinator could not pull this"
+          " island's contribution (it is not applied)",
+        )
+        if dropped
+        else ()
+      ),
       weights=((self._me, weight),) if weight > 0 else (),
+      digests=((self._me, info["offer"]),) if weight > 0 else (),
       version=info["version"],
     )
     self._on_event("round_committed", done._asdict())
@@ -690,6 +705,7 @@ class Island:
         seconds=0.0,
         failures=(),
         weights=tuple(zip(applied.contributors, applied.weights, strict=True)),
+        digests=tuple(zip(applied.contributors, applied.offers, strict=True)),
         version=applied.version,
       )
       on_round(outer.params, outer.state, done)
@@ -710,8 +726,9 @@ class Island:
       )
     except TimeoutError as e:
       raise RoundFailedError(
-        f"{where}: no island joined within timeout_s={self._timeout_s} s:"
-        " the coordinator gives up. Start the islands (processes"
+        f"{where}: no island exchanged within timeout_s={self._timeout_s} s"
+        " (at the job's start, or after every island died): the coordinator"
+        " gives up. Start the islands (processes"
         f" 1..{jax.process_count() - 1}), or raise timeout_s."
       ) from e
     self._quorum.committed(tuple((p, "") for p in served), 0)

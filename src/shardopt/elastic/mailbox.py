@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 import socket
 import time
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 from shardopt import _jax
 
@@ -46,6 +48,14 @@ _DIR = "shardopt/async/"
 _OFFERS = _DIR + "offer/"
 _CENTERS = _DIR + "center/"
 _COORDINATOR = _DIR + "coordinator"
+
+
+def offer_id(token: int, seq: int) -> int:
+  """An offer's id, unique across incarnations: its island's incarnation
+  ``token`` and the offer's sequence number ``seq`` in it (what both sides
+  log: an audit matches an island's contributions to the outer steps that
+  applied them)."""
+  return (int(token) << 32) | int(seq)
 
 
 class Offer(NamedTuple):
@@ -62,6 +72,11 @@ class Offer(NamedTuple):
   posted: float  # the island's time.time() when it posted
   count: int  # the island's local steps when it posted
 
+  @property
+  def id(self) -> int:
+    """:func:`offer_id` of this offer."""
+    return offer_id(self.token, self.seq)
+
 
 def host_address() -> str:
   """The address other processes reach this one at: the local end of a
@@ -75,6 +90,21 @@ def host_address() -> str:
       return "127.0.0.1"
 
 
+# A pull's bound: a fixed allowance plus its bytes at a rate far below any
+# link's (the probe measured 5 ms a MB between two processes on one host).
+PULL_SECONDS = 10.0
+PULL_BYTES_PER_SECOND = 50e6
+
+
+def pull_timeout(like: list, timeout_s: float) -> float:
+  """How long a pull of arrays shaped as ``like`` may take (at most
+  ``timeout_s``). A pull from a live peer can stall (seen once in a chaos
+  run: the coordinator's pull of a live island's contribution never
+  completed); the coordinator must not hold every island that long."""
+  nbytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in like)
+  return min(timeout_s, PULL_SECONDS + nbytes / PULL_BYTES_PER_SECOND)
+
+
 class Mailbox:
   """This process's end of asynchronous exchanges.
 
@@ -82,8 +112,8 @@ class Mailbox:
     store: the coordination service's key-value store.
     process: this process's id.
     device: the local device received arrays land on.
-    timeout_s: how long an island waits for the coordinator's answer, and
-      a pull for its arrays.
+    timeout_s: how long an island waits for the coordinator's answer; a
+      pull waits at most :func:`pull_timeout` of its bytes, never longer.
   """
 
   def __init__(self, store, process: int, device, *, timeout_s: float):
@@ -106,17 +136,19 @@ class Mailbox:
   def exchange(
     self, values: list, weight: float, version: int, like: list, count: int
   ):
-    """Steps 1-4: ``(center, version, count)`` from the coordinator, for
+    """Steps 1-4: ``(center, version, count, offer)`` from the coordinator, for
     this island's contribution ``values`` (float32 arrays on this mailbox's
     device) computed from center ``version`` with ``weight`` (0: a fresh
     island, nothing offered) after ``count`` local steps; ``like``: the
     center's pieces (shapes and dtypes). The returned ``count`` is the
-    largest this process id posted (a restarted island's predecessor's)."""
+    largest this process id posted (a restarted island's predecessor's);
+    ``offer``: :func:`offer_id` of this exchange's offer (None if it
+    offered nothing, or the coordinator could not pull it: not applied)."""
     seq = next(self._seq)
     uuid = None
     if weight > 0:
       uuid = self._uuid()
-      self._server.offer(uuid, values)
+      self._server.offer(uuid, jax.block_until_ready(values))
     suffix = f"{self._process}/{self.token}/{seq}"
     posted = {
       "version": int(version),
@@ -130,9 +162,15 @@ class Mailbox:
     answer = json.loads(self._store.get(_CENTERS + suffix, self._timeout_s))
     self._store.delete(_CENTERS + suffix)
     center = self._server.pull(
-      answer["address"], answer["uuid"], like, self._timeout_s
+      answer["address"],
+      answer["uuid"],
+      like,
+      pull_timeout(like, self._timeout_s),
     )
-    return center, int(answer["version"]), int(answer["count"])
+    offered = None
+    if uuid is not None and answer.get("applied", True):
+      offered = offer_id(self.token, seq)
+    return center, int(answer["version"]), int(answer["count"]), offered
 
   # ---------------------------------------------------------- coordinator
 
@@ -164,20 +202,33 @@ class Mailbox:
     self._store.delete(offer.key)
     if offer.uuid is None:
       return None
-    return self._server.pull(offer.address, offer.uuid, like, self._timeout_s)
+    return self._server.pull(
+      offer.address, offer.uuid, like, pull_timeout(like, self._timeout_s)
+    )
 
   def answer(
-    self, offer: Offer, center: list, version: int, count: int
+    self,
+    offer: Offer,
+    center: list,
+    version: int,
+    count: int,
+    applied: bool = True,
   ) -> None:
     """Offers ``center`` (version ``version``) to ``offer``'s island, with
-    the largest ``count`` its process id reached."""
+    the largest ``count`` its process id reached; ``applied=False``: its
+    contribution could not be pulled and will not be applied (the island
+    is told, and trains on from the center)."""
     uuid = self._uuid()
-    self._server.offer(uuid, [jax.device_put(c, self._device) for c in center])
+    self._server.offer(
+      uuid,
+      jax.block_until_ready([jax.device_put(c, self._device) for c in center]),
+    )
     key = f"{_CENTERS}{offer.process}/{offer.token}/{offer.seq}"
     body = {
       "uuid": uuid,
       "version": int(version),
       "address": self._server.address,
       "count": int(count),
+      "applied": bool(applied),
     }
     self._store.set(key, json.dumps(body))
