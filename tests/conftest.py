@@ -460,10 +460,25 @@ def _stale(path, patterns):
 FAST_TIER_COUNT = pytest.StashKey[int]()
 
 
+# The longest tests (minutes each in CI), run first: with ``-n 2`` each
+# worker starts on one while the rest of the suite balances around them,
+# instead of one starting near the end and leaving the other worker idle.
+FIRST = (
+  "test_tiny_run_writes_every_section",
+  "test_lm_under_vmap_matches_pmap_and_its_bytes_match_the_chunks_hlo",
+  "test_quick_run_writes_every_section",
+  "test_a_chaos_run_of_20_kills_loses_no_contribution",
+  "test_a_chaos_run_of_20_kills_loses_no_contribution_and_stalls_no_one",
+)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
   """Marks SLOW_FILES and SLOW_TESTS (less KEEP) slow, before ``-m`` selects;
-  a name here that its file no longer defines is an error."""
+  a name here that its file no longer defines is an error. Puts the FIRST
+  tests first, longest first."""
+  first = {name: k for k, name in enumerate(FIRST)}
+  items.sort(key=lambda item: first.get(item.originalname, len(first)))
   files = {}
   for item in items:
     file = item.path.name

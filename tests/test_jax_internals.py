@@ -9,7 +9,9 @@ elsewhere and shows the fallback gives the same numbers and warns once."""
 import collections
 import functools
 import inspect
+import socket
 import threading
+import time
 import warnings
 
 import chex
@@ -310,6 +312,21 @@ def test_transfer_server_moves_arrays_between_two_servers_and_times_out():
     if thread.name == "shardopt-pull":
       thread.join(timeout=30)
       assert not thread.is_alive()
+
+
+def test_a_pull_from_an_address_nothing_listens_at_fails_at_once():
+  """A dead peer's address: a transfer connection to it would wait out the
+  pull's timeout (jax 0.10.2); the pull checks that something listens and
+  raises ConnectionError at once."""
+  with socket.socket() as s:  # a port nothing listens at once it is closed
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  pulling = _jax.TransferServer(jax.devices()[1], "127.0.0.1")
+  like = [jax.ShapeDtypeStruct((4,), np.float32)]
+  began = time.monotonic()
+  with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+    pulling.pull(f"127.0.0.1:{port}", 1, like, timeout_s=30)
+  assert time.monotonic() - began < 5.0
 
 
 def test_coordinator_address_is_empty_without_distributed():

@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import importlib
 import os
+import socket
 import threading
 import warnings
 from collections.abc import Callable
@@ -292,6 +293,20 @@ class KeyValueStore:
     self._client.key_value_delete(key)
 
 
+def _listening(address: str, timeout_s: float) -> None:
+  """Raises ConnectionError at once if nothing listens at ``address``
+  (``host:port``): a transfer connection to a dead process's address does
+  not fail, its pulls wait out their timeout (measured on jax 0.10.2: 10 s
+  against 0.02 s through a connection made while the peer lived)."""
+  host, port = address.rsplit(":", 1)
+  try:
+    socket.create_connection(
+      (host, int(port)), timeout=min(timeout_s, 5.0)
+    ).close()
+  except OSError as e:
+    raise ConnectionError(f"nothing listens at {address}: {e}") from e
+
+
 class TransferServer:
   """This process's end of ``jax.experimental.transfer``: it offers arrays
   for one pull each (``offer``) and pulls what another process offered
@@ -332,14 +347,16 @@ class TransferServer:
     """The arrays offered under ``uuid`` at ``address``, shaped as ``like``
     (arrays or ShapeDtypeStructs), on this server's device, complete.
 
-    Raises the transfer's error if the peer is gone (a closed socket is
-    seen at once), and TimeoutError if they are not complete within
+    Raises ConnectionError or the transfer's error if the peer is gone
+    (nothing listens at its address, or the connection closed: seen at
+    once), and TimeoutError if they are not complete within
     ``timeout_s`` (a live peer that never offers): the pull's own
     ``timeout`` does not end a pull of a uuid never offered (jax 0.10.2), so
     a daemon thread waits for the arrays and is left behind on a timeout.
     """
     connection = self._connections.get(address)
     if connection is None:
+      _listening(address, timeout_s)
       connection = self._connections[address] = self._server.connect(address)
     sharding = jax.sharding.SingleDeviceSharding(self._device)
     specs = [
