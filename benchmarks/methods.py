@@ -588,10 +588,12 @@ def quality_per_byte(steps: int = 1536, quick: bool = False) -> list[Method]:
     streaming_diloco(64, 4, overlap_steps=1, overlap_alpha=0.5),
     hierarchical({16: 2, 64: 8}),
     *(demo(scale) for scale in (3.0, 1.0, 0.3, 0.1)),
-    # Issue 51: DES-LOC at the paper's rule and as Local Adam (every state
-    # with the params); Pier at its defaults and a longer warm-up.
+    # Issue 51: DES-LOC at the paper's rule (K_x 4, 16, 64) and as Local
+    # Adam (every state with the params); Pier at its defaults and a longer
+    # warm-up.
     desloc(16),
     desloc(16, mu=16, nu=16),
+    *(desloc(k) for k in (4, 64)),  # K_x, the knob the paper tunes
     pier(16, steps),
     pier(16, steps, warmup_fraction=0.3),
     demo(mean="senders"),

@@ -6,6 +6,9 @@ staleness and centers (quorum, grace, the staleness rules, Delayed
 Nesterov)."""
 
 import heapq
+import json
+import socket
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -192,3 +195,130 @@ def test_the_options_of_asynchronous_rounds_need_it():
     0.5,
     "inverse",
   )
+
+
+# ---------------------------------------------- the coordinator's loop, in-process
+
+
+class _Store:
+  """The key-value store's methods over a dict: the coordinator's loop and
+  an island's mailbox in one process, on two CPU devices, each with its own
+  real transfer server (``jax.experimental.transfer``)."""
+
+  def __init__(self):
+    self._values = {}
+    self._changed = threading.Condition()
+
+  def set(self, key, value, *, overwrite=False):
+    with self._changed:
+      self._values[key] = value
+      self._changed.notify_all()
+
+  def get(self, key, timeout_s):
+    with self._changed:
+      if not self._changed.wait_for(lambda: key in self._values, timeout_s):
+        raise TimeoutError(key)
+      return self._values[key]
+
+  def items(self, directory):
+    with self._changed:
+      return [
+        (k, v) for k, v in self._values.items() if k.startswith(directory)
+      ]
+
+  def keys(self, directory):
+    return [k for k, _ in self.items(directory)]
+
+  def delete(self, key):
+    with self._changed:
+      self._values.pop(key, None)
+
+
+def test_a_contribution_the_coordinator_cannot_pull_is_answered_not_applied(
+  monkeypatch,
+):
+  """An island offers a contribution whose pull stalls (its uuid is posted,
+  nothing is offered under it): the coordinator's pull gives up after
+  ``pull_timeout``, and the island is answered with the current center,
+  told its contribution is not applied (no offer id), and no outer step
+  runs; its next, good contribution is applied (version 1, its offer id
+  in the step). A gone island's offer (nothing listens at its address) is
+  skipped without an answer."""
+  from shardopt.elastic import async_rounds
+  from shardopt.elastic import mailbox as _mailbox
+
+  monkeypatch.setattr(_mailbox, "PULL_SECONDS", 0.5)
+  monkeypatch.setattr(_mailbox, "host_address", lambda: "127.0.0.1")
+  tx = shardopt.diloco(optax.sgd(INNER_LR), "i", sync_period=SYNC_PERIOD)
+  engine = split.engine_of(tx, "test")
+  devices = jax.devices()
+  params = jax.device_put(jnp.asarray(X0, jnp.float32), devices[0])
+  store = _Store()
+  island = _mailbox.Mailbox(store, 1, devices[1], timeout_s=30)
+  like = [jax.ShapeDtypeStruct((3,), jnp.float32)]
+  values = [jax.device_put(jnp.asarray([1.0, 2.0, 3.0]), devices[1])]
+  stalled = island._server.offer  # post the offer, offer nothing under it
+  monkeypatch.setattr(island._server, "offer", lambda uuid, arrays: None)
+  # A gone island: its offer names an address nothing listens at.
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    gone = f"127.0.0.1:{s.getsockname()[1]}"
+  store.set(
+    "shardopt/async/offer/2/7/1",
+    json.dumps(
+      {
+        "version": 0,
+        "weight": 4.0,
+        "uuid": 1,
+        "address": gone,
+        "posted": 0.0,
+        "count": 4,
+      }
+    ),
+  )
+  applied, failures, answers = [], [], []
+
+  def island_side():
+    answers.append(island.exchange(values, 4.0, 0, like, 4))
+    monkeypatch.setattr(island._server, "offer", stalled)
+    answers.append(island.exchange(values, 4.0, 0, like, 8))
+    store.set("finished/1", "")
+
+  thread = threading.Thread(target=island_side)
+  thread.start()
+  async_rounds.serve(
+    engine,
+    params,
+    tx.init(params),
+    store=store,
+    device=devices[0],
+    min_quorum=1,
+    grace_seconds=None,
+    staleness="none",
+    timeout_s=30,
+    finished=lambda: {int(k[-1]) for k in store.keys("finished/")},
+    on_step=lambda step, outer: applied.append(step),
+    on_failure=lambda offer, error: failures.append((offer.process, error)),
+  )
+  thread.join(30)
+  assert not thread.is_alive()
+  assert [(p, type(e)) for p, e in failures] == [
+    (2, ConnectionError),
+    (1, TimeoutError),
+  ]
+  (center, version, count, offer), (_, version_2, _, offer_2) = answers
+  assert (version, count, offer) == (0, 4, None)  # not applied
+  np.testing.assert_array_equal(
+    np.asarray(center[0]), np.asarray(X0, np.float32)
+  )
+  assert version_2 == 1 and offer_2 is not None
+  assert [(a.version, a.contributors, a.offers) for a in applied] == [
+    (1, (1,), (offer_2,))
+  ]
+  # The stalled pull's thread waits until something is offered under its
+  # uuid (a thread blocked in a pull at exit aborts the process): offer it.
+  stalled((island.token << 32) | 1, values)  # its first uuid (Mailbox._uuid)
+  for waiting in threading.enumerate():
+    if waiting.name == "shardopt-pull":
+      waiting.join(timeout=30)
+      assert not waiting.is_alive()

@@ -194,15 +194,17 @@ def serve(
           values = mailbox.receive(offer, like)
         except Exception as error:  # noqa: BLE001 (its island is gone)
           on_failure(offer, error)
-          # A live island that offered what could not be pulled is told so
-          # and trains on (a dead one never reads the answer).
-          mailbox.answer(
-            offer,
-            outer.center(),
-            outer.version,
-            max(counts.get(offer.process, 0), offer.count),
-            applied=False,
-          )
+          if isinstance(error, TimeoutError):
+            # A live island whose contribution could not be pulled is told
+            # so and trains on; a gone one (refused or closed connection)
+            # gets no answer, which would stay offered here for good.
+            mailbox.answer(
+              offer,
+              outer.center(),
+              outer.version,
+              max(counts.get(offer.process, 0), offer.count),
+              applied=False,
+            )
           continue
         counts[offer.process] = max(counts.get(offer.process, 0), offer.count)
         if values is not None:
