@@ -180,16 +180,17 @@ def _chaos_column(d: dict) -> list[str]:
   if d.get("asynchronous"):
     gaps = d["exchange_gaps"]
     spanning, every = gaps["spanning_a_kill_s"], gaps["every_s"]
-    rounds = f"{d['versions']:,} versions"
+    rounds = f"{d['versions']:,}"
     stall = (
       f"gap across a kill: median {spanning['median']:.2f} s, max"
       f" {spanning['max']:.2f} s (every gap: median {every['median']:.2f} s)"
     )
     twice = str(len(d["contributions_applied_twice"]))
+    dropped = str(len(d["contributions_dropped"]))
     other = str(len(d["versions_with_other_bits"]))
   else:
     stall_s = d["stall_after_kill_s"]
-    rounds = f"{d['rounds_committed']:,} rounds"
+    rounds = f"{d['rounds_committed']:,}"
     stall = (
       f"to the next round: median {stall_s['median']:.1f} s, max"
       f" {stall_s['max']:.1f} s"
@@ -197,6 +198,7 @@ def _chaos_column(d: dict) -> list[str]:
       else "-"
     )
     twice = "(counted as lost)"
+    dropped = "-"
     other = str(len(d["rounds_with_other_bits"]))
   return [
     d["command"].removeprefix("python -m benchmarks.perf.elastic "),
@@ -206,6 +208,7 @@ def _chaos_column(d: dict) -> list[str]:
     rounds,
     f"{len(d['contributions_lost'])} of {d['contributions_combined']:,}",
     twice,
+    dropped,
     other,
     f"{d['goodput']:.1%}",
     f"{d['inner_step_ratio']:.1%}",
@@ -225,9 +228,10 @@ def render_elastic_chaos_compared(data: Sequence[dict]) -> str:
     "started, commit",
     "a kill every",
     "kills",
-    "outer steps",
+    "outer steps (rounds committed / versions)",
     "contributions lost (of applied)",
     "applied twice",
+    "not pulled, and the island told so",
     "rounds / versions whose bits differ",
     "goodput (time)",
     "inner-step ratio",
@@ -384,6 +388,12 @@ BLOCKS = (
     ("docs/elastic.md",),
   ),
   Block("elastic-chaos", (CHAOS,), render_elastic_chaos, ("docs/elastic.md",)),
+  Block(
+    "elastic-chaos-compared",
+    CHAOS_RUNS,
+    render_elastic_chaos_compared,
+    ("docs/elastic.md",),
+  ),
   Block(
     "elastic-unequal",
     (UNEQUAL,),
