@@ -20,7 +20,9 @@ applied (``pending``) and applies ONE outer step over all of them when
 Each outer step makes a new center version. A contribution computed from
 version ``v`` and applied at the step that makes version ``V + 1`` (the
 center is at ``V``) has staleness ``s = V - v``. The outer gradient is the
-work-weighted mean ``g = sum_k w_k f(s_k) delta_k / sum_k w_k`` and the outer
+work-weighted sum ``g = sum_k w_k f(s_k) delta_k / (n w_bar)`` (``n``
+pending contributions, ``w_bar`` the mean weight of every contribution
+received so far, these included: work weighs across outer steps) and the outer
 step is SGD with Nesterov momentum (DiLoCo's outer optimizer, optax's
 ``sgd(lr, momentum, nesterov=True)``: ``m <- beta m + g``,
 ``x <- x - lr (g + beta m)``), under one of the staleness rules:
@@ -121,9 +123,12 @@ def simulate(
   events = [(sync_period / speeds[i], i, i) for i in range(n)]
   heapq.heapify(events)
 
+  received = []  # every contribution's weight, for w_bar
+
   def outer_step(t: float) -> None:
     nonlocal center, version, momentum, buffer, steps_done
-    total_w = sum(p[4] for p in pending)
+    received.extend(p[4] for p in pending)
+    total_w = len(pending) * sum(received) / len(received)
     stale = [version - p[2] for p in pending]
     g = (
       sum(

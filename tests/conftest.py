@@ -69,14 +69,9 @@ _HLO = "HLO structure or copies, not numbers"
 _CASES = "more cases of a reference test the fast tier keeps"
 _VARIANT = "a variant; the fast tier keeps the reference test"
 _LONG = "long run"
-# Fast (seconds), but added without re-timing the fast tier
-# (tests/fast_tier.py, a run of the whole tier, was not run for them): move
-# them to the fast tier when it is next timed.
-_UNTIMED = "added on 2026-11-28 without re-timing the fast tier"
 SLOW_TESTS = {
   "test_noloco.py": {
     "test_replicas_differ_and_their_spread_stays_bounded": _LONG,
-    "test_each_matching_is_the_authors_grouping_of_its_permutation": _UNTIMED,
   },
   "test_topk.py": {
     "test_periodic_centers_are_bit_identical_within_groups[diloco-no_groups]": (
@@ -189,10 +184,6 @@ SLOW_TESTS = {
   },
   "test_desloc.py": {
     "test_a_quantized_wire_carries_the_moments_too": _VARIANT,
-    "test_the_transcribed_algorithm_1_with_gradients_that_ignore_the_params": (
-      _UNTIMED
-    ),
-    "test_where_the_gradient_is_taken_is_the_one_difference": _UNTIMED,
   },
   "test_eager.py": {
     "test_eager_sends_what_diloco_sends[int8]": (

@@ -322,3 +322,34 @@ def test_a_contribution_the_coordinator_cannot_pull_is_answered_not_applied(
     if waiting.name == "shardopt-pull":
       waiting.join(timeout=30)
       assert not waiting.is_alive()
+
+
+def test_work_weighs_across_outer_steps_by_the_running_mean_weight():
+  """Quorum 1, outer SGD at rate 1: each outer step moves the center by
+  ``w_k delta_k / w_bar``, ``w_bar`` the mean weight of the contributions
+  received so far (numpy), so a contribution of 12 steps moves it 3 times
+  as far as one of 4 against the same running mean; the step's own weight
+  alone (``w_k / w_k``) would move it by ``delta_k`` whatever its work."""
+  tx = shardopt.diloco(
+    optax.sgd(INNER_LR),
+    "i",
+    sync_period=SYNC_PERIOD,
+    outer_optimizer=optax.sgd(1.0),
+  )
+  engine = split.engine_of(tx, "test")
+  params = jnp.asarray(X0, jnp.float32)
+  center = asynchronous.Outer(engine, params, tx.init(params), min_quorum=1)
+  rng = np.random.default_rng(0)
+  expected = np.asarray(X0, np.float64)
+  seen = []
+  for k, weight in enumerate([4.0, 12.0, 2.0, 4.0]):
+    delta = rng.standard_normal(3).astype(np.float32)
+    center.add(
+      asynchronous.Contribution(k, center.version, weight, [delta], float(k))
+    )
+    seen.append(weight)
+    center.step()
+    expected = expected - weight * delta.astype(np.float64) / np.mean(seen)
+    np.testing.assert_allclose(
+      np.asarray(center.center()[0]), expected, rtol=1e-6, atol=1e-6
+    )
