@@ -38,6 +38,7 @@ Saved to ``benchmarks/results/elastic_async.json``.
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import tempfile
@@ -144,6 +145,7 @@ def run(launch, speeds: str, extra: tuple, seconds: float, kill: bool) -> dict:
 def measure(launch, seconds: float, repeats: int) -> dict:
   """Every run; prints one table row per run."""
   out = {"seconds": seconds, "sync_period": H, "speeds_s": SPEEDS, "runs": []}
+  out["load_average"] = {"start": list(os.getloadavg())}  # 1, 5, 15 min
   print(
     "| speeds | setup | run | inner-step share per island |"
     " exchange share per island | goodput |"
@@ -171,4 +173,5 @@ def measure(launch, seconds: float, repeats: int) -> dict:
           f" {'-' if gap is None else f'{gap:.2f} s'} | {r['exit_codes']} |",
           flush=True,
         )
+  out["load_average"]["end"] = list(os.getloadavg())
   return out

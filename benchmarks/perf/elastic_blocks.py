@@ -164,6 +164,69 @@ def render_elastic_unequal(data: Sequence[dict]) -> str:
 CHAOS = "benchmarks/results/elastic_chaos.json"
 
 
+ASYNCHRONOUS = "benchmarks/results/elastic_async.json"
+
+
+def render_elastic_async(data: Sequence[dict]) -> str:
+  """docs/elastic.md: asynchronous rounds against rounds on the clock, one
+  row per run (``python -m benchmarks.perf.elastic --asynchronous``)."""
+  (d,) = data
+
+  def shares(values: dict) -> str:
+    return ", ".join(f"{v:.1%}" for v in values.values()) or "-"
+
+  rows = []
+  for r in d["runs"]:
+    gap = r.get("island_1_longest_gap_s")
+    rows.append(
+      [
+        r["speeds"],
+        r["setup"],
+        r["repeat"] + 1,
+        shares(r["inner_share_by_island"]),
+        shares(r["exchange_share_by_island"]),
+        f"{r['goodput']:.1%}" if "goodput" in r else "-",
+        r["coordinator_rows"],
+        r["center_loss"],
+        "-" if gap is None else f"{gap:.2f} s",
+      ]
+    )
+  load = d.get("load_average")
+  extra = (
+    f"; load average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f}"
+    " at the end"
+    if load
+    else ""
+  )
+  codes = {c for r in d["runs"] for c in r["exit_codes"].values()}
+  return (
+    top_provenance(
+      d,
+      ASYNCHRONOUS,
+      f"; {d['seconds']:g} s of training per run, H = {d['sync_period']}"
+      + extra,
+    )
+    + "\n\n"
+    + table(
+      [
+        "speeds",
+        "setup",
+        "run",
+        "inner-step share per island",
+        "exchange share per island",
+        "goodput",
+        "outer steps",
+        "center loss",
+        "island 1 longest gap",
+      ],
+      rows,
+      "llrllrrrr",
+    )
+    + "\n\n"
+    + f"Exit codes of every process in every run: {sorted(codes)}."
+  )
+
+
 CHAOS_RUNS = (
   "benchmarks/results/elastic_chaos.json",
   "benchmarks/results/elastic_chaos_async.json",
@@ -385,6 +448,12 @@ BLOCKS = (
     "elastic-model-parallel",
     (MODEL_PARALLEL,),
     render_elastic_model_parallel,
+    ("docs/elastic.md",),
+  ),
+  Block(
+    "elastic-async",
+    (ASYNCHRONOUS,),
+    render_elastic_async,
     ("docs/elastic.md",),
   ),
   Block("elastic-chaos", (CHAOS,), render_elastic_chaos, ("docs/elastic.md",)),
