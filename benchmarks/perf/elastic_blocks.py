@@ -311,8 +311,12 @@ def render_elastic_chaos_compared(data: Sequence[dict]) -> str:
   ]
   rows = [[n, *(c[k] for c in columns)] for k, n in enumerate(names)]
   st = data[0]["settings"]
+  starts = sorted(d["started_utc"][:16].replace("T", " ") for d in data)
   return (
-    f"_Numbers from {', '.join(f'`{f}`' for f in CHAOS_RUNS)} (each as its"
+    "_`python -m benchmarks.perf.elastic --chaos N [--asynchronous]"
+    f" [--gentle]`, runs started {starts[0]} to {starts[-1]} UTC (each run's"
+    " start and commit in the table); numbers from"
+    f" {', '.join(f'`{f}`' for f in CHAOS_RUNS)} (each as its"
     f" command wrote it); {st['islands']} islands x"
     f" {st['devices_per_process']} CPU devices and a dedicated coordinator,"
     f" H = {st['sync_period']}, {st['step_seconds']} s per inner step, back"
