@@ -242,21 +242,56 @@ def _incarnation(path: Path) -> dict | None:
     return None
 
 
+def _incarnations(out: Path, p: int) -> list[dict]:
+  """Process ``p``'s incarnations (its ``steps.{p}.{pid}`` files), those a
+  kill did not cut."""
+  files = sorted(out.glob(f"steps.{p}.*"))
+  runs = [_incarnation(f) for f in files if f.suffix != ".tmp"]
+  return [r for r in runs if r is not None]
+
+
+def time_figures(islands: dict, useful: dict, end: float) -> dict:
+  """The figures both audits share. ``islands``: ``{process: {"incarnations":
+  [...]}}``; ``useful``: ``{process: (seconds, steps)}`` of its inner steps
+  whose contribution reached a center; ``end``: the run's end (unix time).
+  Goodput: those seconds over each island's seconds from its first
+  incarnation's start to ``end``; the inner-step ratio: those steps over
+  every inner step its incarnations took."""
+  seconds, inner_s, steps, by_island = 0.0, 0.0, 0, {}
+  for p, log in islands.items():
+    runs = log["incarnations"]
+    span = end - min(r["started"] for r in runs) if runs else 0.0
+    by_island[str(p)] = useful[p][0] / span if span > 0 else None
+    seconds += span
+    inner_s += sum(r.get("inner_seconds", 0.0) for r in runs)
+    steps += sum(r.get("steps", 0) for r in runs)
+  mine = sum(u[0] for u in useful.values())
+  useful_steps = sum(u[1] for u in useful.values())
+  return {
+    "goodput": mine / seconds if seconds else None,
+    "goodput_by_island": by_island,
+    "useful_island_seconds": mine,
+    "island_seconds": seconds,
+    "inner_seconds": inner_s,
+    "inner_step_ratio": useful_steps / steps if steps else None,
+    "useful_inner_steps": useful_steps,
+    "inner_steps": steps,
+  }
+
+
 def read_logs(out, processes) -> dict:
   """The logs of the islands ``processes`` in ``out``, as :func:`audit`
   takes them: per process its incarnations, the contributions it sent and
   the commits it was told of."""
   out = Path(out)
-  logs = {}
-  for p in processes:
-    files = sorted(out.glob(f"steps.{p}.*"))
-    runs = [_incarnation(f) for f in files if f.suffix != ".tmp"]
-    logs[p] = {
-      "incarnations": [r for r in runs if r is not None],
+  return {
+    p: {
+      "incarnations": _incarnations(out, p),
       "sent": _jsonl(out / f"sent.{p}.jsonl"),
       "told": _jsonl(out / f"p{p}.jsonl"),
     }
-  return logs
+    for p in processes
+  }
 
 
 def audit(reference: list[dict], islands: dict, end: float) -> dict:
@@ -302,7 +337,7 @@ def audit(reference: list[dict], islands: dict, end: float) -> dict:
     if len(where) > 1:
       numbers = [n for n, _ in where]
       lose(p, numbers[0], d, f"combined in {len(where)} rounds {numbers}")
-  useful, useful_steps, seconds, inner_s, steps, by_island = 0.0, 0, 0, 0, 0, {}
+  useful = {}  # process -> (inner seconds, inner steps) that reached a center
   for p, log in islands.items():
     for t in log["told"]:
       if str(p) not in t.get("contributions", {}):
@@ -320,14 +355,14 @@ def audit(reference: list[dict], islands: dict, end: float) -> dict:
     sent = {}  # the last line per (incarnation, round): retries resend it
     for s in log["sent"]:
       sent[(s.get("incarnation"), s["round"], s["digest"])] = s
-    mine = 0.0
+    mine, mine_steps = 0.0, 0
     for s in sent.values():
       where = applied.get((p, int(s["digest"])), [])
       if s["weight"] <= 0 or not where:
         continue
       if [n for n, _ in where] == [s["round"]]:
         mine += s["inner_seconds"]
-        useful_steps += s["steps"]
+        mine_steps += s["steps"]
       elif s["round"] not in [n for n, _ in where]:
         lose(
           p,
@@ -335,24 +370,21 @@ def audit(reference: list[dict], islands: dict, end: float) -> dict:
           s["digest"],
           f"sent to round {s['round']}, in {[n for n, _ in where]}",
         )
-    runs = log["incarnations"]
-    span = end - min(r["started"] for r in runs) if runs else 0.0
-    by_island[str(p)] = mine / span if span > 0 else None
-    useful += mine
-    seconds += span
-    inner_s += sum(r.get("inner_seconds", 0.0) for r in runs)
-    steps += sum(r.get("steps", 0) for r in runs)
+    useful[p] = (mine, mine_steps)
   return {
-    "goodput": useful / seconds if seconds else None,
-    "goodput_by_island": by_island,
-    "useful_island_seconds": useful,
-    "island_seconds": seconds,
-    "inner_seconds": inner_s,
-    "inner_step_ratio": useful_steps / steps if steps else None,
-    "useful_inner_steps": useful_steps,
-    "inner_steps": steps,
+    **time_figures(islands, useful, end),
     "contributions_combined": sum(len(w) for w in applied.values()),
     "contributions_lost": lost,
+  }
+
+
+def _kill_counts(islands, kills: list[dict]) -> dict:
+  """The kills, and how many took every island at once."""
+  return {
+    "kills": len(kills),
+    "kills_of_every_island": sum(
+      len(k["islands"]) == islands.n - 1 for k in kills
+    ),
   }
 
 
@@ -375,10 +407,7 @@ def report(islands, kills: list[dict], codes: dict, end: float) -> dict:
     if after:
       stalls.append(after[0] - kill["time"])
   return {
-    "kills": len(kills),
-    "kills_of_every_island": sum(
-      len(k["islands"]) == islands.n - 1 for k in kills
-    ),
+    **_kill_counts(islands, kills),
     "rounds_committed": len(rounds),
     "rounds_with_other_bits": sorted(differ),
     **ledger,
@@ -396,6 +425,30 @@ def _share(x) -> str:
   return "-" if x is None else f"{x:.1%}"
 
 
+def _time_lines(result: dict) -> list[str]:
+  """:func:`time_figures`' lines of either report."""
+  return [
+    f"goodput (time)             {_share(result['goodput'])}"
+    f" ({result['useful_island_seconds']:.1f} of"
+    f" {result['island_seconds']:.1f} island-seconds; per island"
+    f" {', '.join(map(_share, result['goodput_by_island'].values()))})",
+    f"inner-step ratio           {_share(result['inner_step_ratio'])}"
+    f" ({result['useful_inner_steps']} of {result['inner_steps']} inner"
+    " steps)",
+  ]
+
+
+def _load_lines(result: dict) -> list[str]:
+  """The machine's load at the run's start and end, if recorded."""
+  if "load_average" not in result:
+    return []
+  load = result["load_average"]
+  return [
+    f"load average (1 min)       {load['start'][0]:.1f} at the start,"
+    f" {load['end'][0]:.1f} at the end"
+  ]
+
+
 def show(result: dict) -> str:
   """The report, one line per figure."""
   if result.get("asynchronous"):
@@ -409,26 +462,14 @@ def show(result: dict) -> str:
     f"contributions lost         {len(result['contributions_lost'])}"
     f" (of {result['contributions_combined']} combined)",
     f"rounds with other bits     {len(result['rounds_with_other_bits'])}",
-    f"goodput (time)             {_share(result['goodput'])}"
-    f" ({result['useful_island_seconds']:.1f} of"
-    f" {result['island_seconds']:.1f} island-seconds; per island"
-    f" {', '.join(map(_share, result['goodput_by_island'].values()))})",
-    f"inner-step ratio           {_share(result['inner_step_ratio'])}"
-    f" ({result['useful_inner_steps']} of {result['inner_steps']} inner"
-    " steps)",
+    *_time_lines(result),
     f"stall after a kill         median {stall['median']:.1f} s,"
     f" max {stall['max']:.1f} s ({stall['count']} kills with survivors)"
     if stall["median"] is not None
     else "stall after a kill         -",
     f"exit codes                 {result['exit_codes']}",
   ]
-  if "load_average" in result:
-    load = result["load_average"]
-    lines.append(
-      f"load average (1 min)       {load['start'][0]:.1f} at the start,"
-      f" {load['end'][0]:.1f} at the end"
-    )
-  return "\n".join(lines)
+  return "\n".join(lines + _load_lines(result))
 
 
 # --------------------------------------------------------------------------
@@ -442,15 +483,13 @@ def read_exchanges(out, processes) -> dict:
   :func:`audit_asynchronous` takes them: per process its incarnations and
   its exchanges (``p{I}.jsonl``, in the order it wrote them)."""
   out = Path(out)
-  logs = {}
-  for p in processes:
-    files = sorted(out.glob(f"steps.{p}.*"))
-    runs = [_incarnation(f) for f in files if f.suffix != ".tmp"]
-    logs[p] = {
-      "incarnations": [r for r in runs if r is not None],
+  return {
+    p: {
+      "incarnations": _incarnations(out, p),
       "exchanges": _jsonl(out / f"p{p}.jsonl"),
     }
-  return logs
+    for p in processes
+  }
 
 
 def audit_asynchronous(versions: list[dict], islands: dict, end: float) -> dict:
@@ -469,10 +508,11 @@ def audit_asynchronous(versions: list[dict], islands: dict, end: float) -> dict:
       this exchange; ``offer``: None when it offered nothing).
     end: the run's end (unix time).
 
-  Returns the figures of :func:`audit` (``goodput``: island-seconds in
+  Returns :func:`time_figures` (``goodput``: island-seconds in
   inner steps whose contribution an outer step applied, over island-seconds
   from each island's first start to ``end``; ``inner_step_ratio``: the
-  applied contributions' inner steps over every inner step taken) and:
+  applied contributions' inner steps over every inner step taken),
+  ``contributions_combined`` and:
   ``contributions_applied_twice`` (offers combined by two outer steps, or
   twice by one), ``contributions_lost`` (an exchange returned, so the
   coordinator held the contribution, and no outer step applied it, or
@@ -495,9 +535,10 @@ def audit_asynchronous(versions: list[dict], islands: dict, end: float) -> dict:
   ]
   bits = {r["version"]: r["params_sha256"] for r in versions}
   other, lost, dropped = [], [], []
-  useful, useful_steps, seconds, inner_s, steps, by_island = 0.0, 0, 0, 0, 0, {}
+  useful = {}  # process -> (inner seconds, inner steps) that reached a center
   for p, log in islands.items():
-    mine, before = 0.0, {}  # before: incarnation -> its last inner_seconds
+    mine, mine_steps = 0.0, 0
+    before = {}  # incarnation -> its last inner_seconds
     for x in log["exchanges"]:
       v = x["version"]
       if v and bits.get(v) != x["params_sha256"]:
@@ -524,23 +565,10 @@ def audit_asynchronous(versions: list[dict], islands: dict, end: float) -> dict:
         )
       else:
         mine += spent
-        useful_steps += int(x["weight"])
-    runs = log["incarnations"]
-    span = end - min(r["started"] for r in runs) if runs else 0.0
-    by_island[str(p)] = mine / span if span > 0 else None
-    useful += mine
-    seconds += span
-    inner_s += sum(r.get("inner_seconds", 0.0) for r in runs)
-    steps += sum(r.get("steps", 0) for r in runs)
+        mine_steps += int(x["weight"])
+    useful[p] = (mine, mine_steps)
   return {
-    "goodput": useful / seconds if seconds else None,
-    "goodput_by_island": by_island,
-    "useful_island_seconds": useful,
-    "island_seconds": seconds,
-    "inner_seconds": inner_s,
-    "inner_step_ratio": useful_steps / steps if steps else None,
-    "useful_inner_steps": useful_steps,
-    "inner_steps": steps,
+    **time_figures(islands, useful, end),
     "contributions_combined": sum(len(w) for w in applied.values()),
     "contributions_applied_twice": twice,
     "contributions_lost": lost,
@@ -607,10 +635,7 @@ def report_asynchronous(islands, kills: list[dict], codes: dict, end: float):
   exchanges = {p: log["exchanges"] for p, log in logs.items()}
   return {
     "asynchronous": True,
-    "kills": len(kills),
-    "kills_of_every_island": sum(
-      len(k["islands"]) == islands.n - 1 for k in kills
-    ),
+    **_kill_counts(islands, kills),
     "versions": len(versions),
     "version_numbers_in_order": [r["version"] for r in versions]
     == list(range(1, len(versions) + 1)),
@@ -643,23 +668,11 @@ def show_asynchronous(result: dict) -> str:
     f"applied twice              {len(result['contributions_applied_twice'])}",
     f"dropped (told, not pulled) {len(result['contributions_dropped'])}",
     f"versions with other bits   {len(result['versions_with_other_bits'])}",
-    f"goodput (time)             {_share(result['goodput'])}"
-    f" ({result['useful_island_seconds']:.1f} of"
-    f" {result['island_seconds']:.1f} island-seconds; per island"
-    f" {', '.join(map(_share, result['goodput_by_island'].values()))})",
-    f"inner-step ratio           {_share(result['inner_step_ratio'])}"
-    f" ({result['useful_inner_steps']} of {result['inner_steps']} inner"
-    " steps)",
+    *_time_lines(result),
     f"survivors' exchange gap    across a kill: {gap(gaps['spanning_a_kill_s'])};"
     f" every gap: {gap(gaps['every_s'])}",
     f"restarts behind the newest {len(result['restarts_behind'])}"
     f" (of {result['restarts']} restarts)",
     f"exit codes                 {result['exit_codes']}",
   ]
-  if "load_average" in result:
-    load = result["load_average"]
-    lines.append(
-      f"load average (1 min)       {load['start'][0]:.1f} at the start,"
-      f" {load['end'][0]:.1f} at the end"
-    )
-  return "\n".join(lines)
+  return "\n".join(lines + _load_lines(result))
