@@ -683,6 +683,33 @@ def test_every_island_dies_at_once_and_resumes_from_the_coordinator(
         )
 
 
+# The slow tier's chaos runs (this file's synchronous one, and
+# test_elastic_async.py's asynchronous one): 20 kills, a kill every 2-5 s,
+# then two rounds with every island in them.
+CHAOS_20_KILLS = {
+  "seed": 0,
+  "duration_s": 240,
+  "gap_s": (2.0, 5.0),
+  "max_kills": 20,
+  "rounds_after": 2,
+}
+
+
+def chaos_islands(tmp_path, extra: tuple):
+  """The example's islands for a chaos run (3 islands and a dedicated
+  coordinator, H = 4, 0.05 s a step, the chaos environment), ``extra``
+  passed to the example."""
+  return launch.Islands(
+    tmp_path,
+    num_processes=4,
+    steps=100_000,
+    sync_period=H,
+    step_seconds=0.05,
+    env=_load("elastic_chaos").environment(tmp_path),
+    extra=extra,
+  )
+
+
 def test_a_chaos_run_of_20_kills_loses_no_contribution(tmp_path):
   """Issue 41 item 5 and issue 52 item 2, the slow tier's share:
   ``elastic_launch.py --chaos`` for 20 kills (random islands, one in ten
@@ -697,25 +724,8 @@ def test_a_chaos_run_of_20_kills_loses_no_contribution(tmp_path):
   benchmark's figures: ``python -m benchmarks.perf.elastic --chaos``,
   docs/elastic.md)."""
   chaos = _load("elastic_chaos")
-  env = chaos.environment(tmp_path)
-  with launch.Islands(
-    tmp_path,
-    num_processes=4,
-    steps=100_000,
-    sync_period=H,
-    step_seconds=0.05,
-    env=env,
-    extra=("--dedicated-coordinator",),
-  ) as islands:
-    result = chaos.run(
-      islands,
-      seed=0,
-      duration_s=240,
-      timeout_s=RUN_TIMEOUT_S,
-      gap_s=(2.0, 5.0),
-      max_kills=20,
-      rounds_after=2,
-    )
+  with chaos_islands(tmp_path, ("--dedicated-coordinator",)) as islands:
+    result = chaos.run(islands, timeout_s=RUN_TIMEOUT_S, **CHAOS_20_KILLS)
     report = "\n".join(
       f"--- {i}:\n{islands.log(i)[-3000:]}" for i in range(islands.n)
     )

@@ -15,7 +15,9 @@ import time
 
 import pytest
 
+from tests.test_elastic import CHAOS_20_KILLS
 from tests.test_elastic import _load
+from tests.test_elastic import chaos_islands
 
 launch = _load("elastic_launch")
 
@@ -186,24 +188,8 @@ def test_a_chaos_run_of_20_kills_loses_no_contribution_and_stalls_no_one(
   can fail: the audit reports a dropped offer as lost, a repeated one as
   applied twice and a changed hash as other bits."""
   chaos = _load("elastic_chaos")
-  with launch.Islands(
-    tmp_path,
-    num_processes=4,
-    steps=100_000,
-    sync_period=H,
-    step_seconds=0.05,
-    env=chaos.environment(tmp_path),
-    extra=ASYNC,
-  ) as islands:
-    result = chaos.run(
-      islands,
-      seed=0,
-      duration_s=240,
-      timeout_s=RUN_TIMEOUT_S,
-      gap_s=(2.0, 5.0),
-      max_kills=20,
-      rounds_after=2,
-    )
+  with chaos_islands(tmp_path, ASYNC) as islands:
+    result = chaos.run(islands, timeout_s=RUN_TIMEOUT_S, **CHAOS_20_KILLS)
     logs = chaos.read_exchanges(tmp_path, range(1, 4))
     versions = _jsonl(tmp_path / "coordinator.jsonl")
     failure = (result, report(islands))
