@@ -167,7 +167,7 @@ def test_diloco_with_pier_schedules_matches_numpy_over_9_syncs():
   assert np.all(center == center[0])
 
 
-def _authors_loop(w0, a, b, total_steps, period, inner_lr):
+def _authors_loop(w0, a, b, total_steps, period, inner_lr, warm_momentum=True):
   """Pier in numpy, as the authors' training loop runs it (each replica r
   its own quadratic, gradient a_r (w - b_r), inner SGD):
 
@@ -178,7 +178,8 @@ def _authors_loop(w0, a, b, total_steps, period, inner_lr):
     at that step (the authors' formulas), m = mu m + Delta, ref = ref - lr
     (Delta + mu m), every replica restarts from ref.
 
-  Returns ref after every sync."""
+  ``warm_momentum=False``: m reset to 0 when the DiLoCo phase starts (the
+  synchronous phase's momentum thrown away). Returns ref after every sync."""
   a, b = a.astype(np.float64), b.astype(np.float64)
   warm = int(0.1 * total_steps)
   ref = np.asarray(w0, np.float64)
@@ -186,6 +187,8 @@ def _authors_loop(w0, a, b, total_steps, period, inner_lr):
   w = np.tile(ref, (R, 1))
   refs = []
   for step in range(1, total_steps + 1):
+    if step == warm + 1 and not warm_momentum:
+      m = np.zeros_like(ref)
     g = a * (w - b)
     if step <= warm:
       g = np.tile(g.mean(0), (R, 1))
@@ -266,33 +269,10 @@ def test_pier_is_the_authors_loop_over_40_syncs(mapping):
   assert int(np.ravel(state.global_state.count)[0]) == 40
   # Without the synchronous phase's momentum the numbers differ (it is
   # not a no-op): zero the warm-up's accumulation in the reference.
-  refs_no_m = _authors_loop_without_warm_momentum(
-    w0, a, b, total_steps, period, 0.05
+  refs_no_m = _authors_loop(
+    w0, a, b, total_steps, period, 0.05, warm_momentum=False
   )
   assert not np.allclose(centers, refs_no_m, rtol=1e-3)
-
-
-def _authors_loop_without_warm_momentum(w0, a, b, total_steps, period, lr):
-  """_authors_loop with m reset to 0 when the DiLoCo phase starts."""
-  refs = _authors_loop(w0, a, b, total_steps, period, lr)
-  a, b = a.astype(np.float64), b.astype(np.float64)
-  warm = int(0.1 * total_steps)
-  ref = np.asarray(refs[warm // period - 1], np.float64)
-  m = np.zeros_like(ref)
-  w = np.tile(ref, (R, 1))
-  out = list(refs[: warm // period])
-  for step in range(warm + 1, total_steps + 1):
-    w = w - lr * a * (w - b)
-    if step % period:
-      continue
-    delta = ref - w.mean(0)
-    mu = _authors_mu(step, total_steps)
-    rate = _authors_lr(step, total_steps, warm)
-    m = mu * m + delta
-    ref = ref - rate * (delta + mu * m)
-    w = np.tile(ref, (R, 1))
-    out.append(ref.copy())
-  return out
 
 
 def test_a_constant_schedule_is_plain_diloco():
