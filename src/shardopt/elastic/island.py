@@ -87,7 +87,7 @@ class Round(NamedTuple):
       each one's ``rows.digest`` of its contribution, as its row's
       header carried it (a log matches it against what the island sent);
       in asynchronous rounds each contribution's offer id
-      (``shardopt.elastic.mailbox.offer_id``), in the order the outer step combined
+      (``mailbox.offer_id`` in ``shardopt/elastic``), in the order the outer step combined
       them (a process may appear twice).
     version: asynchronous rounds: the center version this island received
       (on the coordinator, the version the outer step made); None in
@@ -508,7 +508,7 @@ class Island:
     round (``shardopt/elastic/coordinator.py`` says how it learns when to
     take part). Under ``asynchronous=True`` it answers each island's
     exchange instead, until an island has finished and every other one it
-    served has finished or died (``shardopt.elastic.async_rounds.serve``).
+    served has finished or died (``async_rounds.serve`` in ``shardopt/elastic``).
 
     Args:
       params: the initial params (the center every island starts from).
@@ -686,7 +686,7 @@ class Island:
 
   def _serve(self, params, state, on_round):
     """:meth:`coordinate` under ``asynchronous=True``
-    (``shardopt.elastic.async_rounds.serve``)."""
+    (``async_rounds.serve`` in ``shardopt/elastic``)."""
     where = "shardopt.elastic.Island.coordinate"
 
     def finished() -> set:
