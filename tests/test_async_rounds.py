@@ -353,3 +353,37 @@ def test_work_weighs_across_outer_steps_by_the_running_mean_weight():
     np.testing.assert_allclose(
       np.asarray(center.center()[0]), expected, rtol=1e-6, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("quorum", [1, 3])
+def test_the_coordinator_compiles_its_outer_step_before_the_first_offer(
+  quorum,
+):
+  """``Outer.warm`` (run by ``serve`` before it answers anyone) compiles the
+  step a quorum of contributions takes, laid out as ``serve`` lays them out
+  (``asynchronous.laid_out``): the first real step compiles nothing more
+  (an island's exchange waited 0.26-0.42 s for it), and warming changes
+  neither the center, its state nor its version."""
+  tx = shardopt.diloco(optax.sgd(INNER_LR), "i", sync_period=SYNC_PERIOD)
+  engine = split.engine_of(tx, "test")
+  params = {"w": jnp.asarray(X0, jnp.float32), "b": jnp.zeros([2])}
+  center = asynchronous.Outer(
+    engine, params, tx.init(params), min_quorum=quorum
+  )
+  before = jax.tree.map(np.asarray, (center.params, center.state))
+  center.warm()
+  warmed = jax.tree.map(np.asarray, (center.params, center.state))
+  jax.tree.map(np.testing.assert_array_equal, before, warmed)
+  assert center.version == 0 and not center.pending
+  sizes = (asynchronous._combine._cache_size(), center._apply._cache_size())
+  like = center.center()
+  for k in range(quorum):
+    values = asynchronous.laid_out(
+      [np.full(x.shape, 0.1 * (k + 1), np.float32) for x in like], like
+    )
+    center.add(asynchronous.Contribution(k, 0, 4.0, values, float(k)))
+  assert center.due()
+  center.step()
+  assert center.version == 1
+  after = (asynchronous._combine._cache_size(), center._apply._cache_size())
+  assert after == sizes, (before, after)

@@ -286,7 +286,7 @@ def round_bytes(islands=(2, 4, 8), shape=(512, 512)) -> dict:
     "measured_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds"
     ),
-    "commit": _report.git_commit(),
+    "commit": _report.git_commit(mark_dirty=True),
   }
 
 
@@ -484,7 +484,7 @@ def _save(path: Path, started, result: dict) -> None:
           ["python -m benchmarks.perf.elastic", *sys.argv[1:]]
         ),
         "started_utc": started.isoformat(timespec="seconds"),
-        "commit": _report.git_commit(),
+        "commit": _report.git_commit(mark_dirty=True),
         **result,
       },
       indent=1,

@@ -21,10 +21,11 @@ Per run: each island's share of its wall time in inner steps (its
 joined, summed over incarnations; the rest is the example's host work per
 step, its batch and its log, and the exchanges), the share inside its
 exchanges (asynchronous runs: the rows' ``exchange_seconds`` over the same
-seconds), the time-based goodput of asynchronous
-runs (island-seconds in inner steps whose contribution reached a center,
-i.e. up to the incarnation's last exchange, over island-seconds since each
-island's first start, start-ups and restarts included), the outer steps
+seconds, each incarnation's joining exchange left out: it comes before
+them), the time-based goodput of asynchronous runs (island-seconds in
+inner steps whose contribution reached a center, i.e. up to the
+incarnation's last exchange, over island-seconds since each island's first
+start, start-ups and restarts included), the outer steps
 (versions) or rounds, the center's held-out loss when the islands are done
 (the coordinator's last line), and for the kill: island 1's longest gap
 between two exchanges from 1 s before the kill to 20 s after the restart,
@@ -106,9 +107,11 @@ def run(launch, speeds: str, extra: tuple, seconds: float, kill: bool) -> dict:
         )
         rows = islands.rows(i)
         if "--asynchronous" in extra:  # time inside its exchanges
-          waits[str(i)] = sum(r["exchange_seconds"] for r in rows) / max(
-            sum(r["seconds"] for r in runs), 1e-9
-          )
+          # after each incarnation joined (its joining exchange is before
+          # the seconds counted, as the inner-step share counts them)
+          waits[str(i)] = sum(
+            r["exchange_seconds"] for r in rows if not r["joined"]
+          ) / max(sum(r["seconds"] for r in runs), 1e-9)
         last = {}
         for r in rows:
           last[r["incarnation"]] = r.get("inner_seconds", 0.0)

@@ -52,14 +52,6 @@ def _like(engine, params, state) -> list:
   ]
 
 
-def _on_device(values: list, like: list) -> list:
-  """``values`` laid out as the arrays of ``like`` are."""
-  return [
-    jax.device_put(v, x.sharding).astype(x.dtype)
-    for v, x in zip(values, like, strict=True)
-  ]
-
-
 class Exchanger:
   """An island's side of asynchronous rounds.
 
@@ -107,12 +99,14 @@ class Exchanger:
         jax.device_put(v, self._device)
         for v in self._contribution(params, state)
       ]
+    elif fresh:  # compiled now, not in the first exchange that offers
+      jax.block_until_ready(self._contribution(params, state))
     like = _like(self._engine, params, state)
     center, version, restored, offer = self._mailbox.exchange(
       values, weight, self.version, like, count
     )
     parts = split.pieces(self._engine, params, 1)
-    center = _on_device(
+    center = asynchronous.laid_out(
       center, split.take(jax.tree.leaves(state.center), parts)
     )
     params, state = self._adopt(params, state, center)
@@ -176,6 +170,7 @@ def serve(
     grace_seconds=grace_seconds,
     staleness=staleness,
   )
+  outer.warm()
   like = _like(engine, params, state)
   counts: dict[int, int] = {}  # process -> its count at its last exchange
   watcher = _coordinator.Watcher(store)
@@ -214,7 +209,7 @@ def serve(
               offer.process,
               offer.version,
               offer.weight,
-              _on_device(values, center_like),
+              asynchronous.laid_out(values, center_like),
               time.monotonic(),
               offer.id,
             )

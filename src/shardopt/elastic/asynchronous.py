@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from shardopt.periodic import split
 
@@ -201,6 +202,20 @@ class Outer:
       tuple(c.offer for c in pending),
     )
 
+  def warm(self) -> None:
+    """Compiles the outer step of ``min_quorum`` contributions before the
+    first one arrives, so that no island's exchange waits for it (it did:
+    0.26-0.42 s, each island's second exchange, measured here). Changes
+    nothing: the step runs on zeros and its result is dropped."""
+    center = self.center()
+    zeros = laid_out([np.zeros(c.shape, np.float32) for c in center], center)
+    combined = _combine(
+      [zeros] * self.min_quorum,
+      jnp.ones([self.min_quorum], jnp.float32),
+      jnp.asarray(float(self.min_quorum), jnp.float32),
+    )
+    jax.block_until_ready(self._apply(self.params, self.state, combined))
+
   def center(self) -> list:
     """The center's pieces (float32), what an exchange hands an island."""
     parts = split.pieces(self.engine, self.params, 1)
@@ -217,6 +232,16 @@ class Outer:
       left_out=jnp.asarray(False),
       skipped=jnp.zeros([], jnp.int32),
     )
+
+
+def laid_out(values: list, like: list) -> list:
+  """``values`` laid out as the arrays of ``like`` are (their sharding and
+  dtype): how the coordinator holds what it pulled, and so what its outer
+  step is compiled for."""
+  return [
+    jax.device_put(v, x.sharding).astype(x.dtype)
+    for v, x in zip(values, like, strict=True)
+  ]
 
 
 def contribution(engine, params, state) -> list:
