@@ -387,3 +387,80 @@ def test_the_coordinator_compiles_its_outer_step_before_the_first_offer(
   assert center.version == 1
   after = (asynchronous._combine._cache_size(), center._apply._cache_size())
   assert after == sizes, (before, after)
+
+
+def test_a_frozen_island_holds_no_other_island_s_answer(monkeypatch):
+  """Island 1's contribution never comes (a frozen island: its offer is
+  posted, nothing is offered under it); island 3 offers after the
+  coordinator has started pulling island 1's. The coordinator pulls in
+  threads of their own: island 3 is answered, its contribution applied,
+  while island 1's pull still waits out ``pull_timeout`` (3 s here); a
+  coordinator that pulled one offer at a time answered island 3 only
+  after that."""
+  from shardopt.elastic import async_rounds
+  from shardopt.elastic import mailbox as _mailbox
+
+  monkeypatch.setattr(_mailbox, "PULL_SECONDS", 3.0)
+  monkeypatch.setattr(_mailbox, "host_address", lambda: "127.0.0.1")
+  tx = shardopt.diloco(optax.sgd(INNER_LR), "i", sync_period=SYNC_PERIOD)
+  engine = split.engine_of(tx, "test")
+  devices = jax.devices()
+  params = jax.device_put(jnp.asarray(X0, jnp.float32), devices[0])
+  store = _Store()
+  pulling_1 = threading.Event()  # the coordinator took island 1's offer
+  delete = store.delete
+
+  def deleting(key):
+    if key.startswith("shardopt/async/offer/1/"):
+      pulling_1.set()
+    delete(key)
+
+  monkeypatch.setattr(store, "delete", deleting)
+  frozen = _mailbox.Mailbox(store, 1, devices[1], timeout_s=30)
+  offer = frozen._server.offer
+  monkeypatch.setattr(frozen._server, "offer", lambda uuid, arrays: None)
+  other = _mailbox.Mailbox(store, 3, devices[2], timeout_s=30)
+  like = [jax.ShapeDtypeStruct((3,), jnp.float32)]
+  answered = []  # (island, its answer), in the order they came back
+
+  def island(mailbox, number, device):
+    if number == 3:
+      assert pulling_1.wait(30)
+    values = [jax.device_put(jnp.asarray([1.0, 2.0, 3.0]), device)]
+    answered.append((number, mailbox.exchange(values, 4.0, 0, like, 4)))
+    store.set(f"finished/{number}", "")
+
+  threads = [
+    threading.Thread(target=island, args=(frozen, 1, devices[1])),
+    threading.Thread(target=island, args=(other, 3, devices[2])),
+  ]
+  for thread in threads:
+    thread.start()
+  applied, failures = [], []
+  async_rounds.serve(
+    engine,
+    params,
+    tx.init(params),
+    store=store,
+    device=devices[0],
+    min_quorum=1,
+    grace_seconds=None,
+    staleness="none",
+    timeout_s=30,
+    finished=lambda: {int(k[-1]) for k in store.keys("finished/")},
+    on_step=lambda step, outer: applied.append(step),
+    on_failure=lambda offer, error: failures.append((offer.process, error)),
+  )
+  for thread in threads:
+    thread.join(30)
+    assert not thread.is_alive()
+  assert [number for number, _ in answered] == [3, 1]
+  (_, (_, version_3, _, offer_3)), (_, (_, _, _, offer_1)) = answered
+  assert version_3 == 1 and offer_3 is not None and offer_1 is None
+  assert [(a.contributors, a.offers) for a in applied] == [((3,), (offer_3,))]
+  assert [(p, type(e)) for p, e in failures] == [(1, TimeoutError)]
+  offer((frozen.token << 32) | 1, [jnp.zeros([3])])  # end the stalled pull
+  for waiting in threading.enumerate():
+    if waiting.name == "shardopt-pull":
+      waiting.join(timeout=30)
+      assert not waiting.is_alive()

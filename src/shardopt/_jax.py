@@ -49,6 +49,7 @@ import importlib
 import os
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -332,6 +333,7 @@ class TransferServer:
     self._server = server
     self._device = device
     self._connections: dict[str, Any] = {}
+    self._lock = threading.Lock()
 
   @property
   def address(self) -> str:
@@ -345,19 +347,16 @@ class TransferServer:
 
   def pull(self, address: str, uuid: int, like: list, timeout_s: float) -> list:
     """The arrays offered under ``uuid`` at ``address``, shaped as ``like``
-    (arrays or ShapeDtypeStructs), on this server's device, complete.
+    (arrays or ShapeDtypeStructs), on this server's device, complete:
+    :meth:`start_pull`'s :meth:`Pull.result`, waited for."""
+    return self.start_pull(address, uuid, like, timeout_s).result()
 
-    Raises ConnectionError or the transfer's error if the peer is gone
-    (nothing listens at its address, or the connection closed: seen at
-    once), and TimeoutError if they are not complete within
-    ``timeout_s`` (a live peer that never offers): the pull's own
-    ``timeout`` does not end a pull of a uuid never offered (jax 0.10.2), so
-    a daemon thread waits for the arrays and is left behind on a timeout.
-    """
-    connection = self._connections.get(address)
-    if connection is None:
-      _listening(address, timeout_s)
-      connection = self._connections[address] = self._server.connect(address)
+  def start_pull(
+    self, address: str, uuid: int, like: list, timeout_s: float
+  ) -> Pull:
+    """Starts pulling what :meth:`pull` returns, in a thread of its own, and
+    returns at once: a coordinator goes on answering other islands while
+    one island's pull waits (a SIGSTOPped island held it ``timeout_s``)."""
     sharding = jax.sharding.SingleDeviceSharding(self._device)
     specs = [
       jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in like
@@ -366,22 +365,70 @@ class TransferServer:
 
     def wait():
       try:
+        with self._lock:
+          connection = self._connections.get(address)
+        if connection is None:
+          _listening(address, timeout_s)
+          connection = self._server.connect(address)
+          with self._lock:
+            self._connections[address] = connection
         done["arrays"] = jax.block_until_ready(
           list(connection.pull(uuid, specs))
         )
-      except Exception as e:  # noqa: BLE001 (raised below, in the caller)
+      except Exception as e:  # noqa: BLE001 (raised by Pull.result)
         done["error"] = e
 
     thread = threading.Thread(target=wait, daemon=True, name="shardopt-pull")
     thread.start()
-    thread.join(timeout_s)
-    if "arrays" in done:
-      return done["arrays"]
-    self._connections.pop(address, None)  # a failed peer: connect afresh
-    if "error" in done:
-      raise done["error"]
+    return Pull(self, address, uuid, thread, done, timeout_s)
+
+  def _forget(self, address: str) -> None:
+    """A failed peer: the next pull from ``address`` connects afresh."""
+    with self._lock:
+      self._connections.pop(address, None)
+
+
+class Pull:
+  """A pull under way (:meth:`TransferServer.start_pull`).
+
+  Raised by :meth:`result`: ConnectionError or the transfer's error if the
+  peer is gone (nothing listens at its address, or the connection closed:
+  seen at once), and TimeoutError if the arrays are not complete within
+  ``timeout_s`` of the start (a live peer that never offers, or a frozen
+  one): the pull's own ``timeout`` does not end a pull of a uuid never
+  offered (jax 0.10.2), so its daemon thread is left behind on a timeout.
+  """
+
+  def __init__(self, server, address, uuid, thread, done, timeout_s):
+    self._server = server
+    self._address = address
+    self._uuid = uuid
+    self._thread = thread
+    self._done = done
+    self._timeout_s = timeout_s
+    self._deadline = time.monotonic() + timeout_s
+
+  def wait(self, seconds: float) -> None:
+    """Returns when the pull ends, its deadline passes, or after
+    ``seconds``, whichever comes first."""
+    self._thread.join(max(0.0, min(seconds, self._deadline - time.monotonic())))
+
+  def ready(self) -> bool:
+    """Whether :meth:`result` returns or raises at once."""
+    return not self._thread.is_alive() or time.monotonic() >= self._deadline
+
+  def result(self) -> list:
+    """The pulled arrays, waited for until they arrive or the deadline
+    passes (at once when :meth:`ready`)."""
+    self._thread.join(max(0.0, self._deadline - time.monotonic()))
+    if "arrays" in self._done:
+      return self._done["arrays"]
+    self._server._forget(self._address)
+    if "error" in self._done:
+      raise self._done["error"]
     raise TimeoutError(
-      f"no arrays under uuid {uuid} from {address} within {timeout_s} s"
+      f"no arrays under uuid {self._uuid} from {self._address} within"
+      f" {self._timeout_s} s"
     )
 
 

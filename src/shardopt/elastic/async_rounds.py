@@ -18,11 +18,14 @@ while every island is dead and none has finished it waits for restarts, up
 to ``timeout_s`` without an exchange), or SIGTERM:
 
 1. read the posted offers, oldest first;
-2. for each: pull its contribution, add it to the pending ones, take the
+2. start pulling each one's contribution; for each pull that has ended,
+   oldest offer first: add the contribution to the pending ones, take the
    outer step if one is due (:class:`.asynchronous.Outer`: quorum or
    grace), answer with the newest center (a contribution that cannot be
    pulled, its island gone or the pull stalled past
-   :func:`.mailbox.pull_timeout`, is not applied, and the answer says so);
+   :func:`.mailbox.pull_timeout`, is not applied, and the answer says so).
+   A pull waits in a thread of its own: a frozen island holds no one's
+   answer but its own;
 3. take a grace window's outer step when one falls due between offers;
 4. at the end, one last outer step over what is still pending.
 """
@@ -181,48 +184,58 @@ def serve(
   def step():
     on_step(outer.step(), outer)
 
+  def handle(offer: _mailbox.Offer, pull) -> None:
+    """Step 2 for one offer whose pull has ended."""
+    try:
+      values = None if pull is None else pull.result()
+    except Exception as error:  # noqa: BLE001 (its island is gone)
+      on_failure(offer, error)
+      if isinstance(error, TimeoutError):
+        # A live island whose contribution could not be pulled is told
+        # so and trains on; a gone one (refused or closed connection)
+        # gets no answer, which would stay offered here for good.
+        mailbox.answer(
+          offer,
+          outer.center(),
+          outer.version,
+          max(counts.get(offer.process, 0), offer.count),
+          applied=False,
+        )
+      return
+    counts[offer.process] = max(counts.get(offer.process, 0), offer.count)
+    if values is not None:
+      center_like = outer.center()
+      outer.add(
+        asynchronous.Contribution(
+          offer.process,
+          offer.version,
+          offer.weight,
+          asynchronous.laid_out(values, center_like),
+          time.monotonic(),
+          offer.id,
+        )
+      )
+    if outer.due():
+      step()
+    mailbox.answer(offer, outer.center(), outer.version, counts[offer.process])
+
+  pulling: list = []  # (offer, its pull), oldest first
   with _coordinator.stop_on_sigterm() as stopped:
     while not stopped.is_set():
       offers = mailbox.offers()
-      for offer in offers:
-        try:
-          values = mailbox.receive(offer, like)
-        except Exception as error:  # noqa: BLE001 (its island is gone)
-          on_failure(offer, error)
-          if isinstance(error, TimeoutError):
-            # A live island whose contribution could not be pulled is told
-            # so and trains on; a gone one (refused or closed connection)
-            # gets no answer, which would stay offered here for good.
-            mailbox.answer(
-              offer,
-              outer.center(),
-              outer.version,
-              max(counts.get(offer.process, 0), offer.count),
-              applied=False,
-            )
-          continue
-        counts[offer.process] = max(counts.get(offer.process, 0), offer.count)
-        if values is not None:
-          center_like = outer.center()
-          outer.add(
-            asynchronous.Contribution(
-              offer.process,
-              offer.version,
-              offer.weight,
-              asynchronous.laid_out(values, center_like),
-              time.monotonic(),
-              offer.id,
-            )
-          )
-        if outer.due():
-          step()
-        mailbox.answer(
-          offer, outer.center(), outer.version, counts[offer.process]
-        )
+      pulling += [(offer, mailbox.receive(offer, like)) for offer in offers]
+      ready = [p is None or p.ready() for _, p in pulling]  # asked once
+      ended = [x for x, r in zip(pulling, ready, strict=True) if r]
+      pulling = [x for x, r in zip(pulling, ready, strict=True) if not r]
+      for offer, pull in ended:
+        handle(offer, pull)
       if outer.due():  # a grace window ended between offers
         step()
-      if offers:
+      if offers or ended:
         last_offer = time.monotonic()
+        continue
+      if pulling:  # until the oldest pull ends, or the next poll
+        pulling[0][1].wait(poll_s)
         continue
       # The end: an island has finished, and every other one it served has
       # finished too or is dead. Islands that all died wait for restarts.

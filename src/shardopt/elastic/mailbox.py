@@ -24,9 +24,9 @@ An island's exchange (:meth:`Mailbox.exchange`):
 4. pull: the center, from the coordinator's transfer server.
 
 The coordinator's side: :meth:`Mailbox.offers` lists the posted offers in
-the order they were posted, :meth:`Mailbox.receive` pulls one's
-contribution, :meth:`Mailbox.answer` offers the center back and posts the
-answer.
+the order they were posted, :meth:`Mailbox.receive` starts pulling one's
+contribution (others are answered meanwhile), :meth:`Mailbox.answer`
+offers the center back and posts the answer.
 """
 
 from __future__ import annotations
@@ -196,13 +196,15 @@ class Mailbox:
       )
     return sorted(out, key=lambda o: (o.posted, o.process, o.seq))
 
-  def receive(self, offer: Offer, like: list) -> list | None:
-    """The contribution ``offer`` stands for (None if it offered none);
-    raises if its island is gone. The offer's key is deleted either way."""
+  def receive(self, offer: Offer, like: list) -> _jax.Pull | None:
+    """Starts pulling the contribution ``offer`` stands for and returns at
+    once (None if it offered none): its :meth:`~shardopt._jax.Pull.result`
+    raises if the island is gone, or did not hand it over within
+    :func:`pull_timeout`. The offer's key is deleted either way."""
     self._store.delete(offer.key)
     if offer.uuid is None:
       return None
-    return self._server.pull(
+    return self._server.start_pull(
       offer.address, offer.uuid, like, pull_timeout(like, self._timeout_s)
     )
 
