@@ -234,6 +234,42 @@ class _Store:
       self._values.pop(key, None)
 
 
+def _serve(store, tx, params, device):
+  """``async_rounds.serve`` in-process over ``store``, quorum 1, until every
+  island that exchanged has set ``finished/<process>``; returns its outer
+  steps and its failed pulls ``(process, error)``."""
+  from shardopt.elastic import async_rounds
+
+  applied, failures = [], []
+  async_rounds.serve(
+    split.engine_of(tx, "test"),
+    params,
+    tx.init(params),
+    store=store,
+    device=device,
+    min_quorum=1,
+    grace_seconds=None,
+    staleness="none",
+    timeout_s=30,
+    finished=lambda: {int(k[-1]) for k in store.keys("finished/")},
+    on_step=lambda step, outer: applied.append(step),
+    on_failure=lambda offer, error: failures.append((offer.process, error)),
+  )
+  return applied, failures
+
+
+def _end_stalled_pull(offer, mailbox, values):
+  """A stalled pull's thread waits until something is offered under its
+  uuid (a thread blocked in a pull at exit aborts the process): ``offer``
+  (the mailbox server's real ``offer``) it under ``mailbox``'s first uuid
+  (``Mailbox._uuid``), and wait for every pull thread to end."""
+  offer((mailbox.token << 32) | 1, values)
+  for waiting in threading.enumerate():
+    if waiting.name == "shardopt-pull":
+      waiting.join(timeout=30)
+      assert not waiting.is_alive()
+
+
 def test_a_contribution_the_coordinator_cannot_pull_is_answered_not_applied(
   monkeypatch,
 ):
@@ -244,13 +280,11 @@ def test_a_contribution_the_coordinator_cannot_pull_is_answered_not_applied(
   runs; its next, good contribution is applied (version 1, its offer id
   in the step). A gone island's offer (nothing listens at its address) is
   skipped without an answer."""
-  from shardopt.elastic import async_rounds
   from shardopt.elastic import mailbox as _mailbox
 
   monkeypatch.setattr(_mailbox, "PULL_SECONDS", 0.5)
   monkeypatch.setattr(_mailbox, "host_address", lambda: "127.0.0.1")
   tx = shardopt.diloco(optax.sgd(INNER_LR), "i", sync_period=SYNC_PERIOD)
-  engine = split.engine_of(tx, "test")
   devices = jax.devices()
   params = jax.device_put(jnp.asarray(X0, jnp.float32), devices[0])
   store = _Store()
@@ -276,7 +310,7 @@ def test_a_contribution_the_coordinator_cannot_pull_is_answered_not_applied(
       }
     ),
   )
-  applied, failures, answers = [], [], []
+  answers = []
 
   def island_side():
     answers.append(island.exchange(values, 4.0, 0, like, 4))
@@ -286,20 +320,7 @@ def test_a_contribution_the_coordinator_cannot_pull_is_answered_not_applied(
 
   thread = threading.Thread(target=island_side)
   thread.start()
-  async_rounds.serve(
-    engine,
-    params,
-    tx.init(params),
-    store=store,
-    device=devices[0],
-    min_quorum=1,
-    grace_seconds=None,
-    staleness="none",
-    timeout_s=30,
-    finished=lambda: {int(k[-1]) for k in store.keys("finished/")},
-    on_step=lambda step, outer: applied.append(step),
-    on_failure=lambda offer, error: failures.append((offer.process, error)),
-  )
+  applied, failures = _serve(store, tx, params, devices[0])
   thread.join(30)
   assert not thread.is_alive()
   assert [(p, type(e)) for p, e in failures] == [
@@ -315,13 +336,7 @@ def test_a_contribution_the_coordinator_cannot_pull_is_answered_not_applied(
   assert [(a.version, a.contributors, a.offers) for a in applied] == [
     (1, (1,), (offer_2,))
   ]
-  # The stalled pull's thread waits until something is offered under its
-  # uuid (a thread blocked in a pull at exit aborts the process): offer it.
-  stalled((island.token << 32) | 1, values)  # its first uuid (Mailbox._uuid)
-  for waiting in threading.enumerate():
-    if waiting.name == "shardopt-pull":
-      waiting.join(timeout=30)
-      assert not waiting.is_alive()
+  _end_stalled_pull(stalled, island, values)
 
 
 def test_work_weighs_across_outer_steps_by_the_running_mean_weight():
@@ -397,13 +412,11 @@ def test_a_frozen_island_holds_no_other_island_s_answer(monkeypatch):
   while island 1's pull still waits out ``pull_timeout`` (3 s here); a
   coordinator that pulled one offer at a time answered island 3 only
   after that."""
-  from shardopt.elastic import async_rounds
   from shardopt.elastic import mailbox as _mailbox
 
   monkeypatch.setattr(_mailbox, "PULL_SECONDS", 3.0)
   monkeypatch.setattr(_mailbox, "host_address", lambda: "127.0.0.1")
   tx = shardopt.diloco(optax.sgd(INNER_LR), "i", sync_period=SYNC_PERIOD)
-  engine = split.engine_of(tx, "test")
   devices = jax.devices()
   params = jax.device_put(jnp.asarray(X0, jnp.float32), devices[0])
   store = _Store()
@@ -436,21 +449,7 @@ def test_a_frozen_island_holds_no_other_island_s_answer(monkeypatch):
   ]
   for thread in threads:
     thread.start()
-  applied, failures = [], []
-  async_rounds.serve(
-    engine,
-    params,
-    tx.init(params),
-    store=store,
-    device=devices[0],
-    min_quorum=1,
-    grace_seconds=None,
-    staleness="none",
-    timeout_s=30,
-    finished=lambda: {int(k[-1]) for k in store.keys("finished/")},
-    on_step=lambda step, outer: applied.append(step),
-    on_failure=lambda offer, error: failures.append((offer.process, error)),
-  )
+  applied, failures = _serve(store, tx, params, devices[0])
   for thread in threads:
     thread.join(30)
     assert not thread.is_alive()
@@ -459,8 +458,4 @@ def test_a_frozen_island_holds_no_other_island_s_answer(monkeypatch):
   assert version_3 == 1 and offer_3 is not None and offer_1 is None
   assert [(a.contributors, a.offers) for a in applied] == [((3,), (offer_3,))]
   assert [(p, type(e)) for p, e in failures] == [(1, TimeoutError)]
-  offer((frozen.token << 32) | 1, [jnp.zeros([3])])  # end the stalled pull
-  for waiting in threading.enumerate():
-    if waiting.name == "shardopt-pull":
-      waiting.join(timeout=30)
-      assert not waiting.is_alive()
+  _end_stalled_pull(offer, frozen, [jnp.zeros([3])])
