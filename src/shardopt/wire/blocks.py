@@ -50,11 +50,11 @@ replica also gets back what the quantizations dropped from its contribution
 divisor), to add to its next contribution; see
 :func:`shardopt.cross_shard_mean`. The residual comes from the values the
 encoding stands for, in the encoding's elementwise computation, with the
-owned row and the non-finite guard in the same pass (``residuals_of``):
-error feedback adds the buffer's read to the absmax and encoding passes and
-one pass that writes it (XLA's CPU cost analysis: +37.5 bytes per element on
-int8's 26.6, 20 of them the CPU backend's; benchmarks/README.md, section
-10c).
+owned row and the non-finite guard in the same pass (``residuals_of``);
+the contribution ``x + error`` is computed once, in a pass that the absmax,
+the encoding and the residual read (``_encode(flat_absmax=True)``): XLA's
+CPU cost analysis counts +21.5 bytes per element on int8's 26.6, its floor
+without multi-output fusion being 20.5 (benchmarks/README.md, section 10c).
 """
 
 from __future__ import annotations
