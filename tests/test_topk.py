@@ -442,6 +442,77 @@ def test_cross_shard_matches_the_numpy_simulation_bit_for_bit(
 
 
 @pytest.mark.parametrize("mapping", MAPPINGS)
+@pytest.mark.parametrize("groups_name", GROUP_CASES)
+def test_members_beyond_the_unrolled_ones_are_added_in_a_loop_same_bits(
+  monkeypatch, mapping, groups_name
+):
+  """Past ``UNROLLED_MEMBERS`` members the payloads are added in a
+  ``fori_loop``, one member at a time in member order: the numpy
+  simulation's bits still (here with the limit lowered to 1, so the 8 or 4
+  members of a group take the loop)."""
+  monkeypatch.setattr(sparse, "UNROLLED_MEMBERS", 1)
+  groups = GROUPS[groups_name]
+  grads = _gradients(steps=3, seed=11)
+  spec = shardopt.topk(K, chunk_size=CHUNK, value_bits=2, error_decay=1.0)
+  out, error = _transform_run(spec, grads, mapping, groups)
+  want_out, want_error = np_simulation(grads, K, CHUNK, 2, 1.0, groups, True)
+  for name in SHAPES:
+    np.testing.assert_array_equal(out[name], want_out[name], err_msg=name)
+    np.testing.assert_array_equal(error[name], want_error[name], name)
+
+
+@pytest.mark.parametrize("unrolled", [8, 1], ids=["unrolled", "loop"])
+def test_the_program_holds_one_member_s_scatter_past_the_unrolled_ones(
+  monkeypatch, unrolled
+):
+  """The compiled update of 8 members holds a scatter-add per member when
+  unrolled, one (in a ``while`` loop's body, after the first member's)
+  past the limit: the program does not grow with the group."""
+  from benchmarks.perf import wire_cost
+
+  monkeypatch.setattr(sparse, "UNROLLED_MEMBERS", unrolled)
+  spec = shardopt.topk(K, chunk_size=CHUNK)
+  text = wire_cost.compiled_update(spec, True, [(1024,)], _mesh()).as_text()
+  adds = len(re.findall(r"= f32\[\d+\]\{0\} scatter\(", text))
+  loops = len(re.findall(r" while\(", text))
+  if unrolled == 8:
+    assert (adds, loops) == (N, 0), (adds, loops)
+  else:
+    assert (adds, loops) == (2, 1), (adds, loops)
+
+
+@pytest.mark.parametrize("count", [False, True], ids=["sum", "senders"])
+def test_the_loop_and_the_unrolled_sum_give_the_same_bits(monkeypatch, count):
+  """``_sum_payloads`` on random payloads of 8 members, some rows left out
+  (``keep``), with and without the count of senders (DeMo's mean over
+  senders): the loop's bits are the unrolled sum's."""
+  spec = shardopt.topk(K, chunk_size=CHUNK)
+  rng = np.random.default_rng(5)
+  leaves = [
+    jnp.asarray(rng.standard_normal((N, 700)).astype(np.float32)),
+    jnp.asarray(rng.standard_normal((N, 37)).astype(np.float32)),
+  ]
+  layouts = [sparse.layout(700, spec), sparse.layout(37, spec)]
+  payloads = jax.vmap(lambda *xs: sparse._encode_leaves(list(xs), spec)[3])(
+    *leaves
+  )
+  keep = jnp.asarray([True, False, True, True, True, False, True, True])
+
+  def summed(limit):
+    monkeypatch.setattr(sparse, "UNROLLED_MEMBERS", limit)
+    return jax.jit(
+      lambda g, k: sparse._sum_payloads(g, layouts, spec, k, count=count)
+    )(payloads, keep)
+
+  unrolled, looped = summed(8), summed(1)
+  assert unrolled[1] == looped[1]  # the starts
+  chex.assert_trees_all_equal(unrolled[0], looped[0])
+  if count:
+    chex.assert_trees_all_equal(unrolled[2], looped[2])
+    assert float(jnp.max(unrolled[2])) >= 2  # some entry from several
+
+
+@pytest.mark.parametrize("mapping", MAPPINGS)
 def test_every_replica_gets_the_same_bits_at_the_default_decay(mapping):
   grads = _gradients(steps=3, seed=7)
   out, _ = _transform_run(shardopt.topk(K, chunk_size=CHUNK), grads, mapping)
