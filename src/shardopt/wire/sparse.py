@@ -562,10 +562,10 @@ def _decode_member(payload, layouts, starts, widths, spec: TopKSpec, keep):
 
 # Up to this many members, their payloads are added in an unrolled Python
 # loop; beyond, in a ``lax.fori_loop``, so that the program (and its compile
-# time) does not grow with the group: 64 unrolled members took 3.5 s to
-# compile for one leaf on this machine, 8 took 0.9 s. Both add in member
-# order: the same bits. At 8 and below XLA's cost analysis counts every
-# member's scatter (it counts a loop's body once).
+# time) does not grow with the group. Both add in member order: the same
+# bits. Unrolled, XLA's cost analysis counts every member's scatter (it
+# counts a loop's body once), so benchmarks.perf.wire_cost's 8 members read
+# the same as before.
 UNROLLED_MEMBERS = 8
 
 
