@@ -231,9 +231,10 @@ def _encode(values: jax.Array, spec: QuantizedSpec, *, flat_absmax=False):
   backend then computes ``x + error`` once, in a pass of its own that the
   three read, instead of again in each from ``x`` and the error buffer,
   which also cost a copy of the donated buffer (16 bytes per element less in
-  its cost analysis, the update 4-9% faster on 8 CPU devices; section 10c of
-  benchmarks/README.md). Off without error feedback, where the absmax reads
-  the leaf itself: there the flat view made the CPU's YNNPACK reduce slower.
+  its cost analysis, the update 0.86-0.98x its time before on the 8-bit
+  wires on 8 CPU devices; section 10c of benchmarks/README.md). Off without
+  error feedback, where the absmax reads the leaf itself: there the flat
+  view made the CPU's YNNPACK reduce slower.
   """
   if flat_absmax:
     magnitude = jnp.abs(values.reshape(-1)).reshape(values.shape)
