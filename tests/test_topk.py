@@ -512,6 +512,26 @@ def test_the_loop_and_the_unrolled_sum_give_the_same_bits(monkeypatch, count):
     assert float(jnp.max(unrolled[2])) >= 2  # some entry from several
 
 
+def test_one_trace_decodes_every_member_s_payload(monkeypatch):
+  """8 members' payloads, added unrolled: one member's decoding is traced
+  once and reused for the others (it was traced per member, 8 times)."""
+  spec = shardopt.topk(K, chunk_size=CHUNK)
+  layouts = [sparse.layout(700, spec), sparse.layout(37, spec)]
+  width = sum(lay.chunks * lay.bytes_per_chunk(spec) for lay in layouts)
+  traced, decode = [], sparse._decode_member
+
+  def counting(*args, **kwargs):
+    traced.append(1)
+    return decode(*args, **kwargs)
+
+  monkeypatch.setattr(sparse, "_decode_member", counting)
+  gathered = jax.ShapeDtypeStruct((N, width), jnp.uint8)
+  jax.jit(lambda g: sparse._sum_payloads(g, layouts, spec, None)).lower(
+    gathered
+  )
+  assert len(traced) == 1, len(traced)
+
+
 @pytest.mark.parametrize("mapping", MAPPINGS)
 def test_every_replica_gets_the_same_bits_at_the_default_decay(mapping):
   grads = _gradients(steps=3, seed=7)

@@ -187,16 +187,20 @@ class _Step(NamedTuple):
   # DES-LOC: per state field a sync may average, the indices of its leaves
   # in jax.tree.leaves(local_state) ({} without state syncs).
   moments: dict
+  # The local step of this call, jitted: see :meth:`local_step`.
+  jitted_local_step: Any
 
   def local_step(self, grads: Any):
-    return _local_step(
-      self.engine.optimizer,
-      self.engine.local,
-      grads,
-      self.state,
-      self.params,
-      self.extra_args,
-    )
+    """The local optimizer's step (:func:`_local_step`) on ``grads``.
+
+    A step needs it several times: where it runs, in each sync's branch
+    that recomputes it (:mod:`._xla`) and once more to read whether it
+    communicates. As one ``jax.jit`` per ``update`` call, it is traced once
+    and the other calls reuse that trace (NoLoCo with 4 matchings traced it
+    6 times, one sync 3 times: ``tests/test_periodic.py``); XLA inlines the
+    calls, so the compiled program is the same.
+    """
+    return self.jitted_local_step(grads, self.state, self.params)
 
 
 def _check(engine: _Engine, grads, state, params) -> tuple:
@@ -234,6 +238,11 @@ def _trace(engine: _Engine, grads, state, params, extra_args) -> _Step:
     view=outer.fragment_view(treedef, engine.num_fragments),
     placement=None,
     moments=_state_syncs(engine, state.local_state),
+    jitted_local_step=jax.jit(
+      functools.partial(
+        _local_step, engine.optimizer, engine.local, extra_args=extra_args
+      )
+    ),
   )
   # A sync run a step late (overlap) reads the params it is given, not
   # this step's updates. A warm-up's cond reads them (it recomputes them,
