@@ -32,8 +32,9 @@ def test_tiny_run_writes_every_section(tmp_path):
       "benchmarks.accelerator",
       "--tiny",
       # Budgets 20x: the test checks that every section runs whole, not how
-      # fast (on a loaded machine the default budgets skipped 2 transforms;
-      # the quiet --tiny run takes 82 s, benchmarks/README.md).
+      # fast (on a loaded machine the default budgets skipped 2 transforms,
+      # and they leave 6 frontier methods out; 204 s quiet with this flag,
+      # benchmarks/README.md).
       "--scale",
       "20",
       "--out",
