@@ -6,8 +6,9 @@ of them at once on this 2-core machine would share its cores.
 pytest-xdist sends a group to one worker by suffixing its tests' node ids
 with ``@group`` on the worker. pytest 9.2 builds node ids another way, the
 suffix is dropped and the groups are silently spread over the workers
-(pytest-dev/pytest-xdist#1386, open on 2026-11-28; so ran every suite of
-2026-11-28 until this test, pytest 9.2.0 and xdist 3.8.0).
+(pytest-dev/pytest-xdist#1386, open on 2026-11-28; every suite run of
+2026-11-28 before this test ran that way, under pytest 9.2.0 and xdist
+3.8.0).
 ``pyproject.toml`` keeps pytest below 9.2 until xdist handles it; this test
 fails if the grouping is lost again.
 """
